@@ -1,1 +1,20 @@
-"""ddtree_compile: DDTree speculative decoding for vLLM."""
+"""ddtree_compile: DDTree speculative decoding for vLLM, built as FX graph passes and tree kernels.
+
+One round: build (build.py) -> verify (the target forward through passes/ and templates/) ->
+walk (walk.py) -> commit (commit.py).
+"""
+
+from .build import build_tree, draft_topk
+from .commit import CommitPlan, commit_plan
+from .sampling import sample_target_tokens
+from .spec import TreeSpec, bucket_for, budget_buckets
+from .tree import TreeBatch
+from .walk import WalkResult, walk_tree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TreeSpec", "TreeBatch", "WalkResult", "CommitPlan",
+    "build_tree", "draft_topk", "walk_tree", "commit_plan", "sample_target_tokens",
+    "budget_buckets", "bucket_for", "__version__",
+]

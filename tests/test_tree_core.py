@@ -1,0 +1,351 @@
+"""DDTree core: build (against a heap oracle and brute-force enumeration), tree layout, walk, commit."""
+
+import heapq
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ddtree_compile as dd
+from ddtree_compile.tree import ancestor_closure, pack_bits, unpack_bits
+
+
+# ---------------------------------------------------------------- oracles (plain Python)
+
+def heap_tree(lq, budget, chain_seed):
+    """The reference DDTree heap (ddtree.py; Lucebox's chain seed), one request -> [(ranks, score)]."""
+    L, K = len(lq), len(lq[0])
+    f32add = lambda a, b: (torch.tensor(a, dtype=torch.float32) + torch.tensor(b, dtype=torch.float32)).item()  # noqa: E731
+    nodes, scores, heap = [], {(): 0.0}, []
+
+    def push(ranks):
+        score = f32add(scores[ranks[:-1]], lq[len(ranks) - 1][ranks[-1]])
+        if score > -math.inf:
+            heapq.heappush(heap, (-score, ranks))  # ties: the smaller rank tuple pops first
+
+    if chain_seed:
+        for d in range(1, min(L, budget) + 1):
+            ranks = (0,) * d
+            scores[ranks] = f32add(scores[ranks[:-1]], lq[d - 1][0])
+            nodes.append((ranks, scores[ranks]))
+        for ranks, _ in list(nodes):
+            if K > 1:
+                push(ranks[:-1] + (1,))
+    else:
+        push((0,))
+    while heap and len(nodes) < budget:
+        neg, ranks = heapq.heappop(heap)
+        scores[ranks] = -neg
+        nodes.append((ranks, -neg))
+        if ranks[-1] + 1 < K:
+            push(ranks[:-1] + (ranks[-1] + 1,))
+        if len(ranks) < L:
+            push(ranks + (0,))
+    return nodes
+
+
+def brute_force(lq, budget, chain_seed):
+    """Every rank path, sorted by (score desc, rank tuple asc); chain first if seeded."""
+    L, K = len(lq), len(lq[0])
+    paths = []
+    for d in range(1, L + 1):
+        for ranks in itertools.product(range(K), repeat=d):
+            s = torch.tensor(0.0)
+            for i, r in enumerate(ranks):
+                s = s + torch.tensor(lq[i][r], dtype=torch.float32)
+            if s.item() > -math.inf:
+                paths.append((ranks, s.item()))
+    chain = [p for p in paths if set(p[0]) == {0} and len(p[0]) <= min(L, budget)] if chain_seed else []
+    chain.sort(key=lambda p: len(p[0]))
+    rest = sorted((p for p in paths if p not in chain), key=lambda p: (-p[1], p[0]))
+    return (chain + rest)[:budget]
+
+
+def tree_to_paths(tree, r, ids):
+    """Our TreeBatch request r -> [(ranks, score)] in slot order (ranks recovered from token ids)."""
+    out, ranks_of = [], {0: ()}
+    for s in range(1, int(tree.num_nodes[r]) + 1):
+        p, d = int(tree.parents[r, s]), int(tree.depths[r, s])
+        assert 0 <= p < s, "parents come before children"
+        tok = int(tree.tokens[r, s])
+        rank = ids[r, d - 1].tolist().index(tok)
+        ranks_of[s] = ranks_of[p] + (rank,)
+        assert len(ranks_of[s]) == d
+        out.append((ranks_of[s], float(tree.scores[r, s])))
+    return out
+
+
+def python_walk(tree, target, r):
+    cur, path = 0, [0]
+    while True:
+        kids = [j for j in range(1, tree.num_slots) if int(tree.parents[r, j]) == cur and int(tree.tokens[r, j]) == int(target[r, cur])]
+        if not kids:
+            return path, int(target[r, cur])
+        cur = kids[0]
+        path.append(cur)
+
+
+# ---------------------------------------------------------------- build
+
+logit_values = st.one_of(st.integers(-3, 3).map(float), st.floats(-4, 4, width=32))
+
+
+@st.composite
+def draft_cases(draw):
+    R, L, V = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    logits = torch.tensor(draw(st.lists(logit_values, min_size=R * L * V, max_size=R * L * V))).view(R, L, V)
+    spec = dd.TreeSpec(
+        budget=draw(st.integers(1, 24)), top_k=draw(st.integers(1, 4)), chain_seed=draw(st.booleans()),
+        temperature=draw(st.sampled_from([1.0, 0.5, 2.0])), max_depth=draw(st.sampled_from([None, 1, 2, 3])),
+    )
+    return logits, spec
+
+
+@settings(max_examples=150, deadline=None)
+@given(draft_cases())
+def test_build_matches_heap_and_brute_force(case):
+    logits, spec = case
+    tree = dd.build_tree(logits, spec)
+    lq, ids = dd.draft_topk(logits, spec)
+    depth = spec.depth_limit(logits.shape[1])
+    R, N = logits.shape[0], spec.budget + 1
+    assert tree.tokens.shape == tree.parents.shape == tree.depths.shape == tree.scores.shape == (R, N)
+    for r in range(R):
+        ours = tree_to_paths(tree, r, ids)
+        want_heap = heap_tree(lq[r, :depth].tolist(), spec.budget, spec.chain_seed)
+        want_bf = brute_force(lq[r, :depth].tolist(), spec.budget, spec.chain_seed)
+        assert [p for p, _ in ours] == [p for p, _ in want_heap] == [p for p, _ in want_bf]
+        assert [s for _, s in ours] == pytest.approx([s for _, s in want_bf], abs=0, rel=0)
+        n = len(ours)
+        assert int(tree.num_nodes[r]) == n
+        assert (tree.parents[r, n + 1:] == -1).all() and (tree.depths[r, n + 1:] == 0).all()
+        assert torch.isinf(tree.scores[r, n + 1:]).all()
+
+
+def test_scores_are_log_softmax_sums_at_temperature():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 50) * 3
+    spec = dd.TreeSpec(budget=12, top_k=4, temperature=0.7)
+    tree = dd.build_tree(logits, spec)
+    logq = torch.log_softmax(logits / 0.7, dim=-1)
+    for r in range(2):
+        for s in range(1, 13):
+            want, j = 0.0, s
+            while j > 0:
+                want += logq[r, int(tree.depths[r, j]) - 1, int(tree.tokens[r, j])].item()
+                j = int(tree.parents[r, j])
+            assert float(tree.scores[r, s]) == pytest.approx(want, abs=1e-4)
+
+
+def test_budget_equals_depth_with_top1_is_flat_dflash_chain():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 15, 100)
+    for chain_seed in (True, False):
+        tree = dd.build_tree(logits, dd.TreeSpec(budget=15, top_k=1, chain_seed=chain_seed))
+        assert torch.equal(tree.tokens[:, 1:], logits.argmax(-1))
+        assert torch.equal(tree.parents[0], torch.arange(-1, 15))
+        assert torch.equal(tree.depths[0], torch.arange(16))
+
+
+def test_budget_larger_than_all_paths_pads():
+    logits = torch.randn(2, 2, 3)
+    tree = dd.build_tree(logits, dd.TreeSpec(budget=40, top_k=2))
+    assert tree.num_nodes.tolist() == [6, 6]  # 2 + 4 paths
+    assert (tree.parents[:, 7:] == -1).all()
+    assert not tree.ancestor_mask()[:, 7:].any() and not tree.ancestor_mask()[:, :, 7:].any()
+
+
+def test_requests_with_different_distributions_get_different_trees():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 4, 30) * 2
+    batched = dd.build_tree(logits, dd.TreeSpec(budget=9, top_k=3))
+    for r in range(4):
+        single = dd.build_tree(logits[r : r + 1], dd.TreeSpec(budget=9, top_k=3))
+        for f in ("tokens", "parents", "depths", "scores", "ancestor_bits"):
+            assert torch.equal(getattr(batched, f)[r], getattr(single, f)[0]), f
+    assert not torch.equal(batched.tokens[0], batched.tokens[1])
+
+
+def test_precomputed_topk_equals_logits_path():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 6, 40)
+    spec = dd.TreeSpec(budget=20, top_k=5)
+    lq, ids = dd.draft_topk(logits, spec)
+    a, b = dd.build_tree(logits, spec), dd.build_tree((lq, ids), spec)
+    for f in ("tokens", "parents", "depths", "scores", "ancestor_bits"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+def test_ancestor_bits_mask_and_parent_closure_agree():
+    torch.manual_seed(4)
+    tree = dd.build_tree(torch.randn(3, 6, 20), dd.TreeSpec(budget=40, top_k=4))
+    mask = tree.ancestor_mask()
+    assert tree.ancestor_bits.dtype == torch.int32 and tree.ancestor_bits.shape == (3, 41, 2)
+    assert torch.equal(pack_bits(mask), tree.ancestor_bits)
+    for r in range(3):
+        for i in range(41):
+            want = set()
+            if i <= int(tree.num_nodes[r]):
+                j = i
+                while j >= 0:
+                    want.add(j)
+                    j = int(tree.parents[r, j])
+            assert set(torch.nonzero(mask[r, i]).flatten().tolist()) == want
+
+
+def test_pack_bits_uses_sign_bit_for_bit_31():
+    mask = torch.zeros(1, 40, dtype=torch.bool)
+    mask[0, 31] = True
+    mask[0, 33] = True
+    bits = pack_bits(mask)
+    assert bits.tolist() == [[-(2**31), 2]]
+    assert torch.equal(unpack_bits(bits, 40), mask)
+
+
+def test_positions_are_start_plus_depth():
+    tree = dd.build_tree(torch.randn(2, 3, 10), dd.TreeSpec(budget=6, top_k=2))
+    assert torch.equal(tree.positions(7), tree.depths + 7)
+    start = torch.tensor([3, 100])
+    assert torch.equal(tree.positions(start), tree.depths + start.view(-1, 1))
+
+
+# ---------------------------------------------------------------- walk and commit
+
+@settings(max_examples=60, deadline=None)
+@given(draft_cases(), st.integers(0, 2**31 - 1))
+def test_walk_matches_python_walk(case, seed):
+    logits, spec = case
+    tree = dd.build_tree(logits, spec)
+    gen = torch.Generator().manual_seed(seed)
+    # Targets that mostly agree with the tree (a random child's token) so paths get deep.
+    target = torch.randint(0, logits.shape[-1], tree.tokens.shape, generator=gen)
+    for r in range(tree.num_requests):
+        for s in range(1, int(tree.num_nodes[r]) + 1):
+            if torch.rand((), generator=gen) < 0.7:
+                target[r, int(tree.parents[r, s])] = tree.tokens[r, s]
+    walk = dd.walk_tree(tree, target)
+    L1 = tree.max_depth + 1
+    assert walk.accepted.shape == walk.tokens.shape == (tree.num_requests, L1)
+    for r in range(tree.num_requests):
+        path, bonus = python_walk(tree, target, r)
+        n = len(path)
+        assert walk.accepted[r, :n].tolist() == path and (walk.accepted[r, n:] == -1).all()
+        assert int(walk.num_accepted[r]) == n and int(walk.bonus[r]) == bonus
+        assert walk.tokens[r, :n].tolist() == [int(tree.tokens[r, j]) for j in path[1:]] + [bonus]
+        assert (walk.tokens[r, n:] == -1).all()
+
+
+def test_walk_takes_sibling_branch_and_commit_plan_moves_it():
+    logits = torch.full((1, 3, 8), -5.0)
+    logits[0, :, 1] = 3.0  # chain 1,1,1
+    logits[0, :, 2] = 2.5  # strong runner-up at every depth
+    tree = dd.build_tree(logits, dd.TreeSpec(budget=6, top_k=2))
+    # Target rejects the chain at depth 1 (wants 2), then agrees with 1 below it.
+    target = torch.full((1, 7), 1)
+    target[0, 0] = 2
+    walk = dd.walk_tree(tree, target)
+    n = int(walk.num_accepted[0])
+    path = walk.accepted[0, :n].tolist()
+    assert n >= 2 and path[1] > 1, "the accepted path leaves the main chain"
+    assert walk.tokens[0, 0].item() == 2
+    plan = dd.commit_plan(walk, start=torch.tensor([10]))
+    moves = [(s, d) for s, d in zip(plan.src_pos[0].tolist(), plan.dst_pos[0].tolist()) if s >= 0]
+    assert moves == [(10 + path[d], 10 + d) for d in range(n) if path[d] != d]
+    assert all(s > d for s, d in moves)
+
+
+def test_commit_plan_main_chain_moves_nothing():
+    tree = dd.build_tree(torch.randn(2, 4, 9), dd.TreeSpec(budget=10, top_k=3))
+    target = tree.tokens.clone()
+    target[:, :4] = tree.tokens[:, 1:5]  # agree with the whole seeded chain (slots 1..4)
+    walk = dd.walk_tree(tree, target)
+    assert walk.num_accepted.tolist() == [5, 5]
+    plan = dd.commit_plan(walk, 3)
+    assert (plan.src_pos == -1).all() and plan.num_moves.tolist() == [0, 0]
+
+
+# ---------------------------------------------------------------- sampling
+
+def test_greedy_sampling_is_argmax_and_seeded_sampling_reproducible():
+    torch.manual_seed(5)
+    logits = torch.randn(3, 7, 11)
+    assert torch.equal(dd.sample_target_tokens(logits, 0.0), logits.argmax(-1))
+    pos = torch.arange(7).expand(3, -1) + 20
+    seeds = torch.tensor([1, 2, 3])
+    a = dd.sample_target_tokens(logits, 1.0, seeds, pos)
+    assert torch.equal(a, dd.sample_target_tokens(logits, 1.0, seeds, pos))
+    b = dd.sample_target_tokens(logits, torch.tensor([1.0, 0.0, 1.0]), seeds, pos)
+    assert torch.equal(b[1], logits[1].argmax(-1)) and torch.equal(b[0], a[0])
+
+
+def test_sampling_matches_the_target_distribution():
+    """Chi-square: one node's draws over many positions follow softmax(logits / T)."""
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, 0.5]]])
+    T, n = 0.8, 20000
+    pos = torch.arange(n).view(n, 1)
+    draws = dd.sample_target_tokens(logits.expand(n, 1, 5), T, torch.full((n,), 7), pos).flatten()
+    counts = torch.bincount(draws, minlength=5).double()
+    expect = torch.softmax(logits.flatten() / T, -1).double() * n
+    chi2 = (((counts - expect) ** 2) / expect).sum().item()
+    assert chi2 < 18.5, chi2  # 4 dof, p ~ 0.001
+
+
+# ---------------------------------------------------------------- validation
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"budget": 0}, "budget"), ({"budget": 8, "top_k": 0}, "top_k"), ({"budget": 8, "temperature": 0.0}, "temperature"),
+     ({"budget": 8, "temperature": float("nan")}, "temperature"), ({"budget": 8, "max_depth": 0}, "max_depth"),
+     ({"budget": 2.5}, "budget"), ({"budget": 8, "chain_seed": 1}, "chain_seed"), ({"budget": 5000}, "budget")],
+)
+def test_tree_spec_rejects_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=f"TreeSpec.{field}"):
+        dd.TreeSpec(**kwargs)
+
+
+def test_tree_spec_is_frozen_and_bucket_math():
+    spec = dd.TreeSpec(budget=22)
+    with pytest.raises(Exception):
+        spec.budget = 3
+    assert spec.num_slots == 23 and spec.mask_words == 1 and dd.TreeSpec(budget=31).mask_words == 1
+    assert dd.TreeSpec(budget=32).mask_words == 2 and spec.verify_tokens(4) == 92
+    assert spec.padded_num_reqs(3, [23, 46, 92, 184]) == 4
+    with pytest.raises(ValueError, match="num_reqs"):
+        spec.padded_num_reqs(9, [92, 184])
+    assert dd.budget_buckets(40) == [8, 16, 22, 32, 40] and dd.bucket_for(20, [8, 16, 22, 32]) == 22
+    with pytest.raises(ValueError, match="budget 50"):
+        dd.bucket_for(50, [8, 16])
+
+
+@pytest.mark.parametrize(
+    "draft, match",
+    [(torch.randn(4, 10), r"\[R, L, V\]"), (torch.randint(0, 5, (1, 2, 3)), "floating dtype"),
+     ([1, 2, 3], "must be a pair"), ((torch.randn(1, 2, 3), torch.zeros(1, 2, 4, dtype=torch.long)), r"\[R, L, K\]"),
+     ((torch.randn(1, 2, 3), torch.zeros(1, 2, 3)), "token_ids int32/int64"), (torch.empty(1, 0, 5), r"\[R, L, V\]")],
+)
+def test_build_rejects_bad_inputs(draft, match):
+    with pytest.raises(ValueError, match=match):
+        dd.build_tree(draft, dd.TreeSpec(budget=4))
+
+
+def test_walk_and_commit_reject_bad_inputs():
+    tree = dd.build_tree(torch.randn(2, 3, 10), dd.TreeSpec(budget=4))
+    with pytest.raises(ValueError, match="target_tokens"):
+        dd.walk_tree(tree, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer"):
+        dd.walk_tree(tree, torch.zeros(2, 5))
+    walk = dd.walk_tree(tree, torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="start"):
+        dd.commit_plan(walk, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="build_tree|TreeSpec"):
+        dd.build_tree(torch.randn(1, 2, 3), {"budget": 4})
+
+
+def test_ancestor_closure_padding_rows_are_empty():
+    parents = torch.tensor([[-1, 0, 1, -1, -1]])
+    mask = ancestor_closure(parents, 4)
+    assert mask[0, 2].tolist() == [True, True, True, False, False]
+    assert not mask[0, 3:].any()
