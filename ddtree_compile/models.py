@@ -15,9 +15,10 @@ import random
 import torch
 
 KINDS = ("qwen3", "qwen3_next", "qwen3_5")
+DTYPES = ("bfloat16", "float16", "float32")
 VOCAB = 512
 HIDDEN = 128
-INIT_STD = 0.1  # transformers' default 0.02 gives near-flat logits and repetitive outputs
+INIT_STD = 0.2  # transformers' default 0.02 gives near-flat logits and repetitive outputs
 
 # Shared by every target: attention heads of size 64 (CPU attention and GDN kernels support it).
 _COMMON = dict(
@@ -83,21 +84,23 @@ def _seed_all(seed: int) -> None:
 
 def write_tiny_model(kind, out_dir, *, seed=0, dtype="bfloat16") -> pathlib.Path:
     """Write a tiny random target of `kind` (see KINDS) to `out_dir`; returns the folder."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed values: {', '.join(DTYPES)}")
     cfg, model_cls = _config(kind)
     out = pathlib.Path(out_dir)
     _seed_all(seed)
-    model = model_cls._from_config(cfg, torch_dtype=torch.float32)
+    model = model_cls._from_config(cfg, dtype=torch.float32)
     _randomize_norms(model, seed)
     model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     return out
 
 
 def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
-    """Give norm weights and GDN decay params seeded spread (init leaves them constant)."""
+    """Give norm weights a seeded spread (init leaves them constant)."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if name.endswith("norm.weight"):
                 # Qwen3-Next/3.5 norms are (1 + w): keep w near 0; Qwen3 norms are w near 1.
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
 
@@ -115,10 +118,8 @@ def write_tiny_dflash_drafter(target_dir, out_dir, *, seed=0) -> pathlib.Path:
     tcfg = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
     n_target = tcfg["num_hidden_layers"]
     target_layer_ids = sorted({1, n_target - 2} & set(range(n_target))) or [0]
-    block_size = 16
     cfg = Qwen3Config(num_hidden_layers=1, **{**_COMMON, "vocab_size": tcfg["vocab_size"]})
-    cfg.architectures = ["DFlashDraftModel"]
-    cfg.block_size = block_size
+    cfg.block_size = 16  # DDTree drafts L = block_size - 1 positions; vLLM 0.32 ignores it
     cfg.num_target_layers = n_target
     cfg.target_hidden_size = tcfg["hidden_size"]
     cfg.dflash_config = {
@@ -126,7 +127,7 @@ def write_tiny_dflash_drafter(target_dir, out_dir, *, seed=0) -> pathlib.Path:
         "target_layer_ids": target_layer_ids,
     }
     _seed_all(seed)
-    model = Qwen3Model._from_config(cfg, torch_dtype=torch.float32)
+    model = Qwen3Model._from_config(cfg, dtype=torch.float32)
     model.fc = torch.nn.Linear(tcfg["hidden_size"] * len(target_layer_ids), HIDDEN, bias=False)
     torch.nn.init.normal_(model.fc.weight, std=INIT_STD)
     model.hidden_norm = type(model.norm)(HIDDEN, eps=cfg.rms_norm_eps)
@@ -134,11 +135,17 @@ def write_tiny_dflash_drafter(target_dir, out_dir, *, seed=0) -> pathlib.Path:
     _randomize_norms(model, seed)
     out = pathlib.Path(out_dir)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    cfg.architectures = ["DFlashDraftModel"]  # save_pretrained wrote the class name
+    cfg.save_pretrained(out)
     return out
 
 
 def tiny_llm_kwargs(model_dir, **overrides) -> dict:
-    """vllm.LLM kwargs that start a tiny model quickly on 2 CPU cores, without any hub."""
+    """vllm.LLM kwargs that start a tiny model quickly on 2 CPU cores, without any hub.
+
+    Add `enforce_eager=True` to skip the Inductor compile (engine start ~3 s instead of
+    40-90 s), and set VLLM_ENABLE_V1_MULTIPROCESSING=0 to run the engine in-process.
+    """
     kwargs = dict(
         model=str(model_dir),
         skip_tokenizer_init=True,
@@ -146,7 +153,7 @@ def tiny_llm_kwargs(model_dir, **overrides) -> dict:
         max_model_len=512,
         max_num_seqs=4,
         max_num_batched_tokens=512,
-        kv_cache_memory_bytes=64 << 20,  # CPU default reserves 92% of RAM
+        kv_cache_memory_bytes=256 << 20,  # CPU default reserves 92% of RAM; 4 seqs x 40 drafts fit
         enable_prefix_caching=False,  # hybrid spec decode on CPU crashes with it (align mode)
         seed=0,
     )
