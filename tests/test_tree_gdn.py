@@ -1,0 +1,184 @@
+"""Tree gated delta rule: metadata, Triton (interpreter) vs reference, per-path and chain oracles."""
+
+from _gdn_common import KINDS, ChainOracle, poison, random_parents, root_path  # sets TRITON_INTERPRET
+
+import pytest
+import torch
+
+from ddtree_compile.templates.gdn_meta import F_PAD, F_RELOAD, F_SAVE, build_gdn_meta, validate_tree
+from ddtree_compile.templates.tree_gdn import tree_gdn_ref, tree_gdn_triton
+
+
+def make_case(N, H, HV, K, V, kinds, seed, dtype=torch.float32, state_dtype=torch.float32, kv_major=False,
+              single_line=False):
+    gen = torch.Generator().manual_seed(seed)
+    R = len(kinds)
+    parents = torch.tensor([random_parents(k, N, N if i % 2 == 0 else max(1, N - 4), gen)
+                            for i, k in enumerate(kinds)])
+    T = R * N
+    qkv = torch.randn(T, 2 * H * K + HV * V, generator=gen).to(dtype)
+    a = torch.randn(T, HV, generator=gen).to(dtype)
+    b = torch.randn(T, HV, generator=gen).to(dtype)
+    A_log = torch.randn(HV, generator=gen) * 0.5
+    dt_bias = torch.randn(HV, generator=gen) * 0.5
+    lines = R * N + 3
+    if kv_major:  # CPU vLLM stores each head's state as [K, V]: the logical view is a transpose
+        ssm = torch.randn(lines, HV, K, V, generator=gen).to(state_dtype).transpose(-1, -2)
+    else:
+        ssm = torch.randn(lines, HV, V, K, generator=gen).to(state_dtype)
+    si = (1 + torch.arange(T, dtype=torch.int32)).view(R, N)
+    si[-1] = 0  # padded request on the null block
+    if single_line:
+        si = si[:, :1].contiguous()
+    na = torch.randint(1, N + 1, (R,), generator=gen, dtype=torch.int32)
+    return parents, qkv, a, b, A_log, dt_bias, ssm, si, na
+
+
+def run(fn, case, meta, H, K, write_snapshots, records):
+    parents, qkv, a, b, A_log, dt_bias, ssm, si, na = case
+    R, N = parents.shape
+    HV, V = ssm.shape[1], ssm.shape[2]
+    ssm = ssm.clone()
+    out = poison(torch.empty(R * N, HV, V, dtype=qkv.dtype))
+    stack = poison(torch.empty(R, max(meta.max_depth, 1), HV, V, K))
+    rec_kv = poison(torch.empty(R, N, H * K + HV * V, dtype=qkv.dtype)) if records else None
+    rec_gb = poison(torch.empty(R, N, 2, HV)) if records else None
+    fn(qkv, a, b, A_log, dt_bias, ssm, si, na, meta.walk, stack, out, rec_kv, rec_gb, H, K, K ** -0.5,
+       write_snapshots)
+    return out, ssm, rec_kv, rec_gb
+
+
+def check_oracle(case, out, H, K, tol):
+    """Every live node's output equals the plain recurrence along its root path alone."""
+    parents, qkv, a, b, A_log, dt_bias, ssm, si, na = case
+    R, N = parents.shape
+    orc = ChainOracle(None, None, A_log, dt_bias, H, K)
+    for r in range(R):
+        col = int(na[r]) - 1 if si.shape[1] > 1 else 0
+        line = int(si[r, col])
+        S0 = ssm[line].double() if line > 0 else torch.zeros(ssm.shape[1:], dtype=torch.float64)
+        p = parents[r].tolist()
+        for s in range(N):
+            if s and p[s] < 0:
+                assert (out[r * N + s] == 0).all(), "padding outputs must be zero"
+                continue
+            S = S0
+            for t in root_path(p, s):
+                o, S = orc.rec(S, qkv[r * N + t], a[r * N + t], b[r * N + t])
+            torch.testing.assert_close(out[r * N + s].double(), o, rtol=tol, atol=tol)
+
+
+def test_walk_is_preorder_with_flags():
+    gen = torch.Generator().manual_seed(0)
+    N = 14
+    parents = torch.tensor([random_parents(k, N, N - 2 * (i % 2), gen) for i, k in enumerate(KINDS)])
+    meta = build_gdn_meta(parents, 4)
+    for r, p in enumerate(parents.tolist()):
+        kids = {i: [j for j in range(N) if p[j] == i] for i in range(N)}
+        order, stack = [], [0]
+        while stack:  # reference DFS preorder, children in slot order
+            s = stack.pop()
+            order.append(s)
+            stack.extend(reversed(kids[s]))
+        pads = [i for i in range(1, N) if p[i] < 0]
+        walk = meta.walk[r].tolist()
+        assert [w[0] for w in walk] == order + pads
+        for k, (s, par, d, f) in enumerate(walk):
+            assert par == p[s] and d == len(root_path(p, s)) - 1 if s not in pads else f == F_PAD
+            if s not in pads:
+                assert bool(f & F_SAVE) == (len(kids[s]) >= 2)
+                assert bool(f & F_RELOAD) == (par >= 0 and par != walk[k - 1][0])
+
+
+@pytest.mark.parametrize("strategy", ["snapshots", "records"])
+def test_triton_matches_reference_fp32(strategy):
+    H, HV, K, V = 2, 4, 16, 16
+    case = make_case(9, H, HV, K, V, ("bushy", "deep", "star", "random", "chain"), seed=3)
+    meta = build_gdn_meta(case[0], 4)
+    snap, rec = strategy == "snapshots", strategy == "records"
+    ref = run(tree_gdn_ref, case, meta, H, K, snap, rec)
+    tri = run(lambda *a: tree_gdn_triton(*a, block_v=8), case, meta, H, K, snap, rec)
+    assert not tri[0].isnan().any()
+    torch.testing.assert_close(tri[0], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tri[1], ref[1], rtol=1e-5, atol=1e-5)  # snapshot lines; others untouched
+    if rec:
+        torch.testing.assert_close(tri[2], ref[2], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(tri[3], ref[3], rtol=1e-6, atol=1e-6, equal_nan=True)
+    else:
+        torch.testing.assert_close(ref[1][0], case[6][0], rtol=0, atol=0)  # line 0 never written
+    check_oracle(case, tri[0], H, K, 1e-4)
+
+
+def test_triton_bf16_kv_major_single_line():
+    """bf16 inputs and state in CPU vLLM's [K, V] layout; records with one state line per request."""
+    H, HV, K, V = 1, 2, 16, 8
+    case = make_case(7, H, HV, K, V, ("deep", "bushy", "chain"), seed=4, dtype=torch.bfloat16,
+                     state_dtype=torch.bfloat16, kv_major=True, single_line=True)
+    meta = build_gdn_meta(case[0], 4)
+    ref = run(tree_gdn_ref, case, meta, H, K, False, True)
+    tri = run(tree_gdn_triton, case, meta, H, K, False, True)
+    torch.testing.assert_close(tri[0].float(), ref[0].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(tri[2], ref[2], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(tri[1], case[6], rtol=0, atol=0)  # records strategy: no state writes
+    check_oracle(case, ref[0], H, K, 2e-2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_reference_per_path_oracle(seed):
+    H, HV, K, V = 2, 6, 8, 4
+    case = make_case(12, H, HV, K, V, KINDS, seed=10 + seed)
+    meta = build_gdn_meta(case[0], 2)
+    out, ssm, _, _ = run(tree_gdn_ref, case, meta, H, K, True, False)
+    check_oracle(case, out, H, K, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_chain_tree_equals_chain_recurrence(impl):
+    """A chain-shaped tree is vLLM's chain spec step: token t's output and its state in slot t."""
+    H, HV, K, V, N = 1, 2, 16, 8, 6
+    case = make_case(N, H, HV, K, V, ("chain", "chain"), seed=7)
+    parents, qkv, a, b, A_log, dt_bias, ssm0, si, na = case
+    meta = build_gdn_meta(parents, 4)
+    fn = tree_gdn_ref if impl == "ref" else tree_gdn_triton
+    out, ssm, _, _ = run(fn, case, meta, H, K, True, False)
+    orc = ChainOracle(None, None, A_log, dt_bias, H, K)
+    r = 0  # request 0 (request 1 sits on the null block)
+    S = ssm0[int(si[r, int(na[r]) - 1])].double()
+    for t in range(N):
+        o, S = orc.rec(S, qkv[t], a[t], b[t])
+        torch.testing.assert_close(out[t].double(), o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ssm[int(si[r, t])].double(), S, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parents, msg", [
+    ([[0, 0, 1]], "root"),
+    ([[-1, 1, 0]], ">= itself"),
+    ([[-1, 0, 7]], "allowed"),
+    ([[-1, 0, -3]], "allowed"),
+    ([[-1, -1, 1]], "padding"),
+    ([[-1, 0, 1, 2]], "max_depth"),
+])
+def test_bad_metadata_rejected(parents, msg):
+    with pytest.raises(ValueError, match=msg):
+        validate_tree(torch.tensor(parents), max_depth=2)
+
+
+def test_bad_arguments_rejected():
+    H, HV, K, V = 1, 2, 8, 8
+    case = make_case(5, H, HV, K, V, ("chain",), seed=0)
+    meta = build_gdn_meta(case[0], 4)
+    with pytest.raises(ValueError, match="snapshots need one state line per slot"):
+        parents, qkv, a, b, A_log, dt_bias, ssm, si, na = case
+        run(tree_gdn_ref, (parents, qkv, a, b, A_log, dt_bias, ssm, si[:, :1].contiguous(), na), meta, H, K,
+            True, False)
+    with pytest.raises(ValueError, match="multiple of num_k_heads"):
+        run(tree_gdn_triton, case, meta, 3, K, False, False)
+
+
+def test_budget_128_triton():
+    """B = 128 (N = 129): preorder walk over a deep/bushy tree, Triton vs the per-path oracle."""
+    H, HV, K, V = 1, 1, 8, 8
+    case = make_case(129, H, HV, K, V, ("random",), seed=12)
+    meta = build_gdn_meta(case[0], 4)
+    out, _, _, _ = run(tree_gdn_triton, case, meta, H, K, False, False)
+    check_oracle(case, out, H, K, 1e-4)
