@@ -29,19 +29,49 @@ _CHAIN_SHIFT = 62
 def draft_topk(draft_logits: torch.Tensor, spec: TreeSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position top-k of the drafter: (log-probs [R, L, K], token ids [R, L, K]), ranks sorted.
 
-    Log-probs are log_softmax(logits / temperature) over the full vocabulary, in float32.
+    Log-probs are log_softmax(logits * (1 / temperature)) over the full vocabulary, in float32.
+    Ranks follow (logit desc, token id asc): equal logits rank the lower id first (the Triton
+    kernel in templates/draft_topk.py uses the same packed key, so both agree on ties).
     """
     _check_logits(draft_logits)
-    logits = draft_logits.float() / spec.temperature
+    logits = draft_logits.float() * (1.0 / spec.temperature)
     k = min(spec.top_k, logits.shape[-1], spec.budget)  # rank r needs r better siblings in the tree
-    vals, ids = logits.topk(k, dim=-1)
-    return vals - torch.logsumexp(logits, dim=-1, keepdim=True), ids
+    ids = _stable_topk_ids(logits, k)
+    return logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True), ids
 
 
-def build_tree(draft, spec: TreeSpec) -> TreeBatch:
-    """Build R trees from draft logits [R, L, V] or a precomputed (log_probs, token_ids) [R, L, K]."""
+def _stable_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids of the k largest x per row in (value desc, id asc) order (-0.0 ties with +0.0)."""
+    if x.device.type == "cpu":  # a host-side branch is free here: skip the int64 key unless it matters
+        vals, ids = x.topk(min(k + 1, x.shape[-1]), dim=-1)
+        if k == x.shape[-1] or bool((vals[..., k - 1] > vals[..., k]).all()):  # the top-k set is unique
+            ids = ids[..., :k].sort(dim=-1).values  # order it by (value desc, id asc)
+            return ids.gather(-1, x.gather(-1, ids).sort(dim=-1, descending=True, stable=True).indices)
+    return _packed_topk_ids(x, k)
+
+
+def _packed_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """_stable_topk_ids via one unique int64 key per element (order-preserving value bits, then V-1-id)."""
+    V = x.shape[-1]
+    bits = torch.where(x == 0, 0, x.view(torch.int32))  # -0.0 ties with +0.0
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64) << 32
+    key |= (V - 1) - torch.arange(V, device=x.device)
+    return (V - 1) - (key.topk(k, dim=-1).values & 0xFFFFFFFF)
+
+
+IMPLS = ("auto", "torch", "triton")
+
+
+def build_tree(draft, spec: TreeSpec, impl: str = "auto") -> TreeBatch:
+    """Build R trees from draft logits [R, L, V] or a precomputed (log_probs, token_ids) [R, L, K].
+
+    impl: "torch" (the reference), "triton" (the kernels in templates/, which must support the
+    shape), or "auto" (Triton for CUDA tensors when it supports the shape, else torch).
+    """
     if not isinstance(spec, TreeSpec):
         raise ValueError(f"spec must be a ddtree_compile.TreeSpec, got {type(spec).__name__}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if isinstance(draft, (tuple, list)):
         if len(draft) != 2:
             raise ValueError("draft top-k must be a pair (log_probs [R, L, K], token_ids [R, L, K])")
@@ -49,10 +79,41 @@ def build_tree(draft, spec: TreeSpec) -> TreeBatch:
         _check_topk(log_probs, token_ids)
         k = min(spec.top_k, log_probs.shape[-1], spec.budget)
         log_probs, token_ids = log_probs[..., :k].float(), token_ids[..., :k]
+    elif _triton_topk(draft, spec, impl):
+        from .templates.draft_topk import draft_topk_triton
+
+        k = min(spec.top_k, draft.shape[-1], spec.budget)
+        depth = spec.depth_limit(draft.shape[1])  # rows past the depth limit are never used
+        log_probs, token_ids = draft_topk_triton(draft[:, :depth], spec.temperature, k)
     else:
         log_probs, token_ids = draft_topk(draft, spec)
     depth = spec.depth_limit(log_probs.shape[1])
-    return _build(log_probs[:, :depth], token_ids[:, :depth], spec.budget, spec.chain_seed)
+    lq, ids = log_probs[:, :depth], token_ids[:, :depth]
+    if _use_triton(lq, impl, "tree_build", (spec.budget, lq.shape[2], depth)):
+        from .templates.tree_build import build_tree_triton
+
+        return build_tree_triton(lq, ids, spec.budget, spec.chain_seed)
+    return _build(lq, ids, spec.budget, spec.chain_seed)
+
+
+def _triton_topk(draft, spec: TreeSpec, impl: str) -> bool:
+    _check_logits(draft)
+    return _use_triton(draft, impl, "draft_topk", (min(spec.top_k, draft.shape[-1], spec.budget),))
+
+
+def _use_triton(x: torch.Tensor, impl: str, template: str, shape: tuple) -> bool:
+    """Dispatch: torch on request or off CUDA ("auto"); "triton" insists (and errors if it can't)."""
+    if impl == "torch" or (impl == "auto" and x.device.type != "cuda"):
+        return False
+    import importlib
+
+    mod = importlib.import_module(f"ddtree_compile.templates.{template}")
+    if mod.supports(*shape):
+        return True
+    if impl == "triton":
+        raise ValueError(f"impl='triton': templates/{template}.py does not support shape {shape} "
+                         "(or triton is missing); use impl='auto' or 'torch'")
+    return False
 
 
 def _check_logits(x) -> None:
