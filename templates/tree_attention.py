@@ -1,0 +1,342 @@
+"""Tree attention over vLLM's paged KV cache: the Triton kernel and the `ddtree::tree_attention` op.
+
+    torch.ops.ddtree.tree_attention(
+        query,          # [R*N, Hq, D] bf16/fp16 (fp32 on the CPU reference); N = B+1 slots per request
+        key_cache,      # [num_blocks, block_size, Hkv, D] logical view, any strides
+        value_cache,    # same shape/dtype as key_cache, any strides
+        block_table,    # [R, max_blocks] int32
+        context_lens,   # [R] int32/int64: committed tokens before the verify block
+        ancestor_bits,  # [R, N, ceil(N/32)] int32 (ddtree_compile.tree layout)
+        depths,         # [R, N] int32/int64: tree depth of each slot (0 for root and padding)
+        out,            # [R*N, Hq, D], written in place (mutated; the op returns nothing)
+        softmax_scale: float, sliding_window: int (<= 0: none), logits_soft_cap: float (<= 0: none),
+    ) -> None
+
+Semantics: see tree_attention_ref.py. The verify tokens' K/V must already sit in the cache at
+positions context_len + j. CPU kernel = the torch reference; CUDA kernel = Triton below (no host
+sync, no allocation once the per-bucket workspace exists; shapes fixed per (R, N) bucket).
+
+Kernel layout. Program (m-block, kv head x split, request). The N*G query rows that share a KV head
+(N tree slots x G query heads of the GQA group) are packed into one tile, so one pass over the
+request's context K/V serves them all through tl.dot. The context is cut into `num_splits` chunks
+(a fixed number per bucket, chunk size derived on the device from context_len, so short contexts use
+fewer splits); the split that owns the last chunk also walks the N tree keys with the packed
+ancestor bits. Splits write (out, log-sum-exp) partials that a small combine kernel merges; with one
+split the kernel writes `out` directly. No dense mask is ever built. With PAGE_GROUP > 0 the block ids
+of a group of pages are loaded once into registers (tl.gather per tile), so the K/V addresses inside the
+pipelined loop depend on no load of that loop and Triton prefetches K/V tiles ahead of the math.
+
+Split-KV partials live in a workspace cached per bucket (`tree_attention_workspace`), allocated on the
+first eager call; the CUDA path never allocates during graph capture (it raises instead).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ddtree_compile.templates import tuning
+from ddtree_compile.templates.tree_attention_ref import check_tree_attention_args, tree_attention_reference
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without triton: only the reference is available
+    triton = None
+
+LOG2E = 1.4426950408889634
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_tile(q, K, V, k_row, v_row, offs_d, n_ok, vis, m_i, l_i, acc, qk_scale, cap_log2, s_kd, s_vd,
+                     HAS_CAP: tl.constexpr, DOT_F32: tl.constexpr):
+        """One online-softmax step over a tile of keys gathered from the paged cache (rows k_row/v_row)."""
+        k = tl.load(K + k_row[None, :] + offs_d[:, None] * s_kd, mask=n_ok[None, :], other=0.0)
+        if DOT_F32:  # interpreter only: its bf16 dot multiplies raw bits (triton 3.9)
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32))
+        else:
+            s = tl.dot(q, k)
+        if HAS_CAP:  # cap * tanh(s * scale / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+            s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * qk_scale * s) + 1.0))
+        else:
+            s = s * qk_scale
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + v_row[:, None] + offs_d[None, :] * s_vd, mask=n_ok[:, None], other=0.0)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    # Runtime ints that vary per bucket or per layer are not specialized, so buckets share compiles.
+    @triton.jit(do_not_specialize=["window", "n_slots", "num_splits", "min_chunk"])
+    def _tree_attn_fwd_kernel(
+        Q, K, V, BT, CTX, BITS, DEPTH, OUT, PO, PL,
+        qk_scale, cap_log2, window, n_slots, page_size, num_splits, min_chunk,
+        s_qt, s_qh, s_qd,
+        s_kb, s_kt, s_kh, s_kd,
+        s_vb, s_vt, s_vh, s_vd,
+        s_btr, s_btc, s_br, s_bi, s_bw, s_dr, s_dj,
+        s_ot, s_oh, s_od,
+        s_ps, s_pt, s_ph, s_ls, s_lt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_F32: tl.constexpr,
+        PAGE_GROUP: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        h = tl.program_id(1) // num_splits
+        split = tl.program_id(1) % num_splits
+        r = tl.program_id(2)
+
+        # Packed rows: row m = slot i * GROUP + head g of the KV head's group.
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < n_slots * GROUP
+        qi = tl.where(row_ok, offs_m // GROUP, 0)
+        qh = h * GROUP + offs_m % GROUP
+        tok = (r * n_slots + qi).to(tl.int64)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + tok[:, None] * s_qt + qh[:, None] * s_qh + offs_d[None, :] * s_qd,
+                    mask=row_ok[:, None], other=0.0)
+
+        ctx = tl.load(CTX + r).to(tl.int32)
+        depth_q = tl.load(DEPTH + r * s_dr + qi * s_dj, mask=row_ok, other=0).to(tl.int32)
+        own = tl.load(BITS + r * s_br + qi * s_bi + (qi // 32) * s_bw, mask=row_ok, other=0)
+        live = row_ok & (((own >> (qi % 32)) & 1) != 0)  # padding rows see nothing
+        qpos = ctx + depth_q
+
+        # This split's context chunk [lo, hi); the split owning the last chunk also walks the tree.
+        lo0 = 0
+        if HAS_WINDOW:
+            lo0 = tl.maximum(ctx - window + 1, 0)
+        span = ctx - lo0
+        chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+        chunk = tl.maximum(chunk, min_chunk)
+        n_eff = tl.maximum(tl.cdiv(span, chunk), 1)
+        lo = tl.minimum(lo0 + split * chunk, ctx)
+        hi = tl.minimum(lo + chunk, ctx)
+        tree_end = tl.where(split == n_eff - 1, ctx + n_slots, ctx)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        bt_row = BT + r * s_btr
+        if PAGE_GROUP == 0:
+            for start in range(lo, hi, BLOCK_N):  # context: every row sees every key (window aside)
+                offs_n = start + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < hi
+                blk = tl.load(bt_row + (offs_n // page_size) * s_btc, mask=n_ok, other=0).to(tl.int64)
+                slot = offs_n % page_size
+                vis = live[:, None] & n_ok[None, :]
+                if HAS_WINDOW:
+                    vis = vis & ((qpos[:, None] - offs_n[None, :]) < window)
+                m_i, l_i, acc = _attend_tile(q, K, V, blk * s_kb + slot * s_kt + h * s_kh,
+                                             blk * s_vb + slot * s_vt + h * s_vh, offs_d, n_ok, vis, m_i, l_i,
+                                             acc, qk_scale, cap_log2, s_kd, s_vd, HAS_CAP, DOT_F32)
+        else:
+            # Block ids for PAGE_GROUP pages are loaded once per group into registers, so the K/V
+            # addresses of the pipelined inner loop depend on no load of that loop: the software
+            # pipeline can then prefetch K/V tiles ahead instead of waiting on the block table.
+            group = ((PAGE_GROUP - 1) * page_size) // BLOCK_N * BLOCK_N
+            for g0 in tl.range(lo, hi, group, num_stages=1):
+                first = g0 // page_size
+                pidx = first + tl.arange(0, PAGE_GROUP)
+                bt_vec = tl.load(bt_row + pidx * s_btc, mask=pidx * page_size < hi, other=0)
+                g1 = tl.minimum(g0 + group, hi)
+                for start in range(g0, g1, BLOCK_N):
+                    offs_n = start + tl.arange(0, BLOCK_N)
+                    n_ok = offs_n < g1
+                    blk = tl.gather(bt_vec, tl.where(n_ok, offs_n // page_size - first, 0), 0).to(tl.int64)
+                    slot = offs_n % page_size
+                    vis = live[:, None] & n_ok[None, :]
+                    if HAS_WINDOW:
+                        vis = vis & ((qpos[:, None] - offs_n[None, :]) < window)
+                    m_i, l_i, acc = _attend_tile(q, K, V, blk * s_kb + slot * s_kt + h * s_kh,
+                                                 blk * s_vb + slot * s_vt + h * s_vh, offs_d, n_ok, vis, m_i,
+                                                 l_i, acc, qk_scale, cap_log2, s_kd, s_vd, HAS_CAP, DOT_F32)
+        for start in tl.range(ctx, tree_end, BLOCK_N, num_stages=1):  # tree slots: ancestor bits
+            offs_n = start + tl.arange(0, BLOCK_N)
+            j = offs_n - ctx
+            n_ok = j < n_slots
+            jc = tl.where(n_ok, j, 0)
+            blk = tl.load(bt_row + (offs_n // page_size) * s_btc, mask=n_ok, other=0).to(tl.int64)
+            slot = offs_n % page_size
+            word = tl.load(BITS + r * s_br + qi[:, None] * s_bi + (jc // 32)[None, :] * s_bw,
+                           mask=live[:, None] & n_ok[None, :], other=0)
+            vis = (((word >> (jc % 32)[None, :]) & 1) != 0) & live[:, None] & n_ok[None, :]
+            if HAS_WINDOW:
+                dk = tl.load(DEPTH + r * s_dr + jc * s_dj, mask=n_ok, other=0).to(tl.int32)
+                vis = vis & ((depth_q[:, None] - dk[None, :]) < window)
+            m_i, l_i, acc = _attend_tile(q, K, V, blk * s_kb + slot * s_kt + h * s_kh,
+                                         blk * s_vb + slot * s_vt + h * s_vh, offs_d, n_ok, vis, m_i, l_i, acc,
+                                         qk_scale, cap_log2, s_kd, s_vd, HAS_CAP, DOT_F32)
+
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if DIRECT_OUT:
+            tl.store(OUT + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :] * s_od,
+                     o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(PL + split * s_ls + tok * s_lt + qh, lse, mask=row_ok)
+            tl.store(PO + split.to(tl.int64) * s_ps + tok[:, None] * s_pt + qh[:, None] * s_ph + offs_d[None, :], o,
+                     mask=(row_ok & ((offs_m * 0 + split) < n_eff))[:, None])
+
+    @triton.jit
+    def _tree_attn_combine_kernel(
+        PO, PL, OUT, num_splits, n_heads,
+        s_ps, s_pt, s_ph, s_ls, s_lt, s_ot, s_oh, s_od,
+        HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < n_heads
+        offs_d = tl.arange(0, HEAD_DIM)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        den = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for sp in range(num_splits):
+            lse = tl.load(PL + sp * s_ls + t * s_lt + offs_h, mask=h_ok, other=float("-inf"))
+            has = lse > float("-inf")  # empty splits / padding rows wrote -inf and no partial
+            o = tl.load(PO + sp * s_ps + t * s_pt + offs_h[:, None] * s_ph + offs_d[None, :],
+                        mask=(h_ok & has)[:, None], other=0.0)
+            m_new = tl.maximum(m, lse)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_use)
+            w = tl.exp2(lse - m_use)
+            den = den * alpha + w
+            acc = acc * alpha[:, None] + w[:, None] * o
+            m = m_new
+        o = acc / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(OUT + t * s_ot + offs_h[:, None] * s_oh + offs_d[None, :] * s_od,
+                 o.to(OUT.dtype.element_ty), mask=h_ok[:, None])
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+_WORKSPACES: dict = {}
+
+
+def tree_attention_workspace(device, num_splits: int, num_tokens: int, num_heads: int, head_dim: int):
+    """Split-KV partials (out fp32 [S, T, Hq, D], lse fp32 [S, T, Hq]), cached per bucket.
+
+    Allocated on first use outside CUDA-graph capture; a capture that needs a missing workspace
+    raises instead of allocating (warm the bucket up eagerly first, as vLLM does before capture).
+    """
+    key = (str(device), num_splits, num_tokens, num_heads, head_dim)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"tree_attention: no workspace for bucket {key} during CUDA-graph capture; "
+                "run the bucket once eagerly before capturing")
+        ws = (torch.empty(num_splits, num_tokens, num_heads, head_dim, device=device, dtype=torch.float32),
+              torch.empty(num_splits, num_tokens, num_heads, device=device, dtype=torch.float32))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def plan_tree_attention(query, key_cache, ancestor_bits, block_table, tiles: tuning.AttnTiles | None = None,
+                        splits: int | None = None):
+    """Tiles, BLOCK_M and split count for this bucket (host-side, from shapes only)."""
+    R, N = ancestor_bits.shape[:2]
+    Hq, D = query.shape[1:]
+    Hkv = key_cache.shape[2]
+    arch, sms = tuning.arch_of(query.device)
+    tiles = tiles or tuning.attention_tiles(arch, D)
+    block_m = min(tiles.block_m, max(16, _next_pow2(N * (Hq // Hkv))))
+    m_blocks = -(-N * (Hq // Hkv) // block_m)
+    if splits is None:
+        splits = tuning.num_splits(tiles, sms, R, Hkv, m_blocks)
+    return tiles, block_m, m_blocks, splits
+
+
+def launch_tree_attention(
+    query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
+    softmax_scale: float, sliding_window: int = 0, logits_soft_cap: float = 0.0,
+    tiles: tuning.AttnTiles | None = None, splits: int | None = None, workspace=None,
+) -> None:
+    """Run the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1). Writes `out`."""
+    if triton is None:
+        raise RuntimeError("tree_attention: triton is not installed")
+    R, N, Hq, Hkv, D = check_tree_attention_args(
+        query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
+        softmax_scale, sliding_window, logits_soft_cap)
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"tree_attention: `query` dtype must be bfloat16 or float16 for the Triton kernel, "
+                         f"got {query.dtype}")
+    if query.device.type == "cpu" and not triton.knobs.runtime.interpret:
+        raise RuntimeError("tree_attention: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+    G = Hq // Hkv
+    tiles, block_m, m_blocks, splits = plan_tree_attention(query, key_cache, ancestor_bits, block_table,
+                                                           tiles, splits)
+    min_chunk = max(tiles.block_n, tiles.min_chunk // tiles.block_n * tiles.block_n)
+    has_cap = logits_soft_cap > 0
+    qk_scale = softmax_scale / logits_soft_cap if has_cap else softmax_scale * LOG2E
+    cap_log2 = logits_soft_cap * LOG2E if has_cap else 0.0
+    direct = splits == 1
+    if direct:
+        po, pl = out, out
+        ps = (0, 0, 0, 0, 0)
+    else:
+        po, pl = workspace if workspace is not None else tree_attention_workspace(
+            query.device, splits, R * N, Hq, D)
+        ps = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
+    kc, vc = key_cache, value_cache
+    page_size = kc.shape[1]
+    # grouped block-id loads need a group of pages to span at least one key tile
+    page_group = tiles.page_group if (tiles.page_group - 1) * page_size >= tiles.block_n else 0
+    grid = (m_blocks, Hkv * splits, R)
+    _tree_attn_fwd_kernel[grid](
+        query, kc, vc, block_table, context_lens, ancestor_bits, depths, out, po, pl,
+        qk_scale, cap_log2, int(sliding_window), N, page_size, splits, min_chunk,
+        *query.stride(), *kc.stride(), *vc.stride(),
+        *block_table.stride(), *ancestor_bits.stride(), *depths.stride(), *out.stride(), *ps,
+        GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+        HAS_WINDOW=sliding_window > 0, HAS_CAP=has_cap, DIRECT_OUT=direct,
+        DOT_F32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
+        PAGE_GROUP=page_group,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    if not direct:
+        block_h = min(_next_pow2(Hq), max(1, 4096 // D))
+        _tree_attn_combine_kernel[(R * N, -(-Hq // block_h))](
+            po, pl, out, splits, Hq, *ps, *out.stride(),
+            HEAD_DIM=D, BLOCK_H=block_h, num_warps=4,
+        )
+
+
+@torch.library.custom_op("ddtree::tree_attention", mutates_args=("out",))
+def tree_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+    context_lens: torch.Tensor, ancestor_bits: torch.Tensor, depths: torch.Tensor, out: torch.Tensor,
+    softmax_scale: float, sliding_window: int, logits_soft_cap: float,
+) -> None:
+    """CPU (and any non-CUDA device): the torch reference."""
+    tree_attention_reference(query, key_cache, value_cache, block_table, context_lens, ancestor_bits,
+                             depths, out, softmax_scale, sliding_window, logits_soft_cap)
+
+
+@tree_attention.register_kernel("cuda")
+def _tree_attention_cuda(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths,
+                         out, softmax_scale, sliding_window, logits_soft_cap) -> None:
+    launch_tree_attention(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths,
+                          out, softmax_scale, sliding_window, logits_soft_cap)
+
+
+@tree_attention.register_fake
+def _tree_attention_fake(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths,
+                         out, softmax_scale, sliding_window, logits_soft_cap) -> None:
+    check_tree_attention_args(query, key_cache, value_cache, block_table, context_lens, ancestor_bits,
+                              depths, out, softmax_scale, sliding_window, logits_soft_cap)
+
+
+def default_softmax_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,341 @@
+"""Tree attention: Triton kernel (TRITON_INTERPRET=1) vs the torch reference vs dense SDPA oracles.
+
+The interpreter needs TRITON_INTERPRET=1 before triton is first imported, and another test module may
+already have imported triton in this process, so the Triton cases run in one subprocess (this file run
+as a script) and the parametrized tests below check its per-case results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddtree_compile.tree import ancestor_closure, pack_bits
+
+# name -> case. kind: tree shape; live: nodes per request (<= N-1, rest padding); ctx: context lengths;
+# bs: cache block size; heads: (Hq, Hkv); tiles: (BLOCK_M, BLOCK_N, min_chunk, page_group) or None (default
+# table; page_group 0 = per-tile block-id loads, >0 = block ids loaded a group of pages at a time);
+# splits: split-KV factor (None: launcher default); W: sliding window; cap: logit soft cap.
+BASE = dict(kind="random", N=8, live=None, ctx=(21, 45), bs=16, heads=(4, 2), D=64, dtype="bfloat16",
+            tiles=(32, 16, 16, 0), splits=1, W=0, cap=0.0, layout="flash", seed=0)
+CASES = {
+    "chain": dict(kind="chain"),
+    "star": dict(kind="star"),
+    "deep": dict(kind="deep", N=12, seed=1),
+    "bushy": dict(kind="bushy", N=12, seed=2),
+    "padding_rows": dict(N=10, live=(4, 0), ctx=(30, 7), seed=3),
+    "mixed_ctx_split_kv": dict(N=6, ctx=(0, 33, 100), splits=3, seed=4),
+    "empty_splits": dict(N=5, ctx=(3, 20), splits=8, seed=5),
+    "block_boundaries": dict(N=9, ctx=(16, 15, 8), bs=8, splits=2, seed=6),
+    "gqa_1": dict(heads=(2, 2), seed=7),
+    "gqa_4": dict(heads=(8, 2), splits=2, seed=8),
+    "gqa_6": dict(heads=(6, 1), N=7, seed=9),
+    "sliding_window": dict(kind="deep", N=10, ctx=(40, 12), W=10, splits=2, seed=10),
+    "window_inside_tree": dict(kind="chain", N=10, ctx=(25, 5), W=3, seed=11),
+    "soft_cap": dict(cap=2.0, seed=12),
+    "soft_cap_window_split": dict(cap=5.0, W=17, ctx=(50, 9), splits=3, seed=13),
+    "two_mask_words": dict(kind="bushy", N=40, live=(39, 31), ctx=(10, 3), heads=(2, 1),
+                           tiles=(64, 32, 32, 0), seed=14),
+    "cpu_layout": dict(layout="cpu", ctx=(19, 40), splits=2, seed=15),
+    "head_128": dict(D=128, N=6, ctx=(20, 9), heads=(2, 1), seed=16),
+    "head_256": dict(D=256, N=5, ctx=(12, 20), heads=(2, 1), splits=2, seed=17),
+    "fp16": dict(dtype="float16", seed=18),
+    "default_tiles": dict(tiles=None, splits=None, N=17, ctx=(70, 300), heads=(6, 2), seed=19),
+    # grouped block ids: (4-1) pages of 8 keys = 24 -> groups of 16 keys, several groups per split
+    "page_groups": dict(tiles=(32, 16, 16, 4), bs=8, ctx=(100, 37, 0), splits=2, seed=20),
+    "page_groups_window_cap": dict(tiles=(32, 16, 16, 8), bs=4, ctx=(90, 61), W=33, cap=4.0, splits=3,
+                                   kind="deep", N=12, seed=24),
+    "page_groups_mid_page_window": dict(tiles=(32, 16, 16, 8), bs=4, ctx=(90, 70), W=50, seed=26),
+    "page_groups_gqa_head128": dict(tiles=(64, 32, 32, 4), bs=16, ctx=(150, 3), heads=(8, 2), D=128, N=7,
+                                    seed=25),
+}
+CASES = {k: {**BASE, **v} for k, v in CASES.items()}
+
+
+def random_parents(kind: str, n_live: int, N: int, g: torch.Generator) -> list[int]:
+    """Parents of slots 0..N-1 (parents before children); slots past n_live are padding (-1)."""
+    par = [-1] * N
+    for i in range(1, n_live + 1):
+        if kind == "chain":
+            par[i] = i - 1
+        elif kind == "star":
+            par[i] = 0
+        elif kind == "deep":  # mostly extend the newest node, sometimes branch
+            par[i] = i - 1 if torch.rand((), generator=g) < 0.75 else int(torch.randint(0, i, (), generator=g))
+        elif kind == "bushy":  # few levels, many siblings
+            par[i] = int(torch.randint(0, max(1, (i + 2) // 3), (), generator=g))
+        else:
+            par[i] = int(torch.randint(0, i, (), generator=g))
+    return par
+
+
+def make_case(c: dict) -> dict:
+    g = torch.Generator().manual_seed(c["seed"])
+    dtype = getattr(torch, c["dtype"])
+    N, ctxs, bs, D = c["N"], list(c["ctx"]), c["bs"], c["D"]
+    Hq, Hkv = c["heads"]
+    R = len(ctxs)
+    live = c["live"] or (N - 1,) * R
+    parents = torch.tensor([random_parents(c["kind"], live[r], N, g) for r in range(R)])
+    anc = ancestor_closure(parents, N)
+    bits = pack_bits(anc)
+    depths = (anc.sum(-1) - 1).clamp(min=0)
+    max_blocks = max(-(-(x + N) // bs) for x in ctxs) + 1
+    num_blocks = R * max_blocks + 2
+    block_table = torch.randperm(num_blocks, generator=g)[: R * max_blocks].view(R, max_blocks).int()
+    shape = (num_blocks, bs, Hkv, D) if c["layout"] == "flash" else (num_blocks, Hkv, bs, D)
+    k_store = torch.full(shape, float("nan"), dtype=dtype)  # unwritten slots stay NaN: never read them
+    v_store = torch.full(shape, float("nan"), dtype=dtype)
+    kc = k_store if c["layout"] == "flash" else k_store.permute(0, 2, 1, 3)  # logical view, odd strides
+    vc = v_store if c["layout"] == "flash" else v_store.permute(0, 2, 1, 3)
+    for r, x in enumerate(ctxs):
+        pos = torch.arange(x + N)
+        blk, slot = block_table[r].long()[pos // bs], pos % bs
+        kc[blk, slot] = torch.randn(x + N, Hkv, D, generator=g).to(dtype)
+        vc[blk, slot] = torch.randn(x + N, Hkv, D, generator=g).to(dtype)
+    q = torch.randn(R * N, Hq, D, generator=g).to(dtype)
+    return dict(query=q, key_cache=kc, value_cache=vc, block_table=block_table,
+                context_lens=torch.tensor(ctxs, dtype=torch.int32), ancestor_bits=bits, depths=depths,
+                anc=anc, scale=0.9 / math.sqrt(D), W=c["W"], cap=c["cap"])
+
+
+def run_ref(t: dict, dtype=None) -> torch.Tensor:
+    """The reference in float32 (inputs upcast exactly) unless dtype is given."""
+    from ddtree_compile.templates.tree_attention_ref import tree_attention_reference
+
+    cast = (lambda x: x.float()) if dtype is None else (lambda x: x)
+    q = cast(t["query"])
+    out = torch.full_like(q, float("nan"))
+    tree_attention_reference(q, cast(t["key_cache"]), cast(t["value_cache"]), t["block_table"], t["context_lens"],
+                             t["ancestor_bits"], t["depths"], out, t["scale"], t["W"], t["cap"])
+    return out
+
+
+def dense_oracle(t: dict) -> torch.Tensor:
+    """Per request: gather K/V densely, build the explicit boolean mask, and run SDPA (or the
+    soft-capped formula, which SDPA lacks)."""
+    N = t["anc"].shape[1]
+    Hq, Hkv = t["query"].shape[1], t["key_cache"].shape[2]
+    bs = t["key_cache"].shape[1]
+    outs = []
+    for r, x in enumerate(t["context_lens"].tolist()):
+        pos = torch.arange(x + N)
+        blk = t["block_table"][r].long()[pos // bs]
+        k = t["key_cache"][blk, pos % bs].float().transpose(0, 1)  # [Hkv, x+N, D]
+        v = t["value_cache"][blk, pos % bs].float().transpose(0, 1)
+        q = t["query"][r * N:(r + 1) * N].float().transpose(0, 1)  # [Hq, N, D]
+        anc = t["anc"][r]
+        depth = t["depths"][r]
+        mask = torch.zeros(N, x + N, dtype=torch.bool)
+        mask[:, :x] = anc.diagonal()[:, None]
+        mask[:, x:] = anc
+        if t["W"] > 0:
+            kpos = torch.cat([torch.arange(x), x + depth])
+            mask &= (x + depth)[:, None] - kpos[None, :] < t["W"]
+        k, v = k.repeat_interleave(Hq // Hkv, 0), v.repeat_interleave(Hq // Hkv, 0)
+        if t["cap"] > 0:
+            s = t["cap"] * torch.tanh(q @ k.transpose(1, 2) * t["scale"] / t["cap"])
+            o = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=t["scale"])
+        o = torch.where(anc.diagonal()[None, :, None], o, 0.0)  # padding rows: zeros (SDPA gives NaN)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _tol(dtype: str) -> dict:
+    return dict(atol=2e-2, rtol=2e-2) if dtype == "bfloat16" else dict(atol=4e-3, rtol=4e-3)
+
+
+# ------------------------------------------------------------------ interpreter subprocess
+
+
+def _interp_main() -> None:
+    """Runs every case through the Triton launcher on CPU tensors under the interpreter."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from ddtree_compile.templates import tree_attention as ta
+    from ddtree_compile.templates import tuning
+
+    results = {}
+    for name, c in CASES.items():
+        t = make_case(c)
+        out = torch.full_like(t["query"], float("nan"))  # poisoned: unwritten rows fail the check
+        tiles = None
+        if c["tiles"] is not None:
+            bm, bn, mc, pg = c["tiles"]
+            tiles = tuning.AttnTiles(bm, bn, 4, 1, min_chunk=mc, page_group=pg)
+        ta.launch_tree_attention(t["query"], t["key_cache"], t["value_cache"], t["block_table"], t["context_lens"],
+                                 t["ancestor_bits"], t["depths"], out, t["scale"], t["W"], t["cap"],
+                                 tiles=tiles, splits=c["splits"])
+        ref = run_ref(t)
+        tri = out.float()
+        dead = ~t["anc"].diagonal(dim1=1, dim2=2).reshape(-1)
+        # per (token, head) relative error: a dropped or extra key moves a whole row by ~1/n_visible
+        row_rel = ((tri - ref).norm(dim=-1) / ref.norm(dim=-1).clamp(min=1e-6))[~dead]
+        res = dict(
+            interpreted=bool(triton.knobs.runtime.interpret) and isinstance(ta._tree_attn_fwd_kernel, InterpretedFunction),
+            splits=ta.plan_tree_attention(t["query"], t["key_cache"], t["ancestor_bits"], t["block_table"], tiles,
+                                          c["splits"])[3],
+            nan=bool(tri.isnan().any()),
+            close=bool(torch.allclose(tri, ref, **_tol(c["dtype"]))),
+            max_err=float((tri - ref).abs().nan_to_num(float("inf")).max()),
+            row_rel=float(row_rel.nan_to_num(float("inf")).max()),
+            padding_zero=bool((tri[dead] == 0).all()),
+            num_padding_rows=int(dead.sum()),
+        )
+        results[name] = res
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_matches_reference(interp_results, name):
+    res = interp_results[name]
+    assert res["interpreted"], "the Triton kernel did not run under the interpreter"
+    assert not res["nan"], f"{name}: NaN (poison or unmasked read) in the Triton output"
+    assert res["close"], f"{name}: max abs error {res['max_err']}"
+    assert res["row_rel"] < _tol(CASES[name]["dtype"])["rtol"], f"{name}: row relative error {res['row_rel']}"
+    assert res["padding_zero"], f"{name}: padding rows are not zero"
+    if CASES[name]["splits"] not in (None, 1):
+        assert res["splits"] > 1  # the split-KV + combine path really ran
+
+
+def test_cases_cover_padding_and_splits(interp_results):
+    assert sum(r["num_padding_rows"] for r in interp_results.values()) > 0
+    assert any(r["splits"] > 1 for r in interp_results.values())
+
+
+# ------------------------------------------------------------------ reference vs dense oracles (in process)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_matches_dense_sdpa(name):
+    c = CASES[name]
+    t = make_case(c)
+    ref = run_ref(t)
+    torch.testing.assert_close(ref, dense_oracle(t), atol=1e-4, rtol=1e-4)
+    # the op-dtype path rounds once, at the end
+    low = run_ref(t, dtype=t["query"].dtype)
+    torch.testing.assert_close(low.float(), ref, **_tol(c["dtype"]))
+
+
+@pytest.mark.parametrize("ctx", [(0, 13), (40, 7)])
+def test_chain_equals_causal_attention(ctx):
+    t = make_case({**BASE, "kind": "chain", "N": 9, "ctx": ctx, "seed": 21})
+    N = 9
+    outs = []
+    bs = t["key_cache"].shape[1]
+    for r, x in enumerate(ctx):
+        pos = torch.arange(x + N)
+        blk = t["block_table"][r].long()[pos // bs]
+        k = t["key_cache"][blk, pos % bs].float().transpose(0, 1).repeat_interleave(2, 0)
+        v = t["value_cache"][blk, pos % bs].float().transpose(0, 1).repeat_interleave(2, 0)
+        q = t["query"][r * N:(r + 1) * N].float().transpose(0, 1)
+        causal = torch.ones(N, x + N, dtype=torch.bool).tril(diagonal=x)  # bottom-right aligned
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal,
+                                                                     scale=t["scale"]).transpose(0, 1))
+    torch.testing.assert_close(run_ref(t), torch.cat(outs), atol=1e-4, rtol=1e-4)
+
+
+def test_siblings_do_not_see_each_other():
+    """Changing a sibling's K/V leaves the other sibling's output unchanged."""
+    t = make_case({**BASE, "kind": "star", "N": 4, "ctx": (9,), "seed": 22})
+    before = run_ref(t)
+    blk = t["block_table"][0, (9 + 2) // 16].long()
+    t["key_cache"][blk, (9 + 2) % 16] += 3.0  # slot 2
+    t["value_cache"][blk, (9 + 2) % 16] -= 3.0
+    after = run_ref(t)
+    torch.testing.assert_close(after[[0, 1, 3]], before[[0, 1, 3]])
+    assert not torch.allclose(after[2], before[2])
+
+
+# ------------------------------------------------------------------ the op: dispatch, fake, compile, errors
+
+
+def _op_args(t: dict, out: torch.Tensor):
+    return (t["query"], t["key_cache"], t["value_cache"], t["block_table"], t["context_lens"], t["ancestor_bits"],
+            t["depths"], out, t["scale"], t["W"], t["cap"])
+
+
+def test_op_cpu_dispatches_to_reference():
+    import ddtree_compile.templates.tree_attention  # noqa: F401  registers the op
+
+    t = make_case(CASES["sliding_window"])
+    out = torch.full_like(t["query"], float("nan"))
+    torch.ops.ddtree.tree_attention(*_op_args(t, out))
+    assert torch.equal(out, run_ref(t, dtype=t["query"].dtype))
+
+
+def test_op_opcheck_and_compile():
+    import ddtree_compile.templates.tree_attention  # noqa: F401
+
+    t = make_case({**BASE, "N": 4, "ctx": (5, 3), "seed": 23})
+    out = torch.zeros_like(t["query"])
+    torch.library.opcheck(torch.ops.ddtree.tree_attention.default, _op_args(t, out),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+    def f(q, kc, vc, bt, cl, bits, depths):
+        o = torch.empty_like(q)
+        torch.ops.ddtree.tree_attention(q * 1.0, kc, vc, bt, cl, bits, depths, o, t["scale"], 0, 0.0)
+        return o + 0.0
+
+    args = _op_args(t, out)[:7]
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*args), f(*args))
+
+
+def _bad(t: dict, **kw):
+    args = dict(query=t["query"], key_cache=t["key_cache"], value_cache=t["value_cache"], block_table=t["block_table"],
+                context_lens=t["context_lens"], ancestor_bits=t["ancestor_bits"], depths=t["depths"],
+                out=torch.empty_like(t["query"]), softmax_scale=t["scale"], sliding_window=0, logits_soft_cap=0.0)
+    args.update(kw)
+    return args
+
+
+@pytest.mark.parametrize("field,change", [
+    ("query", lambda t: dict(query=t["query"][:-1], out=torch.empty_like(t["query"][:-1]))),
+    ("query", lambda t: dict(query=t["query"].int(), out=t["query"].int())),
+    ("key_cache", lambda t: dict(key_cache=t["key_cache"].half())),
+    ("key_cache", lambda t: dict(key_cache=t["key_cache"][:, :, :1].expand(-1, -1, 3, -1),
+                                 value_cache=t["value_cache"][:, :, :1].expand(-1, -1, 3, -1))),
+    ("value_cache", lambda t: dict(value_cache=t["value_cache"][:-1])),
+    ("block_table", lambda t: dict(block_table=t["block_table"].long())),
+    ("context_lens", lambda t: dict(context_lens=t["context_lens"][:1])),
+    ("ancestor_bits", lambda t: dict(ancestor_bits=t["ancestor_bits"].long())),
+    ("depths", lambda t: dict(depths=t["depths"][:, :-1])),
+    ("out", lambda t: dict(out=torch.empty_like(t["query"], dtype=torch.float32))),
+    ("softmax_scale", lambda t: dict(softmax_scale=0.0)),
+    ("logits_soft_cap", lambda t: dict(logits_soft_cap=float("nan"))),
+])
+def test_bad_inputs_name_the_field(field, change):
+    from ddtree_compile.templates.tree_attention import launch_tree_attention
+    from ddtree_compile.templates.tree_attention_ref import tree_attention_reference
+
+    t = make_case(CASES["chain"])
+    args = _bad(t, **change(t))
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        tree_attention_reference(**args)
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        launch_tree_attention(**args)  # same checks before any launch
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        torch.ops.ddtree.tree_attention(**args)
+
+
+if __name__ == "__main__":
+    _interp_main()
