@@ -18,13 +18,21 @@ sync, no allocation once the per-bucket workspace exists; shapes fixed per (R, N
 
 Kernel layout. Program (m-block, kv head x split, request). The N*G query rows that share a KV head
 (N tree slots x G query heads of the GQA group) are packed into one tile, so one pass over the
-request's context K/V serves them all through tl.dot. The context is cut into `num_splits` chunks
-(a fixed number per bucket, chunk size derived on the device from context_len, so short contexts use
-fewer splits); the split that owns the last chunk also walks the N tree keys with the packed
-ancestor bits. Splits write (out, log-sum-exp) partials that a small combine kernel merges; with one
-split the kernel writes `out` directly. No dense mask is ever built. With PAGE_GROUP > 0 the block ids
-of a group of pages are loaded once into registers (tl.gather per tile), so the K/V addresses inside the
-pipelined loop depend on no load of that loop and Triton prefetches K/V tiles ahead of the math.
+request's context K/V serves them all through tl.dot. The keys (the context, then the N tree keys) are
+cut into `num_splits` chunks (a fixed number per bucket, chunk size derived on the device from
+context_len, never under `min_chunk` keys, so short contexts use fewer splits); the split that owns the
+last chunk walks the tree keys with the packed ancestor bits, and since the tree keys count toward its
+chunk it gets correspondingly less context. Splits write (out, log-sum-exp) partials that a combine
+kernel merges, all splits of a (token, head) at once; with one split the kernel writes `out` directly.
+No dense mask is ever built. With PAGE_GROUP > 0 the block ids of a group of pages are loaded once into
+registers (tl.gather per tile), so the K/V addresses inside the pipelined loop depend on no load of that
+loop and Triton prefetches K/V tiles ahead of the math.
+
+Host side. Everything that depends only on shapes, strides, dtypes and the scalar arguments (the
+argument checks, tiles, split count, grids, workspace) is computed once per bucket and cached
+(`_PLANS`); after the first launch of a bucket its kernels are launched straight through Triton's
+compiled launcher (the same call Triton's own `JITFunction.run` makes), skipping Triton's per-call
+argument binding, specialization and cache lookup, so an eager call costs a key lookup and two launches.
 
 Split-KV partials live in a workspace cached per bucket (`tree_attention_workspace`), allocated on the
 first eager call; the CUDA path never allocates during graph capture (it raises instead).
@@ -111,14 +119,15 @@ if triton is not None:
         live = row_ok & (((own >> (qi % 32)) & 1) != 0)  # padding rows see nothing
         qpos = ctx + depth_q
 
-        # This split's context chunk [lo, hi); the split owning the last chunk also walks the tree.
+        # This split's keys: chunks of `chunk` keys over [lo0, ctx) followed by the N tree keys. The tree
+        # goes whole to the split owning the last chunk, whose context share shrinks by the tree's size.
         lo0 = 0
         if HAS_WINDOW:
             lo0 = tl.maximum(ctx - window + 1, 0)
-        span = ctx - lo0
-        chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+        total = ctx - lo0 + n_slots
+        chunk = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
         chunk = tl.maximum(chunk, min_chunk)
-        n_eff = tl.maximum(tl.cdiv(span, chunk), 1)
+        n_eff = tl.cdiv(total, chunk)  # >= 1: n_slots >= 1
         lo = tl.minimum(lo0 + split * chunk, ctx)
         hi = tl.minimum(lo + chunk, ctx)
         tree_end = tl.where(split == n_eff - 1, ctx + n_slots, ctx)
@@ -191,27 +200,25 @@ if triton is not None:
     def _tree_attn_combine_kernel(
         PO, PL, OUT, num_splits, n_heads,
         s_ps, s_pt, s_ph, s_ls, s_lt, s_ot, s_oh, s_od,
-        HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr,
     ):
+        """Merge the split partials of one token and BLOCK_H heads. All SPLITS (a power of two >=
+        num_splits) partials are loaded at once, so the merge costs one round of loads, not one per split."""
         t = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < n_heads
+        offs_s = tl.arange(0, SPLITS).to(tl.int64)
         offs_d = tl.arange(0, HEAD_DIM)
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        den = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        for sp in range(num_splits):
-            lse = tl.load(PL + sp * s_ls + t * s_lt + offs_h, mask=h_ok, other=float("-inf"))
-            has = lse > float("-inf")  # empty splits / padding rows wrote -inf and no partial
-            o = tl.load(PO + sp * s_ps + t * s_pt + offs_h[:, None] * s_ph + offs_d[None, :],
-                        mask=(h_ok & has)[:, None], other=0.0)
-            m_new = tl.maximum(m, lse)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_use)
-            w = tl.exp2(lse - m_use)
-            den = den * alpha + w
-            acc = acc * alpha[:, None] + w[:, None] * o
-            m = m_new
+        h_ok = offs_h < n_heads
+        lse = tl.load(PL + offs_s[:, None] * s_ls + t * s_lt + offs_h[None, :],
+                      mask=(offs_s < num_splits)[:, None] & h_ok[None, :], other=float("-inf"))
+        has = lse > float("-inf")  # empty splits / padding rows wrote -inf and no partial
+        m = tl.max(lse, 0)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m_use[None, :])  # [SPLITS, BLOCK_H]; 0 where empty
+        den = tl.sum(w, 0)
+        o = tl.load(PO + offs_s[:, None, None] * s_ps + t * s_pt + offs_h[None, :, None] * s_ph
+                    + offs_d[None, None, :], mask=has[:, :, None], other=0.0)
+        acc = tl.sum(w[:, :, None] * o, 0)
         o = acc / tl.where(den > 0, den, 1.0)[:, None]
         tl.store(OUT + t * s_ot + offs_h[:, None] * s_oh + offs_d[None, :] * s_od,
                  o.to(OUT.dtype.element_ty), mask=h_ok[:, None])
@@ -245,17 +252,156 @@ def tree_attention_workspace(device, num_splits: int, num_tokens: int, num_heads
 
 def plan_tree_attention(query, key_cache, ancestor_bits, block_table, tiles: tuning.AttnTiles | None = None,
                         splits: int | None = None):
-    """Tiles, BLOCK_M and split count for this bucket (host-side, from shapes only)."""
+    """Tiles, BLOCK_M, m-blocks and split count for this bucket (host-side, from shapes only).
+
+    The keys a request can have are bounded by its block-table row (context + tree), so a bucket never
+    gets more splits than that many keys can fill (vLLM sizes the table for max_model_len)."""
     R, N = ancestor_bits.shape[:2]
     Hq, D = query.shape[1:]
     Hkv = key_cache.shape[2]
+    G = Hq // Hkv
     arch, sms = tuning.arch_of(query.device)
-    tiles = tiles or tuning.attention_tiles(arch, D)
-    block_m = min(tiles.block_m, max(16, _next_pow2(N * (Hq // Hkv))))
-    m_blocks = -(-N * (Hq // Hkv) // block_m)
+    max_keys = block_table.shape[1] * key_cache.shape[1]
+    if tiles is None:
+        plan = tuning.choose_plan(arch, sms, R, N, G, Hkv, D, max_keys)
+        tiles = plan.tiles
+    block_m = min(tiles.block_m, max(16, _next_pow2(N * G)))
+    m_blocks = -(-N * G // block_m)
     if splits is None:
-        splits = tuning.num_splits(tiles, sms, R, Hkv, m_blocks)
+        splits = tuning.num_splits(tiles, sms, R, Hkv, m_blocks, max_keys)
     return tiles, block_m, m_blocks, splits
+
+
+class _Launch:
+    """One kernel launch with a fixed grid and constexprs.
+
+    The first call goes through Triton (compiling if needed) and keeps the compiled kernel; later calls
+    make the same launcher call that Triton's JITFunction.run makes, without its per-call binding,
+    specialization and cache lookup (launch metadata and hooks are passed exactly as Triton passes them).
+    Valid because the bucket key (`_plan_key`) fixes everything Triton specializes on: dtypes, 16-byte
+    pointer alignment, strides, and the integer arguments that are not marked do_not_specialize. The
+    interpreter, or another current device than the plan's, takes the ordinary path."""
+
+    __slots__ = ("fn", "grid", "meta", "consts", "device", "compiled")
+
+    def __init__(self, fn, grid, meta: dict, n_args: int, device):
+        self.fn, self.grid, self.meta, self.device, self.compiled = fn, grid, meta, device, None
+        names = list(fn.arg_names)
+        self.consts = tuple(meta[n] for n in names[n_args:])  # constexpr params, in signature order
+        if len(names) != n_args + len(self.consts) or any(n not in meta for n in names[n_args:]):
+            raise RuntimeError(f"tree_attention: launch arguments do not match {fn.__name__}'s signature")
+
+    def __call__(self, *args):
+        ck = self.compiled
+        if ck is not None and _FAST.enabled:
+            drv = _FAST.driver
+            dev = drv.get_current_device()
+            if dev == self.device:
+                g, rt = self.grid, _knobs.runtime
+                stream = drv.get_current_stream(dev)
+                full = (*args, *self.consts)
+                try:
+                    ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata,
+                           ck.launch_metadata(g, stream, *full), rt.launch_enter_hook, rt.launch_exit_hook, *full)
+                    return
+                except (TypeError, ValueError, AttributeError) as e:  # a launcher layout this code does not know
+                    _FAST.enabled, _FAST.error = False, repr(e)  # (rejected before launching): Triton's path
+        k = self.fn[self.grid](*args, **self.meta)
+        if _FAST.enabled and self.device is not None and isinstance(k, _CompiledKernel):
+            _FAST.driver = triton.runtime.driver.active
+            self.compiled = k
+
+
+class _FastLaunch:
+    enabled = False
+    driver = None
+    error = None  # why the direct path was turned off, if it was
+
+
+_FAST = _FastLaunch()
+_knobs = None
+_CompiledKernel = ()
+if triton is not None:
+    try:  # the direct launch path needs Triton >= 3.4's knobs / CompiledKernel.run layout
+        from triton import knobs as _knobs
+        from triton.compiler.compiler import CompiledKernel as _CompiledKernel
+
+        _FAST.enabled = not _knobs.runtime.interpret
+    except ImportError:
+        _FAST.enabled = False
+
+
+def set_fast_launch(enabled: bool) -> None:
+    """Turn the direct launcher path on or off (benchmarks compare both; off = Triton's own path)."""
+    _FAST.enabled = bool(enabled) and _knobs is not None and not _knobs.runtime.interpret
+
+
+class _Plan:
+    __slots__ = ("splits", "block_m", "m_blocks", "tiles", "main", "combine", "tail", "ctail", "workspace")
+
+
+_PLANS: dict = {}
+
+
+def _plan_key(tensors, softmax_scale, sliding_window, logits_soft_cap, tiles, splits):
+    key = [softmax_scale, sliding_window, logits_soft_cap, tiles, splits]
+    for t in tensors:
+        key += (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+    return tuple(key)
+
+
+def _make_plan(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
+               softmax_scale, sliding_window, logits_soft_cap, tiles, splits) -> _Plan:
+    R, N, Hq, Hkv, D = check_tree_attention_args(
+        query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
+        softmax_scale, sliding_window, logits_soft_cap)
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"tree_attention: `query` dtype must be bfloat16 or float16 for the Triton kernel, "
+                         f"got {query.dtype}")
+    interpret = bool(triton.knobs.runtime.interpret)
+    if query.device.type == "cpu" and not interpret:
+        raise RuntimeError("tree_attention: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+    G = Hq // Hkv
+    p = _Plan()
+    p.tiles, p.block_m, p.m_blocks, p.splits = plan_tree_attention(query, key_cache, ancestor_bits, block_table,
+                                                                   tiles, splits)
+    tiles = p.tiles
+    min_chunk = max(tiles.block_n, tiles.min_chunk // tiles.block_n * tiles.block_n)
+    has_cap = logits_soft_cap > 0
+    qk_scale = softmax_scale / logits_soft_cap if has_cap else softmax_scale * LOG2E
+    cap_log2 = logits_soft_cap * LOG2E if has_cap else 0.0
+    direct = p.splits == 1
+    if direct:
+        p.workspace = None
+        ps = (0, 0, 0, 0, 0)
+    else:
+        p.workspace = tree_attention_workspace(query.device, p.splits, R * N, Hq, D)
+        po, pl = p.workspace
+        ps = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
+    kc, vc = key_cache, value_cache
+    page_size = kc.shape[1]
+    # grouped block-id loads need a group of pages to span at least one key tile
+    page_group = tiles.page_group if (tiles.page_group - 1) * page_size >= tiles.block_n else 0
+    device = query.device.index if query.device.type == "cuda" else None
+    meta = dict(GROUP=G, HEAD_DIM=D, BLOCK_M=p.block_m, BLOCK_N=tiles.block_n,
+                HAS_WINDOW=sliding_window > 0, HAS_CAP=has_cap, DIRECT_OUT=direct,
+                DOT_F32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
+                PAGE_GROUP=page_group, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    p.tail = (qk_scale, cap_log2, int(sliding_window), N, page_size, p.splits, min_chunk,
+              *query.stride(), *kc.stride(), *vc.stride(), *block_table.stride(), *ancestor_bits.stride(),
+              *depths.stride(), *out.stride(), *ps)
+    p.main = _Launch(_tree_attn_fwd_kernel, (p.m_blocks, Hkv * p.splits, R), meta, 10 + len(p.tail), device)
+    p.combine = None
+    if not direct:
+        sp2 = _next_pow2(p.splits)
+        block_h = max(1, min(_next_pow2(Hq), _COMBINE_ELEMS // (sp2 * D)))
+        p.ctail = (p.splits, Hq, *ps, *out.stride())
+        p.combine = _Launch(_tree_attn_combine_kernel, (R * N, -(-Hq // block_h), 1),
+                            dict(HEAD_DIM=D, BLOCK_H=block_h, SPLITS=sp2, num_warps=4), 3 + len(p.ctail), device)
+    return p
+
+
+_COMBINE_ELEMS = 8192  # fp32 partial elements a combine program loads at once (4 warps: 64 per thread)
 
 
 def launch_tree_attention(
@@ -263,54 +409,29 @@ def launch_tree_attention(
     softmax_scale: float, sliding_window: int = 0, logits_soft_cap: float = 0.0,
     tiles: tuning.AttnTiles | None = None, splits: int | None = None, workspace=None,
 ) -> None:
-    """Run the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1). Writes `out`."""
+    """Run the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1). Writes `out`.
+
+    The per-bucket plan (checks, tiles, splits, grids, workspace) is cached under a key of every
+    tensor's shape, strides, dtype, device and pointer alignment plus the scalar arguments, so a call
+    whose key was seen before does no checking or planning (those depend on nothing else)."""
     if triton is None:
         raise RuntimeError("tree_attention: triton is not installed")
-    R, N, Hq, Hkv, D = check_tree_attention_args(
-        query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-        softmax_scale, sliding_window, logits_soft_cap)
-    if query.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"tree_attention: `query` dtype must be bfloat16 or float16 for the Triton kernel, "
-                         f"got {query.dtype}")
-    if query.device.type == "cpu" and not triton.knobs.runtime.interpret:
-        raise RuntimeError("tree_attention: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
-    G = Hq // Hkv
-    tiles, block_m, m_blocks, splits = plan_tree_attention(query, key_cache, ancestor_bits, block_table,
-                                                           tiles, splits)
-    min_chunk = max(tiles.block_n, tiles.min_chunk // tiles.block_n * tiles.block_n)
-    has_cap = logits_soft_cap > 0
-    qk_scale = softmax_scale / logits_soft_cap if has_cap else softmax_scale * LOG2E
-    cap_log2 = logits_soft_cap * LOG2E if has_cap else 0.0
-    direct = splits == 1
-    if direct:
-        po, pl = out, out
-        ps = (0, 0, 0, 0, 0)
-    else:
-        po, pl = workspace if workspace is not None else tree_attention_workspace(
-            query.device, splits, R * N, Hq, D)
-        ps = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
-    kc, vc = key_cache, value_cache
-    page_size = kc.shape[1]
-    # grouped block-id loads need a group of pages to span at least one key tile
-    page_group = tiles.page_group if (tiles.page_group - 1) * page_size >= tiles.block_n else 0
-    grid = (m_blocks, Hkv * splits, R)
-    _tree_attn_fwd_kernel[grid](
-        query, kc, vc, block_table, context_lens, ancestor_bits, depths, out, po, pl,
-        qk_scale, cap_log2, int(sliding_window), N, page_size, splits, min_chunk,
-        *query.stride(), *kc.stride(), *vc.stride(),
-        *block_table.stride(), *ancestor_bits.stride(), *depths.stride(), *out.stride(), *ps,
-        GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-        HAS_WINDOW=sliding_window > 0, HAS_CAP=has_cap, DIRECT_OUT=direct,
-        DOT_F32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
-        PAGE_GROUP=page_group,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
-    if not direct:
-        block_h = min(_next_pow2(Hq), max(1, 4096 // D))
-        _tree_attn_combine_kernel[(R * N, -(-Hq // block_h))](
-            po, pl, out, splits, Hq, *ps, *out.stride(),
-            HEAD_DIM=D, BLOCK_H=block_h, num_warps=4,
-        )
+    tensors = (query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out)
+    try:
+        key = _plan_key(tensors, softmax_scale, sliding_window, logits_soft_cap, tiles, splits)
+        p = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors / unhashable scalars: let the checks name the field
+        key, p = None, None
+    if p is None:
+        p = _make_plan(*tensors, softmax_scale, sliding_window, logits_soft_cap, tiles, splits)
+        if key is not None:
+            _PLANS[key] = p
+    if p.combine is None:
+        p.main(*tensors, out, out, *p.tail)
+        return
+    po, pl = workspace if workspace is not None else p.workspace
+    p.main(*tensors, po, pl, *p.tail)
+    p.combine(po, pl, out, *p.ctail)
 
 
 @torch.library.custom_op("ddtree::tree_attention", mutates_args=("out",))

@@ -1,17 +1,20 @@
 """Launch parameters for the tree templates, per GPU architecture.
 
-sm_90 (H100) head sizes 128 and 256 are the winners of a measured sweep (benchmarks/bench_tree_attention.py
---sweep; every candidate and time is in benchmarks/results/tree_attention_h100.json under "sweep", the
-winners under "chosen"; the ratio table there was timed with exactly these entries). Head size 64 on
+Tree attention on sm_90 (H100). The tiles for head sizes 128 and 256 won the f078ad5 tile sweep
+(benchmarks/bench_tree_attention.py --sweep; candidates and times in benchmarks/results/
+tree_attention_h100.json under "tile_sweep_f078ad5"). The per-bucket rules (one row tile, whole-wave split
+count, min_chunk) come from the low-request / short-context plan sweep (`--lowr-sweep`, under "lowr_sweep"
+in the same file); the ratio table there ("records") was timed with exactly these entries. Head size 64 on
 sm_90 was checked for correctness on the H100 but not swept. sm_121 (GB10 / DGX Spark) entries are
-UNMEASURED and deliberately conservative: GB10 has ~99 KB of shared memory per block (vs 227 KB on
-H100) and no wgmma, so tiles are small and pipelining shallow. Anything else uses the conservative table.
+UNMEASURED and deliberately conservative: GB10 has ~99 KB of shared memory per block (vs 227 KB on H100)
+and no wgmma, so tiles are small and pipelining shallow. Anything else uses the conservative table.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 import torch
 
@@ -22,19 +25,22 @@ class AttnTiles:
     block_n: int  # keys per inner step
     num_warps: int
     num_stages: int
-    waves: float = 2.0  # split-KV: aim for waves * num_SMs programs
+    waves: float = 1.0  # split-KV: programs resident per SM (slots = waves * num_SMs); see num_splits
     min_chunk: int = 128  # split-KV: never give a split fewer keys than this (short contexts)
     max_splits: int = 32
     page_group: int = 0  # >0 (a power of two): load block ids PAGE_GROUP pages at a time (see kernel)
 
 
-# head_dim -> tiles (H100, Triton 3.6). The winners use 8 warps, 128 packed rows, 3-4 pipeline stages
-# and grouped block-id loads; the run-1 winners (2-3 stages, per-tile block ids) ran 1.2-1.6x slower on
-# the long-context sweep shapes. At 2 stages grouping alone changed little.
+# head_dim -> tiles (H100, Triton 3.6). 128 packed rows, 8 warps, 3-4 stages, grouped block-id loads: the
+# winners of the f078ad5 long-context sweep. The low-R sweep also timed 64-row tiles (rows padded less,
+# twice the programs): 1.3-1.9x slower at 8k-32k and at R >= 8, ahead only at R = 1 with a 1k context
+# (Qwen, 15.4 vs 18.9 us), which the host cannot see; so one row tile. One program per SM (shared memory)
+# -> waves = 1. min_chunk: the best 1k-context chunk at R = 1 (3 key tiles at D=256: 96 keys beat 64 and
+# 160; 2 key tiles at D=128).
 _SM90 = {
     64: AttnTiles(64, 64, 4, 3),  # correct on H100, not swept
-    128: AttnTiles(128, 64, 8, 3, waves=2.0, page_group=64),
-    256: AttnTiles(128, 32, 8, 4, waves=4.0, page_group=64),
+    128: AttnTiles(128, 64, 8, 3, waves=1.0, min_chunk=128, page_group=64),
+    256: AttnTiles(128, 32, 8, 4, waves=1.0, min_chunk=96, page_group=64),
 }
 # GB10 (sm_121a): UNMEASURED. ~99 KB smem per block and mma.sync (no wgmma), so small tiles, 2 stages.
 # Compile-checked only (Triton 3.9, target sm_121): shared memory 51 / 37 / 25 KB for D = 256 / 128 / 64,
@@ -73,11 +79,54 @@ def attention_tiles(arch: str, head_dim: int) -> AttnTiles:
     return table[head_dim if head_dim in table else 64]
 
 
-def num_splits(tiles: AttnTiles, num_sms: int, num_requests: int, num_kv_heads: int, m_blocks: int) -> int:
-    """Fixed split-KV factor for a (R, N) bucket: enough programs to fill the GPU."""
-    base = num_requests * num_kv_heads * m_blocks
-    want = -(-int(tiles.waves * num_sms) // base)
-    return max(1, min(want, tiles.max_splits))
+SPLIT_TOLERANCE = Fraction(11, 10)  # fewest splits within 10% of the best wave cost (fewer partials)
+
+
+@functools.lru_cache(maxsize=4096)
+def num_splits(tiles: AttnTiles, num_sms: int, num_requests: int, num_kv_heads: int, m_blocks: int,
+               max_keys: int | None = None) -> int:
+    """Fixed split-KV factor for a (R, N) bucket (the device shrinks it for short contexts: min_chunk).
+
+    With P = R x Hkv x m-blocks programs per split and `slots` programs resident at once, a context of L
+    keys takes about ceil(S * P / slots) waves of L / S keys each: cost(S) = ceil(S * P / slots) / S. Only
+    whole-wave counts S = floor(k * slots / P) (and 1) are candidates -- one program past a wave costs a
+    whole extra wave -- and the fewest splits within SPLIT_TOLERANCE of the best cost win, since every
+    split adds a partial to write and merge and its own fixed cost (at R = 8 with a 1k context, 4 splits
+    ran 1.5x slower than 2). On the H100 low-R sweep (benchmarks/results, "lowr_sweep") it picks the
+    fastest timed split count at every swept shape where its choice was timed, but one (2% off). Capped by
+    max_splits and by the keys the block table can hold (`max_keys`, context + tree): a split that
+    max_keys can never reach would stay empty.
+
+    Known cost: a grid that already fills the GPU (P >= slots) gets one split. At 8k-32k contexts 2-5
+    splits ran 4-13% faster there (f078ad5 table), but at 1k they ran 25-42% slower (lowr_sweep), and a
+    bucket does not know its context length. Getting both needs a device-side direct write when a
+    request's context makes one chunk (then extra splits would cost short contexts nothing): not measured.
+    """
+    per_split = num_requests * num_kv_heads * m_blocks
+    slots = max(1, int(tiles.waves * num_sms))
+    cap = tiles.max_splits
+    if max_keys is not None:
+        cap = min(cap, -(-max_keys // max(tiles.min_chunk, tiles.block_n)))
+    cap = max(1, cap)
+    cands = {1} | {min(cap, k * slots // per_split) for k in range(1, cap + 1)}
+    cost = {s: Fraction(-(-s * per_split // slots), s) for s in cands if s >= 1}  # exact: ties stay ties
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= SPLIT_TOLERANCE * best)
+
+
+@dataclass(frozen=True)
+class AttnPlan:
+    tiles: AttnTiles
+    m_blocks: int
+    splits: int
+
+
+def choose_plan(arch: str, num_sms: int, num_requests: int, n_slots: int, group: int, num_kv_heads: int,
+                head_dim: int, max_keys: int | None = None) -> AttnPlan:
+    """Tiles, m-blocks and split count for a bucket, from shapes only (host side; the caller caches it)."""
+    t = attention_tiles(arch, head_dim)
+    mb = -(-n_slots * group // t.block_m)
+    return AttnPlan(t, mb, num_splits(t, num_sms, num_requests, num_kv_heads, mb, max_keys))
 
 
 def with_overrides(tiles: AttnTiles, **kw) -> AttnTiles:

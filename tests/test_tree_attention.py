@@ -54,7 +54,12 @@ CASES = {
     "page_groups_mid_page_window": dict(tiles=(32, 16, 16, 8), bs=4, ctx=(90, 70), W=50, seed=26),
     "page_groups_gqa_head128": dict(tiles=(64, 32, 32, 4), bs=16, ctx=(150, 3), heads=(8, 2), D=128, N=7,
                                     seed=25),
+    # the combine merges 16 (pow2 of 9) splits x 8 heads per program: two head blocks per token
+    "combine_head_blocks": dict(heads=(16, 2), N=5, ctx=(40, 200), splits=9, seed=27),
+    # chunk = 16 keys: context 32 / 48 fills whole chunks, so the last split holds only the tree keys
+    "tree_only_last_split": dict(ctx=(32, 48), splits=4, seed=28),
 }
+RERUN = ("mixed_ctx_split_kv", "gqa_4", "default_tiles")  # second launch of the bucket: cached plan, new data
 CASES = {k: {**BASE, **v} for k, v in CASES.items()}
 
 
@@ -165,13 +170,18 @@ def _interp_main() -> None:
     from ddtree_compile.templates import tuning
 
     results = {}
-    for name, c in CASES.items():
+    runs = [(name, c, False) for name, c in CASES.items()]
+    # same bucket, new data and permuted context lengths (the largest, hence every shape, is unchanged)
+    runs += [(name + "_rerun", {**CASES[name], "seed": CASES[name]["seed"] + 1000, "ctx": CASES[name]["ctx"][::-1]},
+              True) for name in RERUN]
+    for name, c, rerun in runs:
         t = make_case(c)
         out = torch.full_like(t["query"], float("nan"))  # poisoned: unwritten rows fail the check
         tiles = None
         if c["tiles"] is not None:
             bm, bn, mc, pg = c["tiles"]
             tiles = tuning.AttnTiles(bm, bn, 4, 1, min_chunk=mc, page_group=pg)
+        n_plans = len(ta._PLANS)
         ta.launch_tree_attention(t["query"], t["key_cache"], t["value_cache"], t["block_table"], t["context_lens"],
                                  t["ancestor_bits"], t["depths"], out, t["scale"], t["W"], t["cap"],
                                  tiles=tiles, splits=c["splits"])
@@ -190,6 +200,8 @@ def _interp_main() -> None:
             row_rel=float(row_rel.nan_to_num(float("inf")).max()),
             padding_zero=bool((tri[dead] == 0).all()),
             num_padding_rows=int(dead.sum()),
+            new_plan=len(ta._PLANS) > n_plans,
+            rerun=rerun,
         )
         results[name] = res
     print(json.dumps(results))
@@ -204,21 +216,76 @@ def interp_results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + [n + "_rerun" for n in RERUN])
 def test_triton_matches_reference(interp_results, name):
     res = interp_results[name]
+    case = CASES[name.removesuffix("_rerun")]
     assert res["interpreted"], "the Triton kernel did not run under the interpreter"
     assert not res["nan"], f"{name}: NaN (poison or unmasked read) in the Triton output"
     assert res["close"], f"{name}: max abs error {res['max_err']}"
-    assert res["row_rel"] < _tol(CASES[name]["dtype"])["rtol"], f"{name}: row relative error {res['row_rel']}"
+    assert res["row_rel"] < _tol(case["dtype"])["rtol"], f"{name}: row relative error {res['row_rel']}"
     assert res["padding_zero"], f"{name}: padding rows are not zero"
-    if CASES[name]["splits"] not in (None, 1):
+    if case["splits"] not in (None, 1):
         assert res["splits"] > 1  # the split-KV + combine path really ran
+    if res["rerun"]:  # a second call of a bucket (same shapes, new data) reuses the cached plan
+        assert not res["new_plan"], f"{name}: the plan cache missed"
 
 
 def test_cases_cover_padding_and_splits(interp_results):
     assert sum(r["num_padding_rows"] for r in interp_results.values()) > 0
     assert any(r["splits"] > 1 for r in interp_results.values())
+
+
+# ------------------------------------------------------------------ per-bucket plan rules (host only)
+
+PLAN_SHAPES = [(R, B, heads, D) for R in (1, 2, 8, 32, 256) for B in (7, 16, 22, 32, 64)
+               for heads, D in (((24, 4), 256), ((32, 8), 128), ((8, 1), 64))]
+
+
+@pytest.mark.parametrize("max_keys", [None, 1100, 33000])
+def test_plan_rules_sm90(max_keys):
+    from ddtree_compile.templates import tuning
+
+    for R, B, (Hq, Hkv), D in PLAN_SHAPES:
+        N, G = B + 1, Hq // Hkv
+        p = tuning.choose_plan("sm_90", 132, R, N, G, Hkv, D, max_keys)
+        t = p.tiles
+        assert t == tuning.attention_tiles("sm_90", D)
+        assert p.m_blocks * t.block_m >= N * G > (p.m_blocks - 1) * t.block_m  # every packed row, no empty tile
+        per_split = R * Hkv * p.m_blocks
+        assert 1 <= p.splits <= t.max_splits
+        if max_keys is not None and p.splits > 1:  # no split that the block table's keys could never fill
+            assert (p.splits - 1) * max(t.min_chunk, t.block_n) < max_keys
+        chunk = max(t.min_chunk, t.block_n)
+        capped = p.splits == t.max_splits or (max_keys is not None and p.splits * chunk >= max_keys)
+        if p.splits > 1 and not capped:  # whole waves: one more split would need one more wave
+            waves = -(-per_split * p.splits // 132)
+            assert per_split * (p.splits + 1) > waves * 132, (R, B, Hq, D, p)
+
+
+@pytest.mark.parametrize("R,rows_per_head,Hkv,want", [
+    (1, 17 * 6, 4, 32),   # Qwen B=16, R=1: 4 programs per split -> 32 (cap; 33 would fill the wave)
+    (1, 23 * 6, 4, 16),   # B=22: two 128-row tiles -> 8 programs per split -> 16 fill one wave of 132
+    (1, 65 * 6, 4, 8),    # B=64: four tiles -> 8
+    (8, 23 * 6, 4, 2),    # R=8: 64 programs per split -> 2 (4 would take 2 waves of half the keys + partials)
+    (8, 65 * 4, 8, 2),    # 192 programs: 1 split = 2 waves of the whole context, 2 = 3 waves of half
+    (32, 23 * 6, 4, 1),   # 256 programs: splitting adds no speed
+])
+def test_split_count_whole_waves(R, rows_per_head, Hkv, want):
+    from ddtree_compile.templates import tuning
+
+    t = tuning.attention_tiles("sm_90", 256)
+    mb = -(-rows_per_head // t.block_m)
+    assert tuning.num_splits(t, 132, R, Hkv, mb) == want
+    # the block table bounds the useful splits: 1104 keys / 96-key minimum chunks -> at most 12
+    assert tuning.num_splits(t, 132, R, Hkv, mb, max_keys=1104) == min(want, 12)
+
+
+def test_plan_other_arches_use_their_table():
+    from ddtree_compile.templates import tuning
+
+    assert tuning.choose_plan("sm_121", 48, 1, 23, 6, 4, 256).tiles == tuning.attention_tiles("sm_121", 256)
+    assert tuning.attention_tiles("sm_80", 128) == tuning.attention_tiles("default", 128)
 
 
 # ------------------------------------------------------------------ reference vs dense oracles (in process)
