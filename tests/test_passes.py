@@ -1,0 +1,293 @@
+"""Fast tests of the rule table, the rewrite engine, the replacement ops and the pass object.
+
+No vLLM engine here: graphs are built by hand from the real vLLM op overloads (see
+test_passes_vllm.py for vLLM's own traced graphs)."""
+
+from __future__ import annotations
+
+import copy
+import operator
+import pickle
+
+import pytest
+import torch
+from torch import fx
+
+from ddtree_compile import vllm_ops
+from ddtree_compile.passes import engine as engine_mod
+from ddtree_compile.passes import rules as rules_mod
+from ddtree_compile.passes.entry import TreeVerifyPass, tree_verify_pass
+
+AF = torch.ops.higher_order.auto_functionalized
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return engine_mod.RewriteEngine()
+
+
+def _row(**over):
+    row = dict(rules_mod.RULES[0])
+    row.update(over)
+    return row
+
+
+# --- rule table ------------------------------------------------------------------------------
+
+def test_table_rows_parse_and_cover_the_families():
+    rules = rules_mod.parse_rules()
+    assert {r.family for r in rules} == set(rules_mod.FAMILIES)
+    assert [r.name for r in rules] == [row["name"] for row in rules_mod.RULES]
+
+
+def test_rule_naming_a_missing_op_fails_loudly_naming_the_rule():
+    bad = _row(name="attention_typo", source="vllm::unified_attention_with_outptu.default")
+    with pytest.raises(rules_mod.RuleError, match=r"rule 'attention_typo'.*unified_attention_with_outptu"):
+        rules_mod.load_rules((bad,))
+    with pytest.raises(rules_mod.RuleError, match="rule 'attention_typo'"):
+        engine_mod.RewriteEngine((bad,))
+
+
+def test_rule_with_a_missing_defining_module_fails_naming_the_rule():
+    bad = _row(name="gone", defined_in="vllm.no_such_module")
+    with pytest.raises(rules_mod.RuleError, match=r"rule 'gone': cannot import 'vllm.no_such_module'"):
+        rules_mod.load_rules((bad,))
+
+
+def test_rows_of_other_platforms_and_versions_are_not_resolved():
+    other_platform = _row(name="xpu_only", platforms=("xpu",), source="vllm::not_on_cpu.default")
+    other_version = _row(name="old", vllm="<0.30", source="vllm::gone_long_ago.default")
+    active = rules_mod.load_rules((rules_mod.RULES[0], other_platform, other_version), platform="cpu")
+    assert [r.name for r, _ in active] == ["attention"]
+    # ... but on the platform it names, the xpu row is checked and fails.
+    with pytest.raises(rules_mod.RuleError, match="rule 'xpu_only'"):
+        rules_mod.load_rules((other_platform,), platform="xpu", vllm_version="0.32.0")
+
+
+def test_a_vllm_version_no_row_covers_is_refused():
+    with pytest.raises(rules_mod.RuleError, match="no rewrite rule applies to vllm 0.99.0"):
+        rules_mod.load_rules(platform="cpu", vllm_version="0.99.0")
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("family", "rnn", "family 'rnn'; allowed values"),
+    ("platforms", ("tpu",), "platforms"),
+    ("source", "unified_attention_with_output", "must look like"),
+    ("replacement", "vllm::x", "must be a ddtree:: op"),
+    ("args", ["query"], "args must be"),
+    ("vllm", "zero.three", "not a version specifier"),
+])
+def test_malformed_rows_are_rejected(field, value, msg):
+    with pytest.raises(rules_mod.RuleError, match=msg):
+        rules_mod.parse_rule(_row(**{field: value}))
+
+
+def test_duplicate_and_unknown_fields_are_rejected():
+    with pytest.raises(rules_mod.RuleError, match="duplicate rule names"):
+        rules_mod.parse_rules((rules_mod.RULES[0], rules_mod.RULES[0]))
+    with pytest.raises(rules_mod.RuleError, match="unknown fields"):
+        rules_mod.parse_rule(_row(colour="red"))
+
+
+def test_arg_mapping_must_keep_mutated_args():
+    bad = _row(name="swapped", args={"query": "key", "key": "query", "value": "value", "output": "value",
+                                      "layer_name": "layer_name"})
+    with pytest.raises(rules_mod.RuleError, match="rule 'swapped': mutated args"):
+        engine_mod.RewriteEngine((bad,))
+
+
+# --- engine on hand-built graphs ---------------------------------------------------------------
+
+def _attention_graph(n_layers=2, extra_mamba=False):
+    """Like vLLM's post-grad graph: plain KV update + auto_functionalized attention per layer."""
+    attn = torch.ops.vllm.unified_attention_with_output.default
+    kvu = torch.ops.vllm.unified_kv_cache_update.default
+    g = fx.Graph()
+    q, k, v = g.placeholder("q"), g.placeholder("k"), g.placeholder("v")
+    outs = []
+    for i in range(n_layers):
+        name = g.placeholder(f"layer_name_{i}")
+        dep = g.call_function(kvu, (k, v, name))
+        buf = g.call_function(torch.ops.aten.empty.memory_format, ([4, 2, 8],), {"dtype": torch.float32})
+        af = g.call_function(AF, (attn,), dict(query=q, key=k, value=v, output=buf, layer_name=name,
+                                               output_scale=None, output_block_scale=None,
+                                               kv_cache_dummy_dep=dep))
+        outs.append(g.call_function(operator.getitem, (af, 1)))
+    if extra_mamba:
+        name = g.placeholder("mamba_name")
+        buf = g.call_function(torch.ops.aten.empty.memory_format, ([4, 8],), {"dtype": torch.float32})
+        g.call_function(AF, (torch.ops.vllm.mamba_mixer2.default,),
+                        dict(projected_states=q, output=buf, layer_name=name))
+    g.output(tuple(outs))
+    return g
+
+
+def _code(g):
+    return g.python_code("self").src
+
+
+def test_engine_rewrites_plain_and_wrapped_calls_and_keeps_layer_name_inputs(engine):
+    g = _attention_graph()
+    before = _code(g)
+    report = engine.run(g)
+    assert report.rules["attention"] == {"matched": 2, "rewritten": 2, "already_rewritten": 0}
+    assert report.rules["kv_cache_update"] == {"matched": 2, "rewritten": 2, "already_rewritten": 0}
+    assert report.unmatched == []
+    after = _code(g)
+    assert "torch.ops.vllm." not in after
+    # Nothing but the op names changed: layer_name placeholders, kwargs, users, order.
+    assert after.replace("torch.ops.ddtree.", "torch.ops.vllm.") == before
+    for node in g.nodes:
+        op, wrapped = engine_mod.call_op(node)
+        if op is not None and op._schema.name.split("::")[0] in ("vllm", "ddtree"):
+            assert op._schema.name.startswith("ddtree::")
+            name = node.kwargs["layer_name"] if wrapped else node.args[2]
+            assert name.op == "placeholder"
+
+
+def test_engine_is_idempotent(engine):
+    g = _attention_graph()
+    engine.run(g)
+    once = _code(g)
+    report = engine.run(g)
+    assert _code(g) == once
+    assert not report.changed
+    assert report.rules["attention"]["already_rewritten"] == 2
+
+
+def test_unmatched_tree_relevant_op_is_an_error_not_a_skip(engine):
+    g = _attention_graph(n_layers=1, extra_mamba=True)
+    with pytest.raises(engine_mod.UnmatchedOpError, match=r"vllm::mamba_mixer2 x1"):
+        engine.run(g)
+    report = engine.run(_attention_graph(n_layers=1, extra_mamba=True), strict=False)
+    assert report.unmatched == ["vllm::mamba_mixer2"]
+    assert report.rules["mamba_mixer2"]["matched"] == 1 and report.rules["mamba_mixer2"]["rewritten"] == 0
+
+
+def test_plain_call_with_remapped_args_is_rewritten_positionally():
+    row = dict(rules_mod.RULES[1], args={"key": "key", "value": "value", "layer_name": "layer_name"})
+    eng = engine_mod.RewriteEngine((row,))
+    g = fx.Graph()
+    k, v, n = g.placeholder("k"), g.placeholder("v"), g.placeholder("n")
+    node = g.call_function(torch.ops.vllm.unified_kv_cache_update.default, (k,), {"value": v, "layer_name": n})
+    g.output(node)
+    eng.run(g)
+    assert node.target is torch.ops.ddtree.unified_kv_cache_update.default
+    assert node.args == (k, v, n) and node.kwargs == {}
+
+
+# --- replacement ops and the tree context -------------------------------------------------------
+
+def test_replacement_ops_have_the_original_schemas(engine):
+    for act in engine.active:
+        if act.replacement is None:
+            continue
+        src, dst = act.source._schema, act.replacement._schema
+        assert [(a.name, str(a.type), a.alias_info and a.alias_info.is_write) for a in src.arguments] == \
+               [(a.name, str(a.type), a.alias_info and a.alias_info.is_write) for a in dst.arguments]
+        assert [str(r.type) for r in src.returns] == [str(r.type) for r in dst.returns]
+
+
+def test_tree_context_api():
+    from ddtree_compile.tree import ancestor_closure, pack_bits
+
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    anc = ancestor_closure(parents, 3)
+    meta = vllm_ops.TreeVerifyMetadata(ancestor_bits=pack_bits(anc), depths=anc.sum(-1) - 1, parents=parents)
+    assert (meta.num_requests, meta.num_slots) == (1, 4)
+    assert vllm_ops.current_tree_verify() is None
+    with vllm_ops.tree_verify(meta) as m:
+        assert vllm_ops.current_tree_verify() is m is meta
+        inner = vllm_ops.TreeVerifyMetadata(ancestor_bits=meta.ancestor_bits, depths=meta.depths, parents=parents)
+        with vllm_ops.tree_verify(inner):
+            assert vllm_ops.current_tree_verify() is inner
+        assert vllm_ops.current_tree_verify() is meta
+    assert vllm_ops.current_tree_verify() is None
+    with pytest.raises(ValueError, match="expected TreeVerifyMetadata"):
+        vllm_ops.set_tree_verify({"parents": parents})
+
+
+def test_cpu_kv_views_read_what_vllm_writes():
+    """The logical [NB, bs, Hkv, D] views of the CPU cache see the K/V that vLLM's own write op put there."""
+    import vllm._custom_ops as ops
+
+    class Layer:
+        isa = "vec"
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        nb, hkv, bs, d, t = 4, 2, 32, 64, 50
+        cache = torch.full((nb, hkv, bs, 2 * d), float("nan"), dtype=dtype)
+        kc, vc = cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
+        key, value = torch.randn(t, hkv, d, generator=g).to(dtype), torch.randn(t, hkv, d, generator=g).to(dtype)
+        slots = torch.randperm(nb * bs, generator=g)[:t]
+        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, "vec")
+        kview, vview = vllm_ops._cpu_kv_views(Layer(), cache)
+        assert kview.shape == vview.shape == (nb, bs, hkv, d)
+        assert torch.equal(kview[slots // bs, slots % bs], key)
+        assert torch.equal(vview[slots // bs, slots % bs], value)
+    Layer.isa = "amx"
+    with pytest.raises(NotImplementedError, match="ISA 'amx'"):
+        vllm_ops._cpu_kv_views(Layer(), cache)
+
+
+# --- the pass object vLLM calls ----------------------------------------------------------------
+
+def test_pass_uuid_is_stable_and_keys_on_the_rules(monkeypatch):
+    u = tree_verify_pass.uuid()
+    assert u == TreeVerifyPass().uuid() and len(u) == 64
+    monkeypatch.setattr(rules_mod, "RULES", rules_mod.RULES[:-1])
+    assert TreeVerifyPass().uuid() != u
+
+
+def test_pass_is_a_vllm_inductor_pass_and_pickles_as_the_singleton():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from vllm.compilation.passes.inductor_pass import InductorPass
+
+    assert isinstance(tree_verify_pass, InductorPass) and isinstance(tree_verify_pass, CustomGraphPass)
+    assert pickle.loads(pickle.dumps(tree_verify_pass)) is tree_verify_pass
+    assert copy.deepcopy(tree_verify_pass) is tree_verify_pass
+    assert tree_verify_pass.is_applicable_for_range(None)
+
+
+def test_package_exports_the_pass_for_vllms_qualname_lookup():
+    import ddtree_compile
+    from vllm.config import CompilationConfig
+
+    # vLLM: __import__("ddtree_compile").__dict__["tree_verify_pass"] (no module __getattr__).
+    assert ddtree_compile.__dict__.get("tree_verify_pass") is tree_verify_pass
+    cc = CompilationConfig(inductor_passes={"post_grad_custom_post_pass": "ddtree_compile.tree_verify_pass"})
+    assert cc.inductor_compile_config["post_grad_custom_post_pass"] is tree_verify_pass
+    # vLLM's compile-cache key covers the pass through its uuid().
+    h = cc.compute_hash()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TreeVerifyPass, "uuid", lambda self: "another-rule-table")
+        assert CompilationConfig(inductor_passes={"post_grad_custom_post_pass": "ddtree_compile.tree_verify_pass"}
+                                 ).compute_hash() != h
+
+
+def test_pass_rewrites_a_graph_and_records_a_report():
+    p = TreeVerifyPass()
+    seen = []
+    p.observers.append(lambda before, graph, report: seen.append((before, report)))
+    g = _attention_graph(n_layers=1)
+    p(g)
+    assert len(p.reports) == 1 and p.reports[0].rules["attention"]["rewritten"] == 1
+    assert seen and "torch.ops.vllm.unified_attention_with_output" in seen[0][0]
+
+
+def test_gpu_compilation_config_sees_and_splits_at_the_replacements():
+    from vllm.config import CompilationConfig
+
+    from ddtree_compile.passes.entry import compilation_config
+
+    assert compilation_config("cpu") == {"inductor_passes": {
+        "post_grad_custom_post_pass": "ddtree_compile.tree_verify_pass"}}
+    cfg = compilation_config("cuda")
+    assert cfg["use_inductor_graph_partition"] is True
+    for op in ("vllm::unified_attention_with_output", "vllm::qwen_gdn_attention_core",
+               "ddtree::unified_attention_with_output", "ddtree::qwen_gdn_attention_core",
+               "ddtree::qwen_gdn_attention_core_fused_norm_packed"):
+        assert op in cfg["splitting_ops"]
+    cc = CompilationConfig(**cfg)  # vLLM accepts it
+    assert cc.inductor_compile_config["post_grad_custom_post_pass"] is tree_verify_pass
