@@ -5,11 +5,9 @@ independent expectation: destination positions hold the accepted nodes' K/V, eve
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from _interp import run_interpreted
 import torch
 
 # name -> case: per-request (context length, accepted slots); layers; layout; identity moves kept or -1.
@@ -94,11 +92,7 @@ def _interp_main() -> None:
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
+from _interp import run_interpreted
 import torch
 
 from ddtree_compile.tree import ancestor_closure, pack_bits
@@ -209,11 +207,7 @@ def _interp_main() -> None:
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("name", list(CASES) + [n + "_rerun" for n in RERUN])
