@@ -5,3 +5,29 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub, ever
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in the interpreter on CPU
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in-process: faster, patchable
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _collect_only_between_engines():
+    """Cyclic garbage is collected at safe points only: after each test and in engines.shutdown.
+
+    vLLM's CPU GEMM handles have a `__del__` that fails inside a fake-tensor trace, and an automatic
+    collection can fall inside the next engine's compile (ddtree_compile/engines.py); vLLM itself
+    turns the collector off around CUDA graph capture for the same kind of reason.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if was_enabled:
+        gc.enable()
+
+
+@pytest.fixture(autouse=True)
+def _collect_after_each_test():
+    yield
+    gc.collect()

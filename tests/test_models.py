@@ -5,14 +5,13 @@ the worker's calls) and eager (the compile path is covered by the pass tests). E
 fixture runs its generations, shuts the engine down and returns plain data.
 """
 
-import gc
 import json
 import os
 
 import pytest
 import torch
 
-from ddtree_compile import models
+from ddtree_compile import engines, models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read by huggingface_hub at import time
 
@@ -130,7 +129,6 @@ class _OpCounter:
 def _generate(model_dir, drafter_dir=None, eager=True):
     """Greedy outputs and spec-decode counters of one engine, which is then shut down."""
     from vllm import LLM, SamplingParams
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     kwargs = models.tiny_llm_kwargs(model_dir, enforce_eager=eager, disable_log_stats=False)
     if drafter_dir is not None:
@@ -146,10 +144,7 @@ def _generate(model_dir, drafter_dir=None, eager=True):
     metrics = {
         m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name
     }
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
+    engines.shutdown(llm)
     return {"outputs": outs, "metrics": metrics}
 
 
