@@ -1,4 +1,4 @@
-"""`ddtree-compile` command line: demo, dump."""
+"""`ddtree-compile` command line: demo (vLLM + DDTree end to end), round (one toy round), dump."""
 
 from __future__ import annotations
 
@@ -10,10 +10,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree-compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run a DDTree round on a tiny built-in example")
-    demo.add_argument("--budget", type=int, default=12)
-    demo.add_argument("--top-k", type=int, default=3)
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser("demo", help="vLLM with DDTree on the embedded tiny hybrid model, checked against "
+                                       "no speculation")
+    demo.add_argument("--model", choices=("qwen3_5", "qwen3_next", "qwen3"), default="qwen3_5")
+    demo.add_argument("--budget", type=int, default=16)
+    demo.add_argument("--top-k", type=int, default=4)
+    demo.add_argument("--draft-len", type=int, default=8)
+    demo.add_argument("--max-tokens", type=int, default=96)
+
+    rnd = sub.add_parser("round", help="one DDTree round (build, walk, commit plan) on a toy example, no vLLM")
+    rnd.add_argument("--budget", type=int, default=12)
+    rnd.add_argument("--top-k", type=int, default=3)
+    rnd.add_argument("--seed", type=int, default=0)
 
     try:
         from . import dump
@@ -24,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "demo":
+        from .e2e_demo import run_e2e_demo
+
+        result = run_e2e_demo(kind=args.model, budget=args.budget, top_k=args.top_k, draft_len=args.draft_len,
+                              max_tokens=args.max_tokens)
+        return 0 if result["ok"] else 1
+    if args.command == "round":
         from .demo import run_demo
 
         run_demo(budget=args.budget, top_k=args.top_k, seed=args.seed)

@@ -47,12 +47,12 @@ def shutdown(llm) -> None:
 
 
 def _modules(runner) -> set[int]:
-    """ids of every module of the target and the drafter (closes the DDTree metrics on the way)."""
+    """ids of every module of the target and the drafter (closes the DDTree state on the way)."""
     if runner is None:
         return set()
     state = getattr(runner, "_ddtree", None)
     if state is not None:
-        state.metrics.close()
+        state.close()
     tops = (runner.model, getattr(getattr(runner, "drafter", None), "model", None))
     return {id(m) for top in tops if top is not None for m in top.modules()}
 

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="session")
 def _collect_only_between_engines():
-    """Cyclic garbage is collected at safe points only: after each test and in engines.shutdown.
+    """Cyclic garbage is collected at safe points only: after each test module and in engines.shutdown.
 
     vLLM's CPU GEMM handles have a `__del__` that fails inside a fake-tensor trace, and an automatic
     collection can fall inside the next engine's compile (ddtree_compile/engines.py); vLLM itself
@@ -27,7 +27,7 @@ def _collect_only_between_engines():
         gc.enable()
 
 
-@pytest.fixture(autouse=True)
-def _collect_after_each_test():
+@pytest.fixture(autouse=True, scope="module")
+def _collect_after_each_module():
     yield
     gc.collect()

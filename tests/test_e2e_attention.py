@@ -1,0 +1,131 @@
+"""End to end, attention-only tiny Qwen3: vLLM with the DDTree switch == vLLM without speculation.
+
+Greedy, token for token, several prompts, batch 4 and batch 1, 200 generated tokens, budgets
+{1, 8, 22, 40}, with the random drafter (accepts ~nothing: every round still verifies a full tree)
+and with the harness drafter (deep accepts, sibling branches, full blocks, zero accepts, asserted
+from the DDTree counters). Float32 engines: this test is about the tree algorithm, and bf16 logits
+of the tiny model hold exact ties that any change in accumulation order flips (tests/test_e2e_hybrid.py
+covers bf16 with the regret gate). Also: budget == draft length with top_k = 1 reproduces flat
+DFlash's accepted counts exactly.
+"""
+
+import pytest
+
+from ddtree_compile import config, harness, metrics, models, plugin
+
+DRAFT_LEN, TOP_K, MAX_TOKENS = 7, 4, 200
+BUDGETS = (1, 8, 22, 40)
+PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ddtree_plugin():
+    plugin.register()  # what vLLM's entry point does once the package is installed
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e_attn")
+    target = models.write_tiny_model("qwen3", root / "qwen3")
+    return {"target": target, "drafter": models.write_tiny_dflash_drafter(target, root / "dflash")}
+
+
+def _llm(dirs, **kw):
+    from vllm import LLM
+
+    return LLM(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, dtype="float32", **kw))
+
+
+@pytest.fixture(scope="module")
+def reference(dirs):
+    llm = _llm(dirs)
+    try:
+        return {"b4": harness.generate(llm, PROMPTS, MAX_TOKENS), "b1": harness.generate(llm, PROMPTS[:1], MAX_TOKENS)}
+    finally:
+        harness.shutdown(llm)
+
+
+def test_reference_outputs_vary(reference):
+    outs = reference["b4"]
+    assert all(len(o) == MAX_TOKENS for o in outs)
+    assert min(len(set(o)) for o in outs) >= MAX_TOKENS // 4  # not one repeated token
+    assert len({tuple(o) for o in outs}) == len(outs)
+
+
+@pytest.fixture(scope="module", params=BUDGETS, ids=lambda b: f"budget{b}")
+def budget_run(request, dirs, reference):
+    """One DDTree engine per budget: random drafter, then the harness drafter, batch 4 and batch 1."""
+    budget = request.param
+    llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=budget, top_k=TOP_K,
+                                          num_speculative_tokens=DRAFT_LEN))
+    try:
+        out = {"budget": budget}
+        out["random"] = {"b4": harness.generate(llm, PROMPTS, MAX_TOKENS),
+                         "b1": harness.generate(llm, PROMPTS[:1], MAX_TOKENS)}
+        out["random_counters"] = metrics.collect(llm)[0]
+        ref = harness.reference_from_outputs(PROMPTS, reference["b4"])
+        h = harness.DraftHarness(ref).install(llm)
+        out["harness"] = {"b4": harness.generate(llm, PROMPTS, MAX_TOKENS),
+                          "b1": harness.generate(llm, PROMPTS[:1], MAX_TOKENS)}
+        h.uninstall()
+        out["harness_counters"] = harness.counters_delta(metrics.collect(llm)[0], out["random_counters"])
+        for name in ("random_counters", "harness_counters"):
+            c = out[name]
+            print(f"\nbudget {budget}, {name.split('_')[0]} drafter: {metrics.format_line(c)}; "
+                  f"accept depth histogram {c['accept_depth_histogram']}")
+        return out
+    finally:
+        harness.shutdown(llm)
+
+
+def test_random_drafter_equals_no_speculation(budget_run, reference):
+    assert budget_run["random"] == reference
+    c = budget_run["random_counters"]
+    assert c["tree_steps"] > 0 and c["chain_steps"] == 0 and c["fallback_total"] == 0
+    # Every round verified the whole budget (a tree never has padding slots).
+    assert c["nodes_verified"] == c["tree_requests"] * budget_run["budget"]
+
+
+def test_harness_drafter_equals_no_speculation(budget_run, reference):
+    assert budget_run["harness"] == reference
+
+
+def test_harness_drives_deep_sibling_full_and_zero_accepts(budget_run):
+    c, budget = budget_run["harness_counters"], budget_run["budget"]
+    depth_cap = min(budget, DRAFT_LEN)
+    hist = c["accept_depth_histogram"]
+    assert hist[0] > 0 and c["zero_accepts"] > 0  # zero accepts
+    assert c["full_accepts"] > 0 and hist[depth_cap] > 0  # whole blocks
+    if budget > DRAFT_LEN - 2:
+        assert max(d for d, n in enumerate(hist) if n) > 5  # deep accepts
+    if budget > DRAFT_LEN:  # spare budget beyond the top-1 chain holds siblings
+        assert c["sibling_rounds"] > 0 and c["sibling_nodes"] > 0
+    else:
+        assert c["sibling_rounds"] == 0  # chain-seeded tree == the chain
+
+
+def test_flat_dflash_parity_with_budget_equal_draft_len_top_k_1(dirs, reference):
+    """budget == num_speculative_tokens, top_k = 1: vLLM's own accepted counts, round for round."""
+    counters = {}
+    for name, kw in (("flat", {"speculative_config": {"method": "dflash", "model": str(dirs["drafter"]),
+                                                       "num_speculative_tokens": DRAFT_LEN}}),
+                     ("ddtree", config.vllm_kwargs(dirs["drafter"], budget=DRAFT_LEN, top_k=1,
+                                                   num_speculative_tokens=DRAFT_LEN))):
+        llm = _llm(dirs, disable_log_stats=False, **kw)
+        try:
+            random_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+            random_counts = harness.spec_counters(llm)
+            h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, reference["b4"])).install(llm)
+            harness_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+            h.uninstall()
+            counters[name] = (random_counts, harness.spec_counters(llm))
+            assert random_out == reference["b4"] and harness_out == reference["b4"]
+            if name == "ddtree":
+                assert metrics.collect(llm)[0]["tree_steps"] > 0
+        finally:
+            harness.shutdown(llm)
+    print(f"\nflat DFlash vs DDTree(budget={DRAFT_LEN}, top_k=1), random then +harness: {counters}")
+    assert counters["ddtree"] == counters["flat"]
+    harness_counts = counters["flat"][1]
+    assert harness_counts["vllm:spec_decode_num_accepted_tokens"] > counters["flat"][0][
+        "vllm:spec_decode_num_accepted_tokens"] + 100  # the harness rounds really accepted drafts

@@ -1,0 +1,238 @@
+"""The DDTree switch: settings, start-up errors, and fallbacks that are counted and logged.
+
+Unit checks need no engine; the engine checks start tiny eager float32 qwen3 engines in-process.
+"""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from ddtree_compile import config, harness, metrics, models, plugin, runner, vllm_ops, vllm_patch
+
+PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=1)
+MAX_TOKENS = 48
+
+
+# ---------------------------------------------------------------- settings (no engine)
+
+
+def test_vllm_kwargs_is_the_switch():
+    kw = config.vllm_kwargs("/drafter", budget=22, top_k=8, temperature=0.7, chain_seed=False,
+                            num_speculative_tokens=15)
+    assert kw["speculative_config"] == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 22}
+    assert kw["additional_config"] == {"ddtree": {"budget": 22, "top_k": 8, "temperature": 0.7, "chain_seed": False,
+                                                  "draft_len": 15, "gdn_state": "replay", "log_interval": 100}}
+    assert config.parse(kw["additional_config"]) == config.DDTreeConfig(22, 8, 0.7, False, 15)
+    # vLLM's slots hold the larger of the tree and the drafter's block.
+    assert config.vllm_kwargs("/d", budget=4, num_speculative_tokens=15)["speculative_config"][
+        "num_speculative_tokens"] == 15
+    # A top_k=1 tree is the chain: never more nodes than the draft length.
+    assert config.vllm_kwargs("/d", budget=22, top_k=1, num_speculative_tokens=7)["speculative_config"][
+        "num_speculative_tokens"] == 7
+    args = config.cli_args("/d", budget=8, num_speculative_tokens=7)
+    assert args[0] == "--speculative-config" and args[2] == "--additional-config"
+
+
+def test_effective_budget():
+    assert config.effective_budget(22, 1, 7) == 7
+    assert config.effective_budget(22, 4, 7) == 22
+    assert config.effective_budget(40, 2, 3) == 2 + 4 + 8
+    assert config.effective_budget(1, 8, 15) == 1
+
+
+@pytest.mark.parametrize("raw,field", [
+    ({"budget": 0}, "budget"), ({"budget": 2000}, "budget"), ({"budget": 8, "top_k": 0}, "top_k"),
+    ({"budget": 8, "temperature": 0}, "temperature"), ({"budget": 8, "temperature": float("nan")}, "temperature"),
+    ({"budget": 8, "chain_seed": "yes"}, "chain_seed"), ({"budget": 8, "draft_len": 0}, "draft_len"),
+    ({"budget": 8, "gdn_state": "copy"}, "gdn_state"), ({"budget": "8"}, "budget"),
+])
+def test_bad_values_name_the_field(raw, field):
+    with pytest.raises(ValueError, match=rf"\['ddtree'\]\['{field}'\]"):
+        config.parse({"ddtree": raw})
+
+
+def test_parse_shapes():
+    assert config.parse(None) is None and config.parse({}) is None and config.parse({"other": 1}) is None
+    with pytest.raises(ValueError, match="unknown keys.*allowed keys: budget"):
+        config.parse({"ddtree": {"budget": 8, "topk": 4}})
+    with pytest.raises(ValueError, match="needs 'budget'"):
+        config.parse({"ddtree": {"top_k": 4}})
+    with pytest.raises(ValueError, match="must be a dict"):
+        config.parse({"ddtree": 8})
+
+
+def _vllm_config(method="dflash", K=8, block=16, hybrid=False, padded=True):
+    sc = SimpleNamespace(method=method, num_speculative_tokens=K, disable_padded_drafter_batch=not padded,
+                         draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(block_size=block)))
+    return SimpleNamespace(speculative_config=sc, model_config=SimpleNamespace(is_hybrid=hybrid))
+
+
+def test_startup_validation_against_vllm_settings():
+    cfg = config.DDTreeConfig(budget=8, top_k=4)
+    assert runner.validate(_vllm_config(K=15), cfg) == (15, 15)  # draft length: the drafter's block - 1
+    assert runner.validate(_vllm_config(K=8), cfg) == (8, 8)  # ... capped by vLLM's slots
+    with pytest.raises(ValueError, match="needs speculative_config method 'dflash'.*'eagle3'"):
+        runner.validate(_vllm_config(method="eagle3"), cfg)
+    with pytest.raises(ValueError, match="method None"):
+        runner.validate(SimpleNamespace(speculative_config=None), cfg)
+    with pytest.raises(ValueError, match=r"budget'\] = 22 needs speculative_config.num_speculative_tokens >= 22"):
+        runner.validate(_vllm_config(K=15), config.DDTreeConfig(budget=22, top_k=4))
+    with pytest.raises(ValueError, match=r"draft_len'\] = 9 exceeds"):
+        runner.validate(_vllm_config(K=8), config.DDTreeConfig(budget=8, draft_len=9))
+    with pytest.raises(ValueError, match="hybrid.*must equal the budget"):
+        runner.validate(_vllm_config(K=15, hybrid=True), cfg)
+    assert runner.validate(_vllm_config(K=8, hybrid=True), config.DDTreeConfig(budget=8, draft_len=8)) == (8, 8)
+    with pytest.raises(ValueError, match="padded drafter batch"):
+        runner.validate(_vllm_config(padded=False), cfg)
+
+
+def test_unknown_vllm_version_is_refused_and_plugin_falls_back(monkeypatch, caplog):
+    with pytest.raises(vllm_patch.UnsupportedVLLM, match=r"vLLM 0.31.2 is not supported.*0.32.x"):
+        vllm_patch.check_version("0.31.2")
+    assert vllm_patch.check_version("0.32.0+cpu") == "0.32.0+cpu"
+    monkeypatch.setattr(vllm_patch, "vllm_version", lambda: "0.40.0")
+    monkeypatch.setattr(plugin, "_DONE", False)
+    monkeypatch.setattr(vllm_patch, "install", lambda: vllm_patch.check_version())
+    before = sum(metrics.PROCESS_STARTUP_FALLBACKS.values())
+    with caplog.at_level(logging.WARNING, logger="ddtree_compile"):
+        plugin.register()
+    assert sum(metrics.PROCESS_STARTUP_FALLBACKS.values()) == before + 1
+    assert "vLLM 0.40.0 is not supported" in caplog.text and "run as flat DFlash" in caplog.text
+
+
+def test_unsupported_request_reasons():
+    from vllm import SamplingParams
+
+    assert runner.unsupported_reason(SamplingParams(temperature=0)) is None
+    assert runner.unsupported_reason(SamplingParams(temperature=0.8, seed=3)) is None
+    assert runner.unsupported_reason(SamplingParams(logprobs=1)) == "logprobs"
+    assert runner.unsupported_reason(SamplingParams(repetition_penalty=1.1)) == "penalties"
+    assert runner.unsupported_reason(SamplingParams(temperature=0.8, top_p=0.9)) == "top_k/top_p/min_p"
+    assert runner.unsupported_reason(SamplingParams(temperature=0, top_k=5)) is None  # greedy ignores top_k
+    assert runner.unsupported_reason(SamplingParams(min_tokens=3)) == "min_tokens"
+
+
+# ---------------------------------------------------------------- engines
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ddtree_plugin():
+    plugin.register()
+
+
+@pytest.fixture(autouse=True)
+def _capture_ddtree_log(monkeypatch):
+    monkeypatch.setattr(metrics.logger, "propagate", True)  # caplog listens on the root logger
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e_cfg")
+    target = models.write_tiny_model("qwen3", root / "qwen3", seed=1)
+    return {"target": target, "drafter": models.write_tiny_dflash_drafter(target, root / "dflash", seed=1)}
+
+
+def _llm(dirs, **kw):
+    from vllm import LLM
+
+    return LLM(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, dtype="float32", **kw))
+
+
+def test_bad_budget_for_vllm_slots_fails_at_start(dirs):
+    kw = {"speculative_config": {"method": "dflash", "model": str(dirs["drafter"]), "num_speculative_tokens": 4},
+          "additional_config": {"ddtree": {"budget": 16, "top_k": 4}}}
+    with pytest.raises(Exception, match="num_speculative_tokens >= 16"):
+        _llm(dirs, **kw)
+
+
+def test_non_dflash_method_fails_at_start(dirs):
+    # (Not ngram: importing numba leaves an llvmlite object that breaks vLLM's CPU kernel-override scan
+    # for every later engine of the process.)
+    kw = {"speculative_config": {"method": "draft_model", "model": str(dirs["target"]), "num_speculative_tokens": 4},
+          "additional_config": {"ddtree": {"budget": 4}}}
+    with pytest.raises(Exception, match="needs speculative_config method 'dflash'.*'draft_model'"):
+        _llm(dirs, **kw)
+
+
+def _mixed_params():
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1),
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3),
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.5)]
+
+
+def _staggered_params():
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, MAX_TOKENS, 25, MAX_TOKENS)]
+
+
+def _tokens(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(dirs):
+    llm = _llm(dirs)
+    try:
+        return {"greedy": harness.generate(llm, PROMPTS, MAX_TOKENS),
+                "mixed": _tokens(llm.generate(PROMPTS, _mixed_params(), use_tqdm=False)),
+                "staggered": _tokens(llm.generate(PROMPTS, _staggered_params(), use_tqdm=False))}
+    finally:
+        harness.shutdown(llm)
+
+
+def test_unsupported_attention_backend_starts_as_flat_dflash(dirs, reference, monkeypatch, caplog):
+    monkeypatch.setattr(vllm_ops, "KV_LAYOUTS", {"FLASH_ATTN": vllm_ops.KV_LAYOUTS["FLASH_ATTN"]})
+    before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
+    with caplog.at_level(logging.WARNING, logger="ddtree_compile"):
+        llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4, num_speculative_tokens=7))
+    try:
+        assert metrics.collect(llm) == []  # no DDTree runner: vLLM's flat DFlash
+        assert harness.generate(llm, PROMPTS, MAX_TOKENS) == reference["greedy"]
+    finally:
+        harness.shutdown(llm)
+    new = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if v != before.get(k, 0)}
+    assert len(new) == 1 and "attention backend CPU_ATTN" in next(iter(new))
+    msgs = [r.getMessage() for r in caplog.records if "cannot run here" in r.getMessage()]
+    assert len(msgs) == 1 and "Starting as flat DFlash" in msgs[0]
+
+
+def test_per_request_features_fall_back_to_the_chain(dirs, reference, caplog):
+    with caplog.at_level(logging.WARNING, logger="ddtree_compile"):
+        llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4, num_speculative_tokens=7))
+        try:
+            outs = llm.generate(PROMPTS, _mixed_params(), use_tqdm=False)
+            c = metrics.collect(llm)[0]
+        finally:
+            harness.shutdown(llm)
+    assert _tokens(outs) == reference["mixed"]
+    assert all(len(o.outputs[0].logprobs or []) == MAX_TOKENS for o in outs[1:2])  # logprobs still served
+    assert set(c["fallback_requests"]) == {"logprobs", "penalties"}
+    assert c["fallback_requests"]["penalties"] >= 2 * c["fallback_requests"]["logprobs"] > 0
+    assert c["tree_requests"] > 0 and c["tree_steps"] > 0  # the plain request still ran as a tree
+    logged = [r.getMessage() for r in caplog.records if "verified as a flat DFlash chain" in r.getMessage()]
+    assert len(logged) == 2  # once per reason
+
+
+def test_mixed_batches_verify_as_chain_and_are_counted(dirs, reference):
+    import torch
+
+    vllm_attention = torch.ops.vllm.unified_attention_with_output
+    llm = _llm(dirs, max_num_seqs=2, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4,
+                                                          num_speculative_tokens=7))
+    try:
+        # An eager engine reaches the tree templates through the ddtree mirror ops ...
+        assert torch.ops.vllm.unified_attention_with_output is torch.ops.ddtree.unified_attention_with_output
+        outs = _tokens(llm.generate(PROMPTS, _staggered_params(), use_tqdm=False))
+        c = metrics.collect(llm)[0]
+    finally:
+        harness.shutdown(llm)
+    # ... and gives vLLM's ops back at shutdown (later engines and compiles of the process see them).
+    assert torch.ops.vllm.unified_attention_with_output is vllm_attention
+    assert outs == reference["staggered"]
+    assert c["chain_steps"] > 0 and c["tree_steps"] > 0
+    assert any(k.startswith("mixed batch") for k in c["fallback_steps"])
