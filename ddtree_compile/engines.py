@@ -60,6 +60,6 @@ def _modules(runner) -> set[int]:
 def _drop_bytecode_hooks(modules: set[int]) -> None:
     import torch
 
-    hooks = torch._dynamo.convert_frame._bytecode_hooks  # private: see the module docstring
+    hooks = getattr(torch._dynamo.convert_frame, "_bytecode_hooks", {})  # private: see the module docstring
     for key in [k for k, h in hooks.items() if id(getattr(h, "__self__", None)) in modules]:
         del hooks[key]

@@ -9,7 +9,8 @@ Eager engines (enforce_eager, compilation mode NONE) have no compiled graph for 
 pass to rewrite. There the model code's `torch.ops.vllm.<op>` lookups are pointed at the same
 `ddtree::<op>` mirror ops the pass puts into compiled graphs (`redirect_ops_for_eager`). A mirror
 op calls the original unless a tree verify is active (vllm_ops.py), so the redirect changes
-nothing for any other engine or step of this process.
+nothing for any other engine or step of this process; the last eager DDTree engine's
+shutdown (engines.shutdown) restores vLLM's ops.
 """
 
 from __future__ import annotations

@@ -31,3 +31,20 @@ def _collect_only_between_engines():
 def _collect_after_each_module():
     yield
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def compile_caches_off(tmp_path_factory):
+    """Every engine of the module compiles afresh, so the tree-verify pass really runs (a cached
+    artifact would skip it)."""
+    import torch._inductor.config as inductor_config
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
+    mp.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm_cache")))
+    # Inductor read that variable when it was imported: set its config too, through its own patch()
+    # (monkeypatch's undo deletes a torch config entry instead of restoring it).
+    with inductor_config.patch(force_disable_caches=True):
+        yield
+    mp.undo()

@@ -15,14 +15,8 @@ MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _env(tmp_path_factory):
+def _env(compile_caches_off):
     mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")  # a cached artifact would skip the pass
-    mp.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
-    import torch._inductor.config as inductor_config
-
-    mp.setattr(inductor_config, "force_disable_caches", True)
-    mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm_cache")))
     # vLLM resolves the pass as ddtree_compile.tree_verify_pass (the package re-exports it; kept explicit).
     mp.setattr(ddtree_compile, "tree_verify_pass", tree_verify_pass, raising=False)
     plugin.register()

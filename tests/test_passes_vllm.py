@@ -34,17 +34,9 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _env(tmp_path_factory):
+def _env(compile_caches_off):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: drivable, observable
-    mp.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")  # a cached artifact would skip the pass
-    mp.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
-    # Inductor read that variable when it was imported (test collection): set its config too, or a
-    # warm FX-graph cache (keyed by the pass uuid) returns the rewritten graph without a pass run.
-    import torch._inductor.config as inductor_config
-
-    mp.setattr(inductor_config, "force_disable_caches", True)
-    mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm_cache")))
     # The lead re-exports the pass from the package; make the qualname resolvable regardless.
     mp.setattr(ddtree_compile, "tree_verify_pass", tree_verify_pass, raising=False)
     yield
