@@ -37,15 +37,24 @@ class CommitStage:
         for hook in self.round_hooks:
             hook(self, step)
 
+    def _cache_views(self) -> dict:
+        """Per KV cache group, the layers' cache views, built once: the caches exist from attach on
+        (vllm_patch attaches after initialize_kv_cache) and keep their storage."""
+        if self._views is None:
+            kv = {}
+            for gid, names in self._kv_groups.items():
+                pairs = [vllm_ops.kv_cache_views(self._layer(n), self._layer(n).kv_cache) for n in names]
+                kv[gid] = ([k for k, _ in pairs], [v for _, v in pairs])
+            gdn = {}
+            for gid, names in self._gdn_groups.items():
+                views = [vllm_ops._gdn_state_views(self._layer(n)) for n in names]
+                gdn[gid] = ([c for c, _, _ in views], [s for _, s, _ in views], views[0][2].shape[-1])
+            self._views = {"kv": kv, "gdn": gdn}
+        return self._views
+
     def _commit_kv(self, step: Step) -> None:
         plan = commit_plan(step.walk, step.start)
-        for gid, names in self._kv_groups.items():
-            keys, values = [], []
-            for n in names:
-                layer = self._layer(n)
-                k, v = vllm_ops.kv_cache_views(layer, layer.kv_cache)
-                keys.append(k)
-                values.append(v)
+        for gid, (keys, values) in self._cache_views()["kv"].items():
             torch.ops.ddtree.kv_compact(keys, values, step.block_tables[gid].to(torch.int32),
                                         plan.src_pos, plan.dst_pos)
 
@@ -60,12 +69,7 @@ class CommitStage:
         committed = None
         for gid, names in self._gdn_groups.items():
             state_indices, verify_num_accepted = step.gdn_groups[gid]
-            convs, ssms, width = [], [], None
-            for n in names:
-                conv, ssm, weight = vllm_ops._gdn_state_views(self._layer(n))
-                convs.append(conv)
-                ssms.append(ssm)
-                width = weight.shape[-1]
+            convs, ssms, width = self._cache_views()["gdn"][gid]
             before = None
             if self.commit_hooks:  # the requests' conv lines as the verify left them
                 before = {"conv_lines": [c[state_indices[:, 0].long()].clone() for c in convs]}

@@ -87,6 +87,7 @@ class DDTreeState(DraftStage, VerifyStage, WalkStage, CommitStage):
         self.pending: Pending | None = None
         self.step: Step | None = None
         self._captured: torch.Tensor | None = None
+        self._views: dict | None = None  # commit: per-group cache views (CommitStage._cache_views)
         self._reasons: dict[str, str | None] = {}
         self._seeds: dict[str, int] = {}
         self._rng = random.Random(runner.vllm_config.model_config.seed or 0)
