@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow bench-cpu clean
+.PHONY: setup demo test test-slow test-layouts bench-cpu clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The whole suite on the vec16 KV layout whatever this CPU would pick (README: CPU KV-cache layouts).
+test-layouts: $(STAMP)
+	DDTREE_TEST_CPU_ATTN_ISA=vec16 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

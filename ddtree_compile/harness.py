@@ -161,6 +161,8 @@ def counters_delta(after: dict, before: dict) -> dict:
         b = before.get(k)
         if isinstance(v, (int, float)) and isinstance(b, (int, float)) and not isinstance(v, bool):
             out[k] = v - b
+        elif k == "kv_layouts":
+            out[k] = v
         elif isinstance(v, list) and isinstance(b, list) and len(v) == len(b):
             out[k] = [x - y for x, y in zip(v, b)]
     if "nodes_accepted" in out:  # derived fields: recomputed, not differenced

@@ -51,6 +51,18 @@ logger = _logger()
 _COLS = ("tree_requests", "nodes_verified", "nodes_accepted", "sibling_rounds", "sibling_nodes",
          "full_accepts", "zero_accepts")
 PROCESS_STARTUP_FALLBACKS: collections.Counter = collections.Counter()  # reason -> engines, this process
+_REFUSED: set[str] = set()
+
+
+def refuse_once(reason: str, consequence: str) -> None:
+    """DDTree cannot run in this process (e.g. a vLLM outside the adapters' window): counted and
+    logged once per reason and consequence, so every caller that meets it says what it does instead."""
+    key = f"{reason} ({consequence})"
+    if key in _REFUSED:
+        return
+    _REFUSED.add(key)
+    PROCESS_STARTUP_FALLBACKS[reason] += 1
+    logger.warning("ddtree_compile: %s; %s.", reason, consequence)
 _LOCK = threading.Lock()
 _REGISTRY: list = []  # live DDTreeMetrics of this process (one per DDTree runner)
 
@@ -66,6 +78,7 @@ class DDTreeMetrics:
         self.fallback_steps: collections.Counter = collections.Counter()  # reason -> steps
         self.fallback_requests: collections.Counter = collections.Counter()  # reason -> request rounds
         self.seconds: collections.Counter = collections.Counter()  # phase -> wall seconds
+        self.kv_layouts: list[str] = []  # the attention layers' KV-cache layouts (kv_layouts.py)
         with _LOCK:
             _REGISTRY.append(self)
 
@@ -108,6 +121,7 @@ class DDTreeMetrics:
             "fallback_requests": dict(self.fallback_requests),
             "fallback_total": sum(self.fallback_steps.values()) + sum(self.fallback_requests.values()),
             "seconds": dict(self.seconds),
+            "kv_layouts": list(self.kv_layouts),
         }
 
     def maybe_log(self) -> None:

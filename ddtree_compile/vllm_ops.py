@@ -165,50 +165,12 @@ def registered_replacements() -> dict[str, torch._ops.OpOverload]:
 # Attention: KV-cache views and the tree path
 # ---------------------------------------------------------------------------------------------
 
-def _cpu_kv_views(layer, kv_cache):
-    """CPU_ATTN cache [NB, Hkv, bs, 2D] -> logical [NB, bs, Hkv, D] K and V views (no copy).
+def kv_layout(layer):
+    """The KV-cache layout of an attention layer (ddtree_compile.kv_layouts); raises
+    NotImplementedError for layouts the tree path cannot read."""
+    from .kv_layouts import layout_of
 
-    Per (block, head) the record holds K transposed ([D, bs], what cpu_attn_reshape_and_cache
-    writes for the vec/vec16 ISAs) then V ([bs, D]). AMX packs K differently: refused.
-    """
-    isa = getattr(layer, "isa", None)
-    if isa not in ("vec", "vec16"):
-        raise NotImplementedError(f"tree attention on CPU: KV layout of ISA {isa!r} is not supported "
-                                  "(supported: vec, vec16)")
-    nb, hkv, bs, d2 = kv_cache.shape
-    d = d2 // 2
-    rec = kv_cache.view(nb, hkv, 2, bs * d)
-    k = rec[:, :, 0].view(nb, hkv, d, bs).permute(0, 3, 1, 2)
-    v = rec[:, :, 1].view(nb, hkv, bs, d).permute(0, 2, 1, 3)
-    return k, v
-
-
-def _gpu_kv_views(layer, kv_cache):
-    """FLASH_ATTN / TRITON_ATTN in vLLM 0.32: [NB, Hkv, bs, 2D] with K and V side by side in each
-    token row (their `kv_cache.transpose(1, 2).split(head_size, dim=-1)`). Read from the 0.32
-    source, not run here (no GPU vLLM on the lent machine)."""
-    d = layer.impl.head_size
-    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * d:
-        raise NotImplementedError(f"tree attention: KV cache {tuple(kv_cache.shape)} is not the plain "
-                                  f"[NB, Hkv, bs, 2*{d}] layout")
-    k, v = kv_cache.transpose(1, 2).split(d, dim=-1)
-    return k, v
-
-
-# attention backend name -> (layer, kv_cache) -> (K view, V view), logical [NB, bs, Hkv, D].
-KV_LAYOUTS = {
-    "CPU_ATTN": _cpu_kv_views,
-    "FLASH_ATTN": _gpu_kv_views,
-    "TRITON_ATTN": _gpu_kv_views,
-}
-
-
-def kv_cache_views(layer, kv_cache):
-    name = layer.attn_backend.get_name()
-    if name not in KV_LAYOUTS:
-        raise NotImplementedError(f"tree attention: attention backend {name!r} has no KV view; "
-                                  f"supported: {', '.join(KV_LAYOUTS)}")
-    return KV_LAYOUTS[name](layer, kv_cache)
+    return layout_of(layer.attn_backend.get_name(), getattr(layer, "isa", None))
 
 
 def _attention_context(layer_name):
@@ -231,18 +193,18 @@ def _attention_tree(meta, original, query, key, value, output, layer_name, outpu
     R, N = meta.num_requests, meta.num_slots
     T = R * N
     hq, d = impl.num_heads, impl.head_size
-    k_cache, v_cache = kv_cache_views(layer, kv_cache)
     ctx_lens = meta.context_lens
     if ctx_lens is None:
         ctx_lens = attn_metadata.seq_lens[:R] - N
     block_table = meta.block_table if meta.block_table is not None else attn_metadata.block_table[:R]
+    k_cache, v_cache, block_table = kv_layout(layer).logical_blocks(kv_cache, d, block_table.to(torch.int32))
     out = output[:T].view(T, hq, d)
     import ddtree_compile.templates.tree_attention  # noqa: F401  registers ddtree::tree_attention
 
     window = getattr(impl, "sliding_window", None)
     cap = getattr(impl, "logits_soft_cap", None)
     torch.ops.ddtree.tree_attention(
-        query[:T].view(T, hq, d), k_cache, v_cache, block_table.to(torch.int32), ctx_lens,
+        query[:T].view(T, hq, d), k_cache, v_cache, block_table, ctx_lens,
         meta.ancestor_bits, meta.depths, out, float(impl.scale),
         int(window) if window is not None and window > 0 else 0, float(cap or 0.0))
 
@@ -250,8 +212,8 @@ def _attention_tree(meta, original, query, key, value, output, layer_name, outpu
 def _kv_update_tree(meta, original, key, value, layer_name):
     # The tree's K/V go where vLLM's slot mapping puts them (slot j at context_len + j), which is
     # the layout tree attention reads; only check that the cache layout is one we can read.
-    _, layer, kv_cache, _ = _attention_context(layer_name)
-    kv_cache_views(layer, kv_cache)
+    _, layer, _, _ = _attention_context(layer_name)
+    kv_layout(layer)
     return original(key, value, layer_name)
 
 

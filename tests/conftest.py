@@ -27,6 +27,21 @@ def _collect_only_between_engines():
         gc.enable()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _forced_cpu_attn_isa():
+    """DDTREE_TEST_CPU_ATTN_ISA=vec16 (or vec) runs every engine of the suite on that KV layout,
+    the one a CPU of another kind would get (make test-layouts)."""
+    isa = os.environ.get("DDTREE_TEST_CPU_ATTN_ISA")
+    if not isa:
+        yield None
+        return
+    from ddtree_compile import vllm_patch
+
+    vllm_patch.force_cpu_attn_isa(isa)
+    yield isa
+    vllm_patch.force_cpu_attn_isa(None)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _collect_after_each_module():
     yield

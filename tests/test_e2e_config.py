@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddtree_compile import config, harness, metrics, models, plugin, runner, vllm_ops, vllm_patch
+from ddtree_compile import config, harness, kv_layouts, metrics, models, plugin, runner, vllm_patch
 
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=1)
 MAX_TOKENS = 48
@@ -186,7 +186,7 @@ def reference(dirs):
 
 
 def test_unsupported_attention_backend_starts_as_flat_dflash(dirs, reference, monkeypatch, caplog):
-    monkeypatch.setattr(vllm_ops, "KV_LAYOUTS", {"FLASH_ATTN": vllm_ops.KV_LAYOUTS["FLASH_ATTN"]})
+    monkeypatch.setattr(kv_layouts, "CPU_ISA_LAYOUTS", {})  # as on a CPU whose layout we cannot read
     before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
     with caplog.at_level(logging.WARNING, logger="ddtree_compile"):
         llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4, num_speculative_tokens=7))

@@ -24,6 +24,8 @@ def test_demo_runs_ddtree_in_vllm_and_passes_its_checks():
     depth = float(re.search(r"mean accept depth ([\d.]+)", harness_line).group(1))
     siblings = int(re.search(r"sibling rounds (\d+)", harness_line).group(1))
     assert depth > 2 and siblings > 0, harness_line
+    # DDTree ran on whichever layout vLLM picked for this CPU (amx with AMX tiles, else vec).
+    assert re.search(r"KV-cache layout vLLM picked on this CPU: (amx|vec|vec16)$", out, re.M), out[-3000:]
 
 
 def test_round_command_prints_one_toy_round():

@@ -207,30 +207,6 @@ def test_tree_context_api():
         vllm_ops.set_tree_verify({"parents": parents})
 
 
-def test_cpu_kv_views_read_what_vllm_writes():
-    """The logical [NB, bs, Hkv, D] views of the CPU cache see the K/V that vLLM's own write op put there."""
-    import vllm._custom_ops as ops
-
-    class Layer:
-        isa = "vec"
-
-    g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        nb, hkv, bs, d, t = 4, 2, 32, 64, 50
-        cache = torch.full((nb, hkv, bs, 2 * d), float("nan"), dtype=dtype)
-        kc, vc = cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
-        key, value = torch.randn(t, hkv, d, generator=g).to(dtype), torch.randn(t, hkv, d, generator=g).to(dtype)
-        slots = torch.randperm(nb * bs, generator=g)[:t]
-        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, "vec")
-        kview, vview = vllm_ops._cpu_kv_views(Layer(), cache)
-        assert kview.shape == vview.shape == (nb, bs, hkv, d)
-        assert torch.equal(kview[slots // bs, slots % bs], key)
-        assert torch.equal(vview[slots // bs, slots % bs], value)
-    Layer.isa = "amx"
-    with pytest.raises(NotImplementedError, match="ISA 'amx'"):
-        vllm_ops._cpu_kv_views(Layer(), cache)
-
-
 # --- the pass object vLLM calls ----------------------------------------------------------------
 
 def test_pass_uuid_is_stable_and_keys_on_the_rules(monkeypatch):

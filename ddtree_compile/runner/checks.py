@@ -88,10 +88,10 @@ def check_engine(runner) -> None:
         if not isinstance(layer, Attention) or name in (getattr(runner.drafter, "_draft_attn_layer_names", ()) or ()):
             continue
         backend = layer.attn_backend.get_name()
-        if backend not in vllm_ops.KV_LAYOUTS:
-            raise UnsupportedEngine(f"attention backend {backend} (supported: {', '.join(vllm_ops.KV_LAYOUTS)})")
         try:
-            vllm_ops.kv_cache_views(layer, layer.kv_cache)
+            layout = vllm_ops.kv_layout(layer)
+            if not layout.packed:
+                layout.views(layer.kv_cache, layer.impl.head_size)
         except NotImplementedError as e:
             raise UnsupportedEngine(f"attention backend {backend}: {e}") from e
 

@@ -9,7 +9,6 @@ import torch
 
 from .. import vllm_ops
 from ..commit import commit_plan
-from ..templates import kv_compact  # noqa: F401  registers ddtree::kv_compact
 from .step import Step
 
 
@@ -43,8 +42,11 @@ class CommitStage:
         if self._views is None:
             kv = {}
             for gid, names in self._kv_groups.items():
-                pairs = [vllm_ops.kv_cache_views(self._layer(n), self._layer(n).kv_cache) for n in names]
-                kv[gid] = ([k for k, _ in pairs], [v for _, v in pairs])
+                layers = [self._layer(n) for n in names]
+                layouts = {vllm_ops.kv_layout(x) for x in layers}
+                if len(layouts) != 1:  # one ISA per KV cache group (vLLM picks it per group)
+                    raise RuntimeError(f"KV cache group {gid}: layers in several layouts {layouts}")
+                kv[gid] = (layouts.pop(), [x.kv_cache for x in layers], layers[0].impl.head_size)
             gdn = {}
             for gid, names in self._gdn_groups.items():
                 views = [vllm_ops._gdn_state_views(self._layer(n)) for n in names]
@@ -54,9 +56,8 @@ class CommitStage:
 
     def _commit_kv(self, step: Step) -> None:
         plan = commit_plan(step.walk, step.start)
-        for gid, (keys, values) in self._cache_views()["kv"].items():
-            torch.ops.ddtree.kv_compact(keys, values, step.block_tables[gid].to(torch.int32),
-                                        plan.src_pos, plan.dst_pos)
+        for gid, (layout, caches, head_size) in self._cache_views()["kv"].items():
+            layout.compact(caches, head_size, step.block_tables[gid].to(torch.int32), plan.src_pos, plan.dst_pos)
 
     def _commit_gdn(self, step: Step) -> torch.Tensor:
         """Per GDN KV cache group: conv window (+ state, replay strategy) of the accepted path."""

@@ -33,7 +33,7 @@ import random
 
 import torch
 
-from .. import config as config_mod
+from .. import config as config_mod, vllm_ops
 from ..metrics import DDTreeMetrics, logger
 from ..tree import ancestor_closure, pack_bits
 from .checks import UnsupportedEngine, check_engine, classify_layers, validate
@@ -98,10 +98,11 @@ class DDTreeState(DraftStage, VerifyStage, WalkStage, CommitStage):
         self._chain = self._chain_template()
         self._kv_groups = self._groups(self.attn_layers)
         self._gdn_groups = self._groups(self.gdn_layers)
+        self.metrics.kv_layouts = sorted({vllm_ops.kv_layout(self._layer(n)).name for n in self.attn_layers})
         self._install()
-        logger.info("DDTree on: budget %d (requested %d), top_k %d, draft length %d, %s target%s",
+        logger.info("DDTree on: budget %d (requested %d), top_k %d, draft length %d, %s target, KV layout %s%s",
                     self.B, cfg.budget, cfg.top_k, self.L, "hybrid" if self.hybrid else "attention-only",
-                    f", GDN state: {cfg.gdn_state}" if self.hybrid else "")
+                    "/".join(self.metrics.kv_layouts), f", GDN state: {cfg.gdn_state}" if self.hybrid else "")
 
     # -- setup -----------------------------------------------------------------------------------
     def _install(self) -> None:
