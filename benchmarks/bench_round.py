@@ -28,7 +28,7 @@ import traceback
 import torch
 
 import ddtree_compile as dd
-from ddtree_compile.build import _build, draft_topk
+from ddtree_compile.core.build import _build, draft_topk
 
 L, V = 15, 151936
 FIELDS = ("tokens", "parents", "depths", "scores", "num_nodes", "ancestor_bits")

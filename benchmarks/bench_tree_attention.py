@@ -29,11 +29,12 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
-from ddtree_compile.templates import tuning
-from ddtree_compile.templates.kv_compact import kv_compact_reference, launch_kv_compact
-from ddtree_compile.templates.tree_attention import launch_tree_attention, plan_tree_attention
+from ddtree_compile.templates import launch, tuning
+from ddtree_compile.templates.kv_compact import launch_kv_compact
+from ddtree_compile.templates.kv_compact_ref import kv_compact_reference
+from ddtree_compile.templates.tree_attention import launch_tree_attention
 from ddtree_compile.templates.tree_attention_ref import tree_attention_reference
-from ddtree_compile.tree import ancestor_closure, pack_bits
+from ddtree_compile.core.tree import ancestor_closure, pack_bits
 
 MODELS = {"qwen3.6-27b": (24, 4, 256), "llama3-8b-like": (32, 8, 128)}  # (Hq, Hkv, D)
 CONTEXTS = (1024, 8192, 32768)
@@ -158,8 +159,7 @@ def check_causal_and_dense(results: list):
 
 def check_op_graph_and_compact(results: list):
     """The CUDA op dispatches to Triton, replays inside a CUDA graph, and kv_compact matches its reference."""
-    import ddtree_compile.templates.kv_compact  # noqa: F401  registers ops
-    import ddtree_compile.templates.tree_attention  # noqa: F401
+    import ddtree_compile.templates.ops  # noqa: F401  registers ops
 
     g = torch.Generator().manual_seed(2)
     R, B, Hq, Hkv, D, ctx, ctx2 = OP_CHECK
@@ -187,10 +187,10 @@ def check_op_graph_and_compact(results: list):
     from ddtree_compile.templates import tree_attention as ta
 
     fast_used = any(p.main.compiled is not None for p in ta._PLANS.values())
-    ta.set_fast_launch(False)
+    launch.set_fast_launch(False)
     slow = torch.full_like(q, float("nan"))
     launch_tree_attention(q, kc, vc, bt, cl, bits, depths, slow, D ** -0.5, 0, 0.0)
-    ta.set_fast_launch(True)
+    launch.set_fast_launch(True)
     same_fast = bool(torch.equal(slow, fresh))
     ref32 = torch.empty(q.shape, device=DEV, dtype=torch.float32)
     tree_attention_reference(q.float(), kc.float(), vc.float(), bt, cl, bits, depths, ref32, D ** -0.5, 0, 0.0)
@@ -329,7 +329,7 @@ def time_tree(grp, model, R, C, B, g, tiles=None, waves=None, graph=False, split
     out = torch.empty_like(q)
     if waves is not None and splits is None:
         t = tiles or tuning.attention_tiles(tuning.arch_of(DEV)[0], D)
-        splits = plan_tree_attention(q, grp["kc"], bits, grp["bt"], tuning.with_overrides(t, waves=waves))[3]
+        splits = tuning.plan_tree_attention(q, grp["kc"], bits, grp["bt"], tuning.with_overrides(t, waves=waves))[3]
     fn = lambda: launch_tree_attention(q, grp["kc"], grp["vc"], grp["bt"], grp["cl"], bits, depths, out,  # noqa
                                        D ** -0.5, 0, 0.0, tiles=tiles, splits=splits)
     err = None
@@ -342,7 +342,7 @@ def time_tree(grp, model, R, C, B, g, tiles=None, waves=None, graph=False, split
         err = row_rel(out, ref)
         del ref
     ms = bench(fn, graph, rep) if graph else bench(fn)
-    t_used, block_m, m_blocks, s_used = plan_tree_attention(q, grp["kc"], bits, grp["bt"], tiles, splits)
+    t_used, block_m, m_blocks, s_used = tuning.plan_tree_attention(q, grp["kc"], bits, grp["bt"], tiles, splits)
     plan = dict(block_m=block_m, m_blocks=m_blocks, splits=s_used, block_n=t_used.block_n,
                 min_chunk=t_used.min_chunk, num_warps=t_used.num_warps, num_stages=t_used.num_stages)
     return ms, plan, (anc, q), err
@@ -588,8 +588,6 @@ def run_lowr_sweep(doc, deadline, out_path):
                 f"bad={[r['config'] for r in rows if not r['ok']]}")
         json.dump(doc, open(out_path, "w"), indent=1)
     # eager: the direct launcher path vs Triton's own path, next to FA and the dense mask
-    from ddtree_compile.templates import tree_attention as ta
-
     doc["lowr_eager"] = []
     for model, R, C, B in LOWR_EAGER:
         if time.time() > deadline + 30:
@@ -600,10 +598,10 @@ def run_lowr_sweep(doc, deadline, out_path):
         dense_group(grp, model)
         rec = dict(model=model, R=R, ctx=C, B=B)
         for fast in (True, False):
-            ta.set_fast_launch(fast)
+            launch.set_fast_launch(fast)
             ms, plan, (anc, q), _ = time_tree(grp, model, R, C, B, g)
             rec["tree_ms_fast_launch" if fast else "tree_ms_triton_launch"] = ms
-        ta.set_fast_launch(True)
+        launch.set_fast_launch(True)
         qt = q.view(R, N, Hq, D).transpose(1, 2)
         k, v = grp["k"][:, :, :C + N], grp["v"][:, :, :C + N]
         if not fa_gqa_supported():
@@ -643,9 +641,7 @@ def main():
         except Exception as e:  # noqa: BLE001  recorded as a failed check; timing still runs
             doc["checks"].append(dict(check=check.__name__, ok=False, error=repr(e)[:2000]))
             log(f"check {check.__name__} FAILED: {e!r}"[:2000])
-    from ddtree_compile.templates import tree_attention as ta
-
-    doc["fast_launch"] = dict(enabled=ta._FAST.enabled, error=ta._FAST.error)
+    doc["fast_launch"] = dict(enabled=launch.FAST.enabled, error=launch.FAST.error)
     json.dump(doc, open(args.out, "w"), indent=1)
     if args.lowr_sweep:
         run_lowr_sweep(doc, deadline, args.out)

@@ -318,9 +318,9 @@ def drift(cfg, rounds, B=16, R=2):
 
 def gpu_check(cfg, R=2, B=22, layers=3):
     """Compiled Triton vs the torch reference at real head shapes (max abs errors)."""
-    from ddtree_compile.templates.gdn_commit import gdn_commit_ref
-    from ddtree_compile.templates.tree_conv import tree_conv1d_ref
-    from ddtree_compile.templates.tree_gdn import tree_gdn_ref
+    from ddtree_compile.templates.gdn_commit_ref import gdn_commit_ref
+    from ddtree_compile.templates.tree_conv_ref import tree_conv1d_ref
+    from ddtree_compile.templates.tree_gdn_ref import tree_gdn_ref
     H, K, W = cfg["H"], cfg["K"], cfg["W"]
     tree, mt, _ = metas(R, B, W, 7)
     err = {}

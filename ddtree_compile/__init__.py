@@ -1,17 +1,25 @@
 """ddtree_compile: DDTree speculative decoding for vLLM, built as FX graph passes and tree kernels.
 
-One round: build (build.py) -> verify (the target forward through passes/ and templates/) ->
-walk (walk.py) -> commit (commit.py).
+    core/         the tree algorithm (no vLLM): spec, tree layout, build, walk, commit plan, sampling
+    adapters/     every assumption about vLLM's internals, one module per release line
+    integration/  DDTree inside vLLM: switch, plugin, the op swap, KV layouts, metrics, round/
+    tools/        CLI (demo, round, dump), tiny offline models, the test drafter harness
+    passes/       the FX rewrite rules and engine          (installed as ddtree_compile.passes)
+    templates/    tree-aware kernels and their references  (installed as ddtree_compile.templates)
+
+One round: build (core/build.py) -> verify (the target forward through passes/ and templates/)
+-> walk (core/walk.py) -> commit (core/commit.py); inside vLLM, integration/round/ runs the same
+four stages on the model runner.
 """
 
-from .build import build_tree, draft_topk
-from .commit import CommitPlan, commit_plan
-from .config import vllm_kwargs  # the one switch that turns DDTree on in vLLM
+from .core.build import build_tree, draft_topk
+from .core.commit import CommitPlan, commit_plan
+from .core.sampling import sample_target_tokens
+from .core.spec import TreeSpec, bucket_for, budget_buckets
+from .core.tree import TreeBatch
+from .core.walk import WalkResult, walk_tree
+from .integration.config import vllm_kwargs  # the one switch that turns DDTree on in vLLM
 from .passes.entry import tree_verify_pass  # vLLM looks the pass up as ddtree_compile.tree_verify_pass
-from .sampling import sample_target_tokens
-from .spec import TreeSpec, bucket_for, budget_buckets
-from .tree import TreeBatch
-from .walk import WalkResult, walk_tree
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@
     # or generate offline with vllm.LLM (token-id prompts work without a tokenizer)
     python examples/serve_ddtree.py MODEL DRAFTER --offline --prompt-ids 1,2,3,4 --max-tokens 64
 
-The DDTree plugin (entry point `vllm.general_plugins`: ddtree = "ddtree_compile.plugin:register") is
+The DDTree plugin (entry point `vllm.general_plugins`: ddtree = "ddtree_compile.integration.plugin:register") is
 loaded by vLLM in every process; it stays inert unless `additional_config` holds a "ddtree" entry.
 Hybrid (GatedDeltaNet) targets need budget >= draft length (one state slot per tree node).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from ddtree_compile import config
+from ddtree_compile.integration import config
 
 
 def main(argv=None) -> int:
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 
     from vllm import LLM, SamplingParams
 
-    from ddtree_compile import metrics, plugin
+    from ddtree_compile.integration import metrics, plugin
 
     plugin.register()  # the entry point does this once the package is installed
     llm = LLM(model=args.model, **config.vllm_kwargs(args.drafter, **switch))

@@ -2,8 +2,8 @@
 
 It matches a rule's source op both as a plain call (`vllm.unified_kv_cache_update.default(...)`)
 and inside `auto_functionalized(op, **kwargs)` (v1, which vLLM forces, and v2), swaps the op for
-the rule's ddtree replacement with the mapped arguments (layer_name stays the graph input it
-is), and leaves every other node alone. It is idempotent: rewritten nodes no longer match, so a
+its `ddtree::` mirror (same schema, so the arguments stay as they are and layer_name stays the
+graph input it is), and leaves every other node alone. It is idempotent: rewritten nodes no longer match, so a
 second run changes nothing. Ops that matter to a tree verify (tree_relevant_ops) that no active
 rule rewrote are reported as unmatched; in strict mode that is an error.
 """
@@ -63,30 +63,25 @@ def op_key(op) -> str:
 class _Active:
     rule: rules_mod.Rule
     source: torch._ops.OpOverload
-    replacement: torch._ops.OpOverload | None
-    arg_map: dict
+    replacement: torch._ops.OpOverload
 
 
 class RewriteEngine:
     """Holds the resolved rules; `run(graph)` rewrites one graph in place and returns a report."""
 
     def __init__(self, rows=None, platform: str | None = None, vllm_version: str | None = None):
-        from ddtree_compile import vllm_ops
+        from ddtree_compile.integration import tree_ops
 
         self.active: list[_Active] = []
         for rule, src in rules_mod.load_rules(rows, platform, vllm_version):
-            repl, amap = None, {}
-            if rule.replacement is not None:
-                name = rule.replacement.split("::", 1)[1]
-                try:
-                    repl = vllm_ops.register_replacement(name, src)
-                except Exception as e:
-                    raise rules_mod.RuleError(f"rule {rule.name!r}: cannot register {rule.replacement} "
-                                              f"for {rule.source}: {e}") from e
-                amap = _check_arg_map(rule, src, repl)
-            self.active.append(_Active(rule, src, repl, amap))
+            try:
+                repl = tree_ops.register_mirror(src, tree_ops.tree_impl_for(rule.tree_impl, rule.source_packet))
+            except Exception as e:
+                raise rules_mod.RuleError(f"rule {rule.name!r}: cannot register {rule.replacement} "
+                                          f"for {rule.source}: {e}") from e
+            self.active.append(_Active(rule, src, repl))
         self.by_source = {a.source: a for a in self.active}
-        self.by_replacement = {a.replacement: a for a in self.active if a.replacement is not None}
+        self.by_replacement = {a.replacement: a for a in self.active}
         self.tree_relevant = rules_mod.tree_relevant_ops(rows)
 
     def run(self, graph: fx.Graph, strict: bool = True) -> RewriteReport:
@@ -103,10 +98,9 @@ class RewriteEngine:
             act = self.by_source.get(op)
             if act is not None:
                 report.rules[act.rule.name]["matched"] += 1
-                if act.replacement is not None:
-                    _rewrite(node, act, wrapped)
-                    report.rules[act.rule.name]["rewritten"] += 1
-                    continue
+                _rewrite(node, act, wrapped)
+                report.rules[act.rule.name]["rewritten"] += 1
+                continue
             if op._schema.name in self.tree_relevant:
                 report.unmatched.append(op._schema.name)
                 report.unmatched_nodes.append(f"{node.name}: {op_key(op)}")
@@ -120,55 +114,10 @@ class RewriteEngine:
         return report
 
 
-def _check_arg_map(rule, src, repl) -> dict:
-    src_args = [a.name for a in src._schema.arguments]
-    dst = repl._schema.arguments
-    amap = rule.arg_map([a.name for a in dst])
-    for a in dst:
-        if a.name not in amap and not a.has_default_value():
-            raise rules_mod.RuleError(f"rule {rule.name!r}: replacement arg {a.name!r} has no source")
-    bad = {k: v for k, v in amap.items() if v not in src_args}
-    if bad:
-        raise rules_mod.RuleError(f"rule {rule.name!r}: args map to unknown source args {bad}; "
-                                  f"{rule.source} has {src_args}")
-    # auto_functionalized returns the mutated args in schema order: keep that order.
-    src_mut = [a.name for a in src._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    dst_mut = [amap.get(a.name) for a in dst if a.alias_info is not None and a.alias_info.is_write]
-    if src_mut != dst_mut:
-        raise rules_mod.RuleError(f"rule {rule.name!r}: mutated args {dst_mut} must map to the source's "
-                                  f"{src_mut} in the same order")
-    return amap
-
-
-def _source_kwargs(node: fx.Node, op, wrapped: bool) -> dict:
-    if wrapped:
-        return dict(node.kwargs)
-    out = {}
-    schema_args = op._schema.arguments
-    for a, v in zip(schema_args, node.args):
-        out[a.name] = v
-    out.update(node.kwargs)
-    return out
-
-
 def _rewrite(node: fx.Node, act: _Active, wrapped: bool) -> None:
-    src = _source_kwargs(node, act.source, wrapped)
-    new = {dst: src[s] for dst, s in act.arg_map.items() if s in src}
+    """Point the node at the mirror op; its arguments stay (the mirror has the source's schema)."""
     if wrapped:
-        if node.target is not _AF and act.rule.args != "same":
-            raise rules_mod.RuleError(f"rule {act.rule.name!r}: auto_functionalized_v2 needs args='same'")
-        node.args = (act.replacement,)
-        node.kwargs = new if node.target is _AF else dict(node.kwargs)
+        node.args = (act.replacement, *node.args[1:])
     else:
-        pos, kw = [], {}
-        for i, a in enumerate(act.replacement._schema.arguments):
-            if a.name not in new:
-                continue
-            if a.kwarg_only or kw or len(pos) < i:
-                kw[a.name] = new[a.name]  # after a gap (a defaulted arg left out) go by name
-            else:
-                pos.append(new[a.name])
         node.target = act.replacement
-        node.args = tuple(pos)
-        node.kwargs = kw
     node.meta["ddtree_rule"] = act.rule.name

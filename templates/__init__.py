@@ -1,0 +1,22 @@
+"""Tree-aware kernels: Triton for CUDA, each with its plain torch reference beside it.
+
+Convention: `<name>.py` holds the Triton kernels and their launcher, `<name>_ref.py` the plain torch
+reference and the argument checks the launcher shares. ops.py registers every `ddtree::` custom op
+(CPU kernel = the reference, CUDA kernel = the launcher, fake = the checks); import it to use them.
+
+    op / path                 kernel module       reference module
+    ddtree::tree_attention    tree_attention.py   tree_attention_ref.py
+    ddtree::kv_compact        kv_compact.py       kv_compact_ref.py
+    ddtree::tree_conv1d       tree_conv.py        tree_conv_ref.py
+    ddtree::tree_gdn          tree_gdn.py         tree_gdn_ref.py
+    ddtree::gdn_commit        gdn_commit.py       gdn_commit_ref.py
+    draft top-k (no op)       draft_topk.py       core/build.py `draft_topk`
+    tree build (no op)        tree_build.py       core/build.py `_build`
+
+The last two are not ops: core/build.py calls their Triton kernels in place of its own torch code
+(on CUDA, or when asked to), so that torch code is their reference.
+
+Shared: tuning.py (launch parameters per GPU and the tree-attention bucket plan), launch.py (direct
+Triton launches), gdn_meta.py (per-step tree metadata of the GDN kernels), gdn_step.py (the GDN
+verify / commit calls the integration makes).
+"""

@@ -2,7 +2,7 @@
 
 Per row (request, depth) of drafter logits [R, L, V]: x = fp32(logits) * (1 / temperature), the top-K
 (x, id) ordered by (value desc, id asc), and lse = log-sum-exp(x); log-probs = top - lse. The torch
-reference is `ddtree_compile.build.draft_topk` (re-exported here as `draft_topk_reference`); both
+reference is `ddtree_compile.core.build.draft_topk` (core/build.py calls this kernel instead on CUDA); both
 rank by the same packed int64 key, so token ids agree exactly, ties included. lse uses the GPU's
 exp2/log and a split-dependent summation order, so log-probs agree to ~1e-6, not bit for bit.
 
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree_compile.build import draft_topk as draft_topk_reference  # noqa: F401  (the oracle)
 from ddtree_compile.templates import tuning
 
 try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree_compile.tree import ancestor_closure
+from ddtree_compile.core.tree import ancestor_closure
 
 WALK_FIELDS = 4
 F_FROM_COMMITTED = 1  # parent -1 (the root): start from the request's committed state

@@ -1,4 +1,4 @@
-"""Tree attention over vLLM's paged KV cache: the Triton kernel and the `ddtree::tree_attention` op.
+"""Tree attention over vLLM's paged KV cache: the Triton kernels behind `ddtree::tree_attention` (ops.py).
 
     torch.ops.ddtree.tree_attention(
         query,          # [R*N, Hq, D] bf16/fp16 (fp32 on the CPU reference); N = B+1 slots per request
@@ -6,15 +6,16 @@
         value_cache,    # same shape/dtype as key_cache, any strides
         block_table,    # [R, max_blocks] int32
         context_lens,   # [R] int32/int64: committed tokens before the verify block
-        ancestor_bits,  # [R, N, ceil(N/32)] int32 (ddtree_compile.tree layout)
+        ancestor_bits,  # [R, N, ceil(N/32)] int32 (ddtree_compile.core.tree layout)
         depths,         # [R, N] int32/int64: tree depth of each slot (0 for root and padding)
         out,            # [R*N, Hq, D], written in place (mutated; the op returns nothing)
         softmax_scale: float, sliding_window: int (<= 0: none), logits_soft_cap: float (<= 0: none),
     ) -> None
 
-Semantics: see tree_attention_ref.py. The verify tokens' K/V must already sit in the cache at
-positions context_len + j. CPU kernel = the torch reference; CUDA kernel = Triton below (no host
-sync, no allocation once the per-bucket workspace exists; shapes fixed per (R, N) bucket).
+Semantics and the plain torch reference (the op's CPU kernel): tree_attention_ref.py. The verify
+tokens' K/V must already sit in the cache at positions context_len + j. The op's CUDA kernel is
+`launch_tree_attention` below (no host sync, no allocation once the per-bucket workspace exists;
+shapes fixed per (R, N) bucket).
 
 Kernel layout. Program (m-block, kv head x split, request). The N*G query rows that share a KV head
 (N tree slots x G query heads of the GQA group) are packed into one tile, so one pass over the
@@ -29,10 +30,10 @@ registers (tl.gather per tile), so the K/V addresses inside the pipelined loop d
 loop and Triton prefetches K/V tiles ahead of the math.
 
 Host side. Everything that depends only on shapes, strides, dtypes and the scalar arguments (the
-argument checks, tiles, split count, grids, workspace) is computed once per bucket and cached
-(`_PLANS`); after the first launch of a bucket its kernels are launched straight through Triton's
-compiled launcher (the same call Triton's own `JITFunction.run` makes), skipping Triton's per-call
-argument binding, specialization and cache lookup, so an eager call costs a key lookup and two launches.
+argument checks, tiles and split count (tuning.plan_tree_attention), grids, workspace) is computed once
+per bucket and cached (`_PLANS`); after the first launch of a bucket its kernels are launched straight
+through Triton's compiled launcher (launch.py), skipping Triton's per-call argument binding,
+specialization and cache lookup, so an eager call costs a key lookup and two launches.
 
 Split-KV partials live in a workspace cached per bucket (`tree_attention_workspace`), allocated on the
 first eager call; the CUDA path never allocates during graph capture (it raises instead).
@@ -40,12 +41,11 @@ first eager call; the CUDA path never allocates during graph capture (it raises 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ddtree_compile.templates import tuning
-from ddtree_compile.templates.tree_attention_ref import check_tree_attention_args, tree_attention_reference
+from ddtree_compile.templates.launch import Launch
+from ddtree_compile.templates.tree_attention_ref import check_tree_attention_args
 
 try:
     import triton
@@ -224,10 +224,6 @@ if triton is not None:
                  o.to(OUT.dtype.element_ty), mask=h_ok[:, None])
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 _WORKSPACES: dict = {}
 
 
@@ -250,92 +246,6 @@ def tree_attention_workspace(device, num_splits: int, num_tokens: int, num_heads
     return ws
 
 
-def plan_tree_attention(query, key_cache, ancestor_bits, block_table, tiles: tuning.AttnTiles | None = None,
-                        splits: int | None = None):
-    """Tiles, BLOCK_M, m-blocks and split count for this bucket (host-side, from shapes only).
-
-    The keys a request can have are bounded by its block-table row (context + tree), so a bucket never
-    gets more splits than that many keys can fill (vLLM sizes the table for max_model_len)."""
-    R, N = ancestor_bits.shape[:2]
-    Hq, D = query.shape[1:]
-    Hkv = key_cache.shape[2]
-    G = Hq // Hkv
-    arch, sms = tuning.arch_of(query.device)
-    max_keys = block_table.shape[1] * key_cache.shape[1]
-    if tiles is None:
-        plan = tuning.choose_plan(arch, sms, R, N, G, Hkv, D, max_keys)
-        tiles = plan.tiles
-    block_m = min(tiles.block_m, max(16, _next_pow2(N * G)))
-    m_blocks = -(-N * G // block_m)
-    if splits is None:
-        splits = tuning.num_splits(tiles, sms, R, Hkv, m_blocks, max_keys)
-    return tiles, block_m, m_blocks, splits
-
-
-class _Launch:
-    """One kernel launch with a fixed grid and constexprs.
-
-    The first call goes through Triton (compiling if needed) and keeps the compiled kernel; later calls
-    make the same launcher call that Triton's JITFunction.run makes, without its per-call binding,
-    specialization and cache lookup (launch metadata and hooks are passed exactly as Triton passes them).
-    Valid because the bucket key (`_plan_key`) fixes everything Triton specializes on: dtypes, 16-byte
-    pointer alignment, strides, and the integer arguments that are not marked do_not_specialize. The
-    interpreter, or another current device than the plan's, takes the ordinary path."""
-
-    __slots__ = ("fn", "grid", "meta", "consts", "device", "compiled")
-
-    def __init__(self, fn, grid, meta: dict, n_args: int, device):
-        self.fn, self.grid, self.meta, self.device, self.compiled = fn, grid, meta, device, None
-        names = list(fn.arg_names)
-        self.consts = tuple(meta[n] for n in names[n_args:])  # constexpr params, in signature order
-        if len(names) != n_args + len(self.consts) or any(n not in meta for n in names[n_args:]):
-            raise RuntimeError(f"tree_attention: launch arguments do not match {fn.__name__}'s signature")
-
-    def __call__(self, *args):
-        ck = self.compiled
-        if ck is not None and _FAST.enabled:
-            drv = _FAST.driver
-            dev = drv.get_current_device()
-            if dev == self.device:
-                g, rt = self.grid, _knobs.runtime
-                stream = drv.get_current_stream(dev)
-                full = (*args, *self.consts)
-                try:
-                    ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata,
-                           ck.launch_metadata(g, stream, *full), rt.launch_enter_hook, rt.launch_exit_hook, *full)
-                    return
-                except (TypeError, ValueError, AttributeError) as e:  # a launcher layout this code does not know
-                    _FAST.enabled, _FAST.error = False, repr(e)  # (rejected before launching): Triton's path
-        k = self.fn[self.grid](*args, **self.meta)
-        if _FAST.enabled and self.device is not None and isinstance(k, _CompiledKernel):
-            _FAST.driver = triton.runtime.driver.active
-            self.compiled = k
-
-
-class _FastLaunch:
-    enabled = False
-    driver = None
-    error = None  # why the direct path was turned off, if it was
-
-
-_FAST = _FastLaunch()
-_knobs = None
-_CompiledKernel = ()
-if triton is not None:
-    try:  # the direct launch path needs Triton >= 3.4's knobs / CompiledKernel.run layout
-        from triton import knobs as _knobs
-        from triton.compiler.compiler import CompiledKernel as _CompiledKernel
-
-        _FAST.enabled = not _knobs.runtime.interpret
-    except ImportError:
-        _FAST.enabled = False
-
-
-def set_fast_launch(enabled: bool) -> None:
-    """Turn the direct launcher path on or off (benchmarks compare both; off = Triton's own path)."""
-    _FAST.enabled = bool(enabled) and _knobs is not None and not _knobs.runtime.interpret
-
-
 class _Plan:
     __slots__ = ("splits", "block_m", "m_blocks", "tiles", "main", "combine", "tail", "ctail", "workspace")
 
@@ -344,6 +254,7 @@ _PLANS: dict = {}
 
 
 def _plan_key(tensors, softmax_scale, sliding_window, logits_soft_cap, tiles, splits):
+    # Everything Triton specializes on is in the key: the plan's Launch objects rely on that.
     key = [softmax_scale, sliding_window, logits_soft_cap, tiles, splits]
     for t in tensors:
         key += (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
@@ -363,8 +274,8 @@ def _make_plan(query, key_cache, value_cache, block_table, context_lens, ancesto
         raise RuntimeError("tree_attention: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
     G = Hq // Hkv
     p = _Plan()
-    p.tiles, p.block_m, p.m_blocks, p.splits = plan_tree_attention(query, key_cache, ancestor_bits, block_table,
-                                                                   tiles, splits)
+    p.tiles, p.block_m, p.m_blocks, p.splits = tuning.plan_tree_attention(query, key_cache, ancestor_bits,
+                                                                          block_table, tiles, splits)
     tiles = p.tiles
     min_chunk = max(tiles.block_n, tiles.min_chunk // tiles.block_n * tiles.block_n)
     has_cap = logits_soft_cap > 0
@@ -390,14 +301,14 @@ def _make_plan(query, key_cache, value_cache, block_table, context_lens, ancesto
     p.tail = (qk_scale, cap_log2, int(sliding_window), N, page_size, p.splits, min_chunk,
               *query.stride(), *kc.stride(), *vc.stride(), *block_table.stride(), *ancestor_bits.stride(),
               *depths.stride(), *out.stride(), *ps)
-    p.main = _Launch(_tree_attn_fwd_kernel, (p.m_blocks, Hkv * p.splits, R), meta, 10 + len(p.tail), device)
+    p.main = Launch(_tree_attn_fwd_kernel, (p.m_blocks, Hkv * p.splits, R), meta, 10 + len(p.tail), device)
     p.combine = None
     if not direct:
-        sp2 = _next_pow2(p.splits)
-        block_h = max(1, min(_next_pow2(Hq), _COMBINE_ELEMS // (sp2 * D)))
+        sp2 = tuning.next_pow2(p.splits)
+        block_h = max(1, min(tuning.next_pow2(Hq), _COMBINE_ELEMS // (sp2 * D)))
         p.ctail = (p.splits, Hq, *ps, *out.stride())
-        p.combine = _Launch(_tree_attn_combine_kernel, (R * N, -(-Hq // block_h), 1),
-                            dict(HEAD_DIM=D, BLOCK_H=block_h, SPLITS=sp2, num_warps=4), 3 + len(p.ctail), device)
+        p.combine = Launch(_tree_attn_combine_kernel, (R * N, -(-Hq // block_h), 1),
+                           dict(HEAD_DIM=D, BLOCK_H=block_h, SPLITS=sp2, num_warps=4), 3 + len(p.ctail), device)
     return p
 
 
@@ -432,32 +343,3 @@ def launch_tree_attention(
     po, pl = workspace if workspace is not None else p.workspace
     p.main(*tensors, po, pl, *p.tail)
     p.combine(po, pl, out, *p.ctail)
-
-
-@torch.library.custom_op("ddtree::tree_attention", mutates_args=("out",))
-def tree_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-    context_lens: torch.Tensor, ancestor_bits: torch.Tensor, depths: torch.Tensor, out: torch.Tensor,
-    softmax_scale: float, sliding_window: int, logits_soft_cap: float,
-) -> None:
-    """CPU (and any non-CUDA device): the torch reference."""
-    tree_attention_reference(query, key_cache, value_cache, block_table, context_lens, ancestor_bits,
-                             depths, out, softmax_scale, sliding_window, logits_soft_cap)
-
-
-@tree_attention.register_kernel("cuda")
-def _tree_attention_cuda(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths,
-                         out, softmax_scale, sliding_window, logits_soft_cap) -> None:
-    launch_tree_attention(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths,
-                          out, softmax_scale, sliding_window, logits_soft_cap)
-
-
-@tree_attention.register_fake
-def _tree_attention_fake(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths,
-                         out, softmax_scale, sliding_window, logits_soft_cap) -> None:
-    check_tree_attention_args(query, key_cache, value_cache, block_table, context_lens, ancestor_bits,
-                              depths, out, softmax_scale, sliding_window, logits_soft_cap)
-
-
-def default_softmax_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

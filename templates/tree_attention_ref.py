@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_compile.tree import num_mask_words, unpack_bits
+from ddtree_compile.core.tree import num_mask_words, unpack_bits
 
 HEAD_SIZES = (32, 64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -1,7 +1,7 @@
 """The DDTree build (beam per depth, pre-order, final top-B, TreeBatch) as one Triton program per request.
 
-Same algorithm and the same packed int64 keys as the torch reference `ddtree_compile.build._build`
-(re-exported here as `build_reference`), so the result is equal bit for bit, ties included.
+Same algorithm and the same packed int64 keys as the torch reference `ddtree_compile.core.build._build`
+(core/build.py calls this kernel instead on CUDA), so the result is equal bit for bit, ties included.
 
 Per depth d the program scores the W*K candidates (beam position w, rank k; flat index c = w*K+k),
 sorts their keys once to read the W-th largest, and keeps {key >= that}: keys hold a unique index,
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_compile.build import _build as build_reference  # noqa: F401  (the oracle)
-from ddtree_compile.tree import PAD_TOKEN, TreeBatch, num_mask_words
+from ddtree_compile.core.tree import PAD_TOKEN, TreeBatch, num_mask_words
 
 try:
     import triton

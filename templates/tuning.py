@@ -129,6 +129,34 @@ def choose_plan(arch: str, num_sms: int, num_requests: int, n_slots: int, group:
     return AttnPlan(t, mb, num_splits(t, num_sms, num_requests, num_kv_heads, mb, max_keys))
 
 
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def plan_tree_attention(query, key_cache, ancestor_bits, block_table, tiles: AttnTiles | None = None,
+                        splits: int | None = None):
+    """Tiles, BLOCK_M, m-blocks and split count for a tree-attention bucket (host-side, from shapes only).
+
+    `choose_plan` on the tensors' shapes, with the row tile shrunk to the packed rows a request has
+    (N slots x G heads, at least 16); `tiles` / `splits` override the table (tests, sweeps). The keys a
+    request can have are bounded by its block-table row (context + tree), so a bucket never gets more
+    splits than that many keys can fill (vLLM sizes the table for max_model_len)."""
+    R, N = ancestor_bits.shape[:2]
+    Hq, D = query.shape[1:]
+    Hkv = key_cache.shape[2]
+    G = Hq // Hkv
+    arch, sms = arch_of(query.device)
+    max_keys = block_table.shape[1] * key_cache.shape[1]
+    if tiles is None:
+        plan = choose_plan(arch, sms, R, N, G, Hkv, D, max_keys)
+        tiles = plan.tiles
+    block_m = min(tiles.block_m, max(16, next_pow2(N * G)))
+    m_blocks = -(-N * G // block_m)
+    if splits is None:
+        splits = num_splits(tiles, sms, R, Hkv, m_blocks, max_keys)
+    return tiles, block_m, m_blocks, splits
+
+
 def with_overrides(tiles: AttnTiles, **kw) -> AttnTiles:
     return replace(tiles, **kw)
 

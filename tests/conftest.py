@@ -35,11 +35,11 @@ def _forced_cpu_attn_isa():
     if not isa:
         yield None
         return
-    from ddtree_compile import vllm_patch
+    from ddtree_compile import adapters
 
-    vllm_patch.force_cpu_attn_isa(isa)
+    adapters.current().force_cpu_attn_isa(isa)
     yield isa
-    vllm_patch.force_cpu_attn_isa(None)
+    adapters.current().force_cpu_attn_isa(None)
 
 
 @pytest.fixture(autouse=True, scope="module")

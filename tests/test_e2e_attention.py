@@ -11,7 +11,8 @@ DFlash's accepted counts exactly.
 
 import pytest
 
-from ddtree_compile import config, harness, metrics, models, plugin
+from ddtree_compile.integration import config, metrics, plugin
+from ddtree_compile.tools import harness, models
 
 DRAFT_LEN, TOP_K, MAX_TOKENS = 7, 4, 200
 BUDGETS = (1, 8, 22, 40)

@@ -7,8 +7,12 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from ddtree_compile import config, harness, kv_layouts, metrics, models, plugin, runner, vllm_patch
+from ddtree_compile import adapters
+from ddtree_compile.integration import config, kv_layouts, metrics, plugin
+from ddtree_compile.integration import round as runner
+from ddtree_compile.tools import harness, models
 
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=1)
 MAX_TOKENS = 48
@@ -87,18 +91,32 @@ def test_startup_validation_against_vllm_settings():
         runner.validate(_vllm_config(padded=False), cfg)
 
 
-def test_unknown_vllm_version_is_refused_and_plugin_falls_back(monkeypatch, caplog):
-    with pytest.raises(vllm_patch.UnsupportedVLLM, match=r"vLLM 0.31.2 is not supported.*0.32.x"):
-        vllm_patch.check_version("0.31.2")
-    assert vllm_patch.check_version("0.32.0+cpu") == "0.32.0+cpu"
-    monkeypatch.setattr(vllm_patch, "vllm_version", lambda: "0.40.0")
+def test_vllm_outside_the_window_is_refused_once_and_runs_as_flat_dflash(monkeypatch, caplog):
+    """One window (adapters.ADAPTERS) for the plugin, the runner patch and the rules."""
+    from ddtree_compile.passes import rules
+    from ddtree_compile.passes.entry import TreeVerifyPass
+
+    with pytest.raises(adapters.UnsupportedVLLM, match=r"vLLM 0.31.2 is not supported.*release lines: 0.32.x"):
+        adapters.check("0.31.2")
+    assert adapters.check("0.32.0+cpu") == "0.32"
+    monkeypatch.setattr(adapters, "installed_version", lambda: "0.40.0")
     monkeypatch.setattr(plugin, "_DONE", False)
-    monkeypatch.setattr(vllm_patch, "install", lambda: vllm_patch.check_version())
+    monkeypatch.setattr(metrics, "_REFUSED", set())
     before = sum(metrics.PROCESS_STARTUP_FALLBACKS.values())
     with caplog.at_level(logging.WARNING, logger="ddtree_compile"):
         plugin.register()
-    assert sum(metrics.PROCESS_STARTUP_FALLBACKS.values()) == before + 1
-    assert "vLLM 0.40.0 is not supported" in caplog.text and "run as flat DFlash" in caplog.text
+        plugin.register()  # once per process
+        p = TreeVerifyPass()
+        graph = torch.fx.Graph()
+        graph.output(None)
+        p(graph)  # the pass leaves vLLM's graph alone: the engine runs as flat DFlash
+        p(graph)
+    assert sum(metrics.PROCESS_STARTUP_FALLBACKS.values()) == before + 2  # the plugin and the pass, once each
+    msgs = [r.getMessage() for r in caplog.records if "vLLM 0.40.0 is not supported" in r.getMessage()]
+    assert len(msgs) == 2 and "run as flat DFlash" in msgs[0] and "leaves the graphs unchanged" in msgs[1]
+    assert p.reports == []
+    with pytest.raises(rules.RuleError, match="vLLM 0.40.0 is not supported"):
+        rules.load_rules(platform="cpu")
 
 
 def test_unsupported_request_reasons():

@@ -8,7 +8,7 @@ import sys
 
 def _cli(*args, timeout):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "ddtree_compile.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ddtree_compile.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

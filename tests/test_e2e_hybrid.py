@@ -24,8 +24,10 @@ GDN op runs only in bf16).
 import pytest
 import torch
 
-from ddtree_compile import config, engines, harness, metrics, models, plugin
-from ddtree_compile.templates.tree_gdn import gdn_update_ref
+from ddtree_compile import adapters
+from ddtree_compile.integration import config, engines, metrics, plugin
+from ddtree_compile.templates.tree_gdn_ref import gdn_update_ref
+from ddtree_compile.tools import harness, models
 
 BUDGET, DRAFT_LEN, TOP_K, MAX_TOKENS, TOL = 16, 8, 4, 500, 0.2
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=2)
@@ -74,8 +76,8 @@ class StateCheck:
         lines = info["state_indices"]
         W = info["width"]
         for li, name in enumerate(info["layers"]):
-            layer = state._layer(name)
-            H, K, HV, V = layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim
+            gp = adapters.current().gdn_params(state.layer(name))
+            H, K, HV, V = gp.num_k_heads, gp.head_k_dim, gp.num_v_heads, gp.head_v_dim
             for r in range(step.R):
                 path = acc[r][: n[r]]
                 p = path[-1]

@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from ddtree_compile import config, harness, metrics, models, plugin
+from ddtree_compile.integration import config, metrics, plugin
+from ddtree_compile.tools import harness, models
 
 DRAFT_LEN, TOP_K = 6, 4
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)

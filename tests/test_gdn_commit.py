@@ -1,16 +1,18 @@
 """Accepted-path commit: Triton (interpreter) vs reference, and verify -> commit -> verify against
 running the committed tokens sequentially (state and conv history), both state strategies."""
 
-from _gdn_common import ChainOracle, poison, random_parents, root_path  # sets TRITON_INTERPRET first
-
 import pytest
 import torch
+from _gdn_common import ChainOracle, poison, random_parents, root_path  # sets TRITON_INTERPRET first
 
-from ddtree_compile.templates import gdn_ops  # noqa: F401  (registers torch.ops.ddtree.*)
-from ddtree_compile.templates.gdn_commit import gdn_commit_ref, gdn_commit_triton
+from ddtree_compile.templates import gdn_step  # (its import registers torch.ops.ddtree.*)
+from ddtree_compile.templates.gdn_commit import gdn_commit_triton
+from ddtree_compile.templates.gdn_commit_ref import gdn_commit_ref
 from ddtree_compile.templates.gdn_meta import build_gdn_meta, validate_path
-from ddtree_compile.templates.tree_conv import tree_conv1d_ref, tree_conv1d_triton
-from ddtree_compile.templates.tree_gdn import tree_gdn_ref, tree_gdn_triton
+from ddtree_compile.templates.tree_conv import tree_conv1d_triton
+from ddtree_compile.templates.tree_conv_ref import tree_conv1d_ref
+from ddtree_compile.templates.tree_gdn import tree_gdn_triton
+from ddtree_compile.templates.tree_gdn_ref import tree_gdn_ref
 
 H, HV, K, V = 1, 2, 8, 8
 D = 2 * H * K + HV * V
@@ -181,9 +183,9 @@ def test_custom_ops_cpu_and_compile():
     stack = torch.zeros(2, 5, HV, V, K)
 
     def step(conv, ssm, na, out):
-        gdn_ops.tree_gdn_verify(x[0], b[0], a[0], out, conv, ssm, model.w[0], model.bias[0], model.A_log[0],
-                                model.dt[0], model.si, na, meta, stack, H, K, rec_kv=model.rec_kv[0],
-                                rec_gb=model.rec_gb[0])
+        gdn_step.tree_gdn_verify(x[0], b[0], a[0], out, conv, ssm, model.w[0], model.bias[0], model.A_log[0],
+                                 model.dt[0], model.si, na, meta, stack, H, K, rec_kv=model.rec_kv[0],
+                                 rec_gb=model.rec_gb[0])
         return out
 
     outs = []
@@ -211,8 +213,8 @@ def test_bad_walk_result_rejected(acc, plen, msg):
 def test_debug_mode_validates(monkeypatch):
     monkeypatch.setenv("DDTREE_DEBUG", "1")
     with pytest.raises(ValueError, match=">= itself"):
-        gdn_ops.make_gdn_meta(torch.tensor([[-1, 2, 0]]), 4)
+        gdn_step.make_gdn_meta(torch.tensor([[-1, 2, 0]]), 4)
     with pytest.raises(ValueError, match="not a child"):
-        gdn_ops.commit_accepted_path([torch.zeros(1, D, 4)], [], torch.ones(1, 1, dtype=torch.int32),
-                                     torch.ones(1, dtype=torch.int32), torch.tensor([[0, 2]], dtype=torch.int32),
-                                     torch.tensor([2], dtype=torch.int32), 4, parents=torch.tensor([[-1, 0, 1]]))
+        gdn_step.commit_accepted_path([torch.zeros(1, D, 4)], [], torch.ones(1, 1, dtype=torch.int32),
+                                      torch.ones(1, dtype=torch.int32), torch.tensor([[0, 2]], dtype=torch.int32),
+                                      torch.tensor([2], dtype=torch.int32), 4, parents=torch.tensor([[-1, 0, 1]]))

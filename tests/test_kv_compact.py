@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from _interp import run_interpreted
 import torch
+from _interp import run_interpreted
 
 # name -> case: per-request (context length, accepted slots); layers; layout; identity moves kept or -1.
 BASE = dict(bs=8, heads=2, D=64, layers=3, layout="flash", keep_identity=False, dtype="bfloat16", seed=0)
@@ -103,7 +103,7 @@ def test_triton_compaction(interp_results, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_reference_compaction(name):
-    from ddtree_compile.templates.kv_compact import kv_compact_reference
+    from ddtree_compile.templates.kv_compact_ref import kv_compact_reference
 
     c = CASES[name]
     t, work = make_case(c), make_case(c)
@@ -112,7 +112,7 @@ def test_reference_compaction(name):
 
 
 def test_op_dispatch_and_compile():
-    import ddtree_compile.templates.kv_compact  # noqa: F401  registers the op
+    import ddtree_compile.templates.ops  # noqa: F401  registers the op
 
     c = CASES["branchy_paths"]
     t, work = make_case(c), make_case(c)
@@ -144,7 +144,9 @@ def test_op_dispatch_and_compile():
     ("dst_pos", lambda t: dict(dst_pos=t["dst"][:, :1])),
 ])
 def test_bad_inputs_name_the_field(field, change):
-    from ddtree_compile.templates.kv_compact import kv_compact_reference, launch_kv_compact
+    import ddtree_compile.templates.ops  # noqa: F401  registers the op
+    from ddtree_compile.templates.kv_compact import launch_kv_compact
+    from ddtree_compile.templates.kv_compact_ref import kv_compact_reference
 
     t = make_case(CASES["branchy_paths"])
     args = dict(key_caches=t["keys"], value_caches=t["values"], block_table=t["block_table"], src_pos=t["src"],

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_tree_attention import BASE, dense_oracle, make_case
 
-from ddtree_compile import kv_layouts
+from ddtree_compile.integration import kv_layouts
 
 # (isa, dtype, block size): the combinations vLLM's `_get_attn_isa` can produce for our head sizes.
 COMBOS = [("vec", torch.float32, 32), ("vec", torch.bfloat16, 64), ("vec16", torch.float32, 16),
@@ -71,9 +71,9 @@ TREES = {"random": dict(kind="random", N=9, ctx=(21, 45)), "deep_gqa": dict(kind
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("isa,dtype,bs", COMBOS, ids=IDS)
 def test_tree_attention_through_each_layout(isa, dtype, bs, tree):
-    """What vllm_ops._attention_tree does (layout.logical_blocks, then ddtree::tree_attention) vs the
+    """What the tree attention op does (integration/tree_ops.py) (layout.logical_blocks, then ddtree::tree_attention) vs the
     dense ancestor-mask oracle on the same K/V."""
-    import ddtree_compile.templates.tree_attention  # noqa: F401  registers ddtree::tree_attention
+    import ddtree_compile.templates.ops  # noqa: F401  registers ddtree::tree_attention
 
     case = {**BASE, "layout": "flash", "W": 0, "cap": 0.0, "seed": 3, "dtype": str(dtype)[6:], "bs": bs,
             **TREES[tree]}

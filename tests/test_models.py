@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from ddtree_compile import engines, models
+from ddtree_compile.integration import engines
+from ddtree_compile.tools import models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read by huggingface_hub at import time
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree_compile.tree import ancestor_closure, pack_bits
+from ddtree_compile.core.tree import ancestor_closure, pack_bits
 
 
 @dataclass
@@ -135,7 +135,7 @@ class ModelDriver:
 
 
 def make_tree(parents: list[list[int]], tokens: list[list[int]]):
-    """(parents, depths, ancestor_bits) tensors for R trees in the ddtree_compile.tree layout."""
+    """(parents, depths, ancestor_bits) tensors for R trees in the ddtree_compile.core.tree layout."""
     p = torch.tensor(parents, dtype=torch.int64)
     R, N = p.shape
     anc = ancestor_closure(p, N - 1)

@@ -13,12 +13,14 @@ import weakref
 
 import pytest
 import torch
+from test_passes_driver import ModelDriver, Seq, make_tree, replay_paths, root_path
 
 import ddtree_compile
-from ddtree_compile import engines, models, vllm_ops
+from ddtree_compile import adapters
+from ddtree_compile.integration import engines, tree_context
 from ddtree_compile.passes.engine import RewriteEngine
 from ddtree_compile.passes.entry import tree_verify_pass
-from test_passes_driver import ModelDriver, Seq, make_tree, replay_paths, root_path
+from ddtree_compile.tools import models
 
 PASS = {"inductor_passes": {"post_grad_custom_post_pass": "ddtree_compile.tree_verify_pass"}}
 NUM_LAYERS = 4  # models.py: hybrids are 3 GatedDeltaNet layers + 1 full attention
@@ -113,11 +115,12 @@ def _tree_verify(worker, gdn: bool):
             s, _ = drv.prefill(pr[:-1])
             c = len(pr) - 1
             seqs.append(Seq(token_rows[r], [c + int(x) for x in d[r]], [c + j for j in range(N)], c, s.blocks))
-        meta = vllm_ops.TreeVerifyMetadata(ancestor_bits=b, depths=d, parents=p)
+        meta = tree_context.TreeVerifyMetadata(ancestor_bits=b, depths=d, parents=p)
         if gdn:  # each GDN layer's state line (its own KV cache group), resuming at column 0
-            meta.gdn = {"state_indices": {n: drv.state_lines(seqs, gid) for n, gid in drv.gdn_groups().items()},
-                        "num_accepted": torch.ones(len(seqs), dtype=torch.int32)}
-        with vllm_ops.tree_verify(meta):
+            meta.gdn = tree_context.GdnVerify(
+                state_indices={n: drv.state_lines(seqs, gid) for n, gid in drv.gdn_groups().items()},
+                num_accepted=torch.ones(len(seqs), dtype=torch.int32))
+        with tree_context.tree_verify(meta):
             logits = drv.forward(seqs)
         return logits, dict(meta.calls)
 
@@ -161,12 +164,12 @@ def _tree_verify_fp32_templates(worker):
         seqs = [Seq(token_rows[r], [int(x) for x in d[r]], list(range(N)), 0, drv.alloc(N)) for r in range(R)]
         scratch = {}
         for name in drv.gdn_groups():
-            conv, _, weight = vllm_ops._gdn_state_views(sfc[name])
+            conv, _, weight = adapters.current().gdn_state_views(sfc[name])
             scratch[name] = torch.zeros(1, conv.shape[1], weight.shape[-1] - 2 + N, dtype=conv.dtype)
-        meta = vllm_ops.TreeVerifyMetadata(ancestor_bits=b, depths=d, parents=p, gdn={
-            "state_indices": torch.zeros(R, 1, dtype=torch.int32),  # null line: zero state, never written
-            "num_accepted": torch.ones(R, dtype=torch.int32), "conv_state": scratch})
-        with vllm_ops.tree_verify(meta):
+        meta = tree_context.TreeVerifyMetadata(ancestor_bits=b, depths=d, parents=p, gdn=tree_context.GdnVerify(
+            state_indices=torch.zeros(R, 1, dtype=torch.int32),  # null line: zero state, never written
+            num_accepted=torch.ones(R, dtype=torch.int32), conv_state=scratch))
+        with tree_context.tree_verify(meta):
             return drv.forward(seqs), dict(meta.calls)
 
     tree, calls = verify(PARENTS, toks)

@@ -11,10 +11,10 @@ import json
 import math
 
 import pytest
-from _interp import run_interpreted
 import torch
+from _interp import run_interpreted
 
-from ddtree_compile.tree import ancestor_closure, pack_bits
+from ddtree_compile.core.tree import ancestor_closure, pack_bits
 
 # name -> case. kind: tree shape; live: nodes per request (<= N-1, rest padding); ctx: context lengths;
 # bs: cache block size; heads: (Hq, Hkv); tiles: (BLOCK_M, BLOCK_N, min_chunk, page_group) or None (default
@@ -190,7 +190,7 @@ def _interp_main() -> None:
         row_rel = ((tri - ref).norm(dim=-1) / ref.norm(dim=-1).clamp(min=1e-6))[~dead]
         res = dict(
             interpreted=bool(triton.knobs.runtime.interpret) and isinstance(ta._tree_attn_fwd_kernel, InterpretedFunction),
-            splits=ta.plan_tree_attention(t["query"], t["key_cache"], t["ancestor_bits"], t["block_table"], tiles,
+            splits=tuning.plan_tree_attention(t["query"], t["key_cache"], t["ancestor_bits"], t["block_table"], tiles,
                                           c["splits"])[3],
             nan=bool(tri.isnan().any()),
             close=bool(torch.allclose(tri, ref, **_tol(c["dtype"]))),
@@ -335,7 +335,7 @@ def _op_args(t: dict, out: torch.Tensor):
 
 
 def test_op_cpu_dispatches_to_reference():
-    import ddtree_compile.templates.tree_attention  # noqa: F401  registers the op
+    import ddtree_compile.templates.ops  # noqa: F401  registers the op
 
     t = make_case(CASES["sliding_window"])
     out = torch.full_like(t["query"], float("nan"))
@@ -344,7 +344,7 @@ def test_op_cpu_dispatches_to_reference():
 
 
 def test_op_opcheck_and_compile():
-    import ddtree_compile.templates.tree_attention  # noqa: F401
+    import ddtree_compile.templates.ops  # noqa: F401
 
     t = make_case({**BASE, "N": 4, "ctx": (5, 3), "seed": 23})
     out = torch.zeros_like(t["query"])
@@ -385,6 +385,7 @@ def _bad(t: dict, **kw):
     ("logits_soft_cap", lambda t: dict(logits_soft_cap=float("nan"))),
 ])
 def test_bad_inputs_name_the_field(field, change):
+    import ddtree_compile.templates.ops  # noqa: F401  registers the op
     from ddtree_compile.templates.tree_attention import launch_tree_attention
     from ddtree_compile.templates.tree_attention_ref import tree_attention_reference
 

@@ -21,10 +21,10 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 import ddtree_compile as dd  # noqa: E402
-from ddtree_compile.build import _build, draft_topk  # noqa: E402
+from ddtree_compile.core.build import _build, draft_topk  # noqa: E402
+from ddtree_compile.core.tree import TreeBatch, num_mask_words  # noqa: E402
 from ddtree_compile.templates import draft_topk as topk_mod  # noqa: E402
 from ddtree_compile.templates import tree_build as build_mod  # noqa: E402
-from ddtree_compile.tree import TreeBatch, num_mask_words  # noqa: E402
 
 FIELDS = ("tokens", "parents", "depths", "scores", "num_nodes", "ancestor_bits")
 
@@ -227,7 +227,7 @@ def test_draft_topk_kernel_strided_view():
 
 def test_torch_reference_cpu_shortcut_equals_packed_key():
     """On CPU the reference skips the int64 key when the top-k set is unique; both must agree."""
-    from ddtree_compile.build import _packed_topk_ids, _stable_topk_ids
+    from ddtree_compile.core.build import _packed_topk_ids, _stable_topk_ids
 
     gen = torch.Generator().manual_seed(0)
     for i in range(200):

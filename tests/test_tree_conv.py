@@ -1,12 +1,12 @@
 """Tree causal conv1d: Triton (interpreter) vs torch reference, and a per-path oracle."""
 
-from _gdn_common import KINDS, poison, random_parents, root_path  # sets TRITON_INTERPRET first
-
 import pytest
 import torch
+from _gdn_common import KINDS, poison, random_parents, root_path  # sets TRITON_INTERPRET first
 
 from ddtree_compile.templates.gdn_meta import build_gdn_meta
-from ddtree_compile.templates.tree_conv import tree_conv1d_ref, tree_conv1d_triton
+from ddtree_compile.templates.tree_conv import tree_conv1d_triton
+from ddtree_compile.templates.tree_conv_ref import tree_conv1d_ref
 
 
 def make_case(W, N, D, dtype, layout, seed, kinds=KINDS):

@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ddtree_compile as dd
-from ddtree_compile.tree import ancestor_closure, pack_bits, unpack_bits
-
+from ddtree_compile.core.tree import ancestor_closure, pack_bits, unpack_bits
 
 # ---------------------------------------------------------------- oracles (plain Python)
 

@@ -1,12 +1,12 @@
 """Tree gated delta rule: metadata, Triton (interpreter) vs reference, per-path and chain oracles."""
 
-from _gdn_common import KINDS, ChainOracle, poison, random_parents, root_path  # sets TRITON_INTERPRET
-
 import pytest
 import torch
+from _gdn_common import KINDS, ChainOracle, poison, random_parents, root_path  # sets TRITON_INTERPRET
 
 from ddtree_compile.templates.gdn_meta import F_PAD, F_RELOAD, F_SAVE, build_gdn_meta, validate_tree
-from ddtree_compile.templates.tree_gdn import tree_gdn_ref, tree_gdn_triton
+from ddtree_compile.templates.tree_gdn import tree_gdn_triton
+from ddtree_compile.templates.tree_gdn_ref import tree_gdn_ref
 
 
 def make_case(N, H, HV, K, V, kinds, seed, dtype=torch.float32, state_dtype=torch.float32, kv_major=False,

@@ -1,0 +1,50 @@
+"""One adapter per vLLM release line: every assumption about vLLM's internals lives there.
+
+An adapter module (`vllm_0_32.py`, ...) holds every read of vLLM's private state, every patch of a
+vLLM class and every wrapper on a runner instance; the rest of the package calls it through
+`current()`. The version window is the set of lines below: the plugin, the runner patch and the
+rewrite rules all ask `check()`, so they agree. A vLLM outside the window is refused once, with the
+reason logged and counted, and its engines run as flat DFlash.
+
+Adding a vLLM release line = one adapter module here + its rows in passes/rules.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from packaging.version import Version
+
+# release line -> adapter module (the vLLM source each one was written against is named in it)
+ADAPTERS = {"0.32": "ddtree_compile.adapters.vllm_0_32"}
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM is outside the window of release lines DDTree has an adapter for."""
+
+
+def release_line(version: str) -> str:
+    """'0.32.0+cpu' -> '0.32' (local tags and patch releases do not change the internals read)."""
+    v = Version(Version(version).base_version)
+    return f"{v.major}.{v.minor}"
+
+
+def installed_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def check(version: str | None = None) -> str:
+    """The adapter line of `version` (default: the installed vLLM); raises UnsupportedVLLM outside the window."""
+    version = version or installed_version()
+    line = release_line(version)
+    if line not in ADAPTERS:
+        raise UnsupportedVLLM(f"vLLM {version} is not supported by ddtree_compile (adapters for release lines: "
+                              f"{', '.join(k + '.x' for k in ADAPTERS)})")
+    return line
+
+
+def current():
+    """The adapter module of the installed vLLM (raises UnsupportedVLLM outside the window)."""
+    return importlib.import_module(ADAPTERS[check()])

@@ -1,0 +1,64 @@
+"""Round step 3 (walk): follow the target's tokens down the verified tree, on the device.
+
+Node j is on the accepted path iff, for j and each of its in-tree ancestors a, the target's
+token at a's parent equals a's token (and a is the first such sibling). That is one masked
+reduction over the ancestor mask: no loop over depths, no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree_compile.core.tree import TreeBatch
+
+
+@dataclass
+class WalkResult:
+    accepted: torch.Tensor  # int64 [R, L+1]: slot indices along the path, root first, -1 padded
+    num_accepted: torch.Tensor  # int64 [R]: path length including the root
+    bonus: torch.Tensor  # int64 [R]: the target's token at the last accepted slot
+    tokens: torch.Tensor  # int64 [R, L+1]: committed tokens (path after the root, then bonus), -1 padded
+
+    @property
+    def last(self) -> torch.Tensor:
+        """Slot index of the last accepted node [R]."""
+        return self.accepted.gather(1, (self.num_accepted - 1).unsqueeze(1)).squeeze(1)
+
+
+def walk_tree(tree: TreeBatch, target_tokens: torch.Tensor) -> WalkResult:
+    """Accept the longest root path the target agrees with, plus one bonus token."""
+    R, N = tree.tokens.shape
+    if not isinstance(target_tokens, torch.Tensor) or target_tokens.shape != (R, N):
+        shape = tuple(target_tokens.shape) if isinstance(target_tokens, torch.Tensor) else type(target_tokens)
+        raise ValueError(f"target_tokens must be a tensor of shape [R, B+1] = {(R, N)}, got {shape}")
+    if target_tokens.dtype.is_floating_point:
+        raise ValueError(f"target_tokens must hold token ids (integer dtype), got {target_tokens.dtype}")
+    target = target_tokens.long()
+    live = tree.live()
+    idx = torch.arange(N, device=tree.tokens.device)
+    parent = tree.parents.clamp(min=0)
+    match = live & (idx > 0) & (tree.tokens == target.gather(1, parent))
+    # A parent's first matching child wins (only matters if a drafter repeats a token among siblings).
+    same_parent = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & (idx.view(1, 1, N) < idx.view(1, N, 1))
+    match &= ~(same_parent & match.unsqueeze(1)).any(-1)
+    good = match | (idx == 0)
+    mask = tree.ancestor_mask()
+    on_path = live & ~(mask & ~good.unsqueeze(1)).any(-1)
+
+    L1 = tree.max_depth + 1
+    accepted = torch.full((R, L1 + 1), -1, dtype=torch.int64, device=idx.device)  # spare column: sink
+    depth_col = torch.where(on_path, tree.depths, torch.full_like(tree.depths, L1))
+    accepted.scatter_(1, depth_col, torch.where(on_path, idx.expand(R, -1), -1))
+    accepted = accepted[:, :L1].contiguous()
+    num_accepted = on_path.sum(-1)
+    last = accepted.gather(1, (num_accepted - 1).unsqueeze(1))
+    bonus = target.gather(1, last).squeeze(1)
+
+    path_tokens = tree.tokens.gather(1, accepted[:, 1:].clamp(min=0))  # [R, L]
+    path_tokens = torch.cat([path_tokens, torch.full_like(path_tokens[:, :1], -1)], dim=1)
+    pos = torch.arange(L1, device=idx.device).unsqueeze(0)
+    n1 = (num_accepted - 1).unsqueeze(1)
+    tokens = torch.where(pos < n1, path_tokens, torch.where(pos == n1, bonus.unsqueeze(1), -1))
+    return WalkResult(accepted, num_accepted, bonus, tokens)

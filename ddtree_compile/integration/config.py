@@ -1,0 +1,148 @@
+"""DDTree settings: the one switch that turns DDTree on in vLLM, and its validation.
+
+DDTree rides on vLLM's DFlash path. The switch is two pieces of vLLM's own configuration:
+
+    speculative_config = {"method": "dflash", "model": <drafter>, "num_speculative_tokens": K}
+    additional_config  = {"ddtree": {"budget": B, "top_k": 8, "temperature": 1.0,
+                                     "chain_seed": True, "draft_len": L}}
+
+`additional_config` is hashed into vLLM's config and compile-cache keys and reaches every process.
+L is the drafter's block (the flat DFlash chain length: the drafter proposes L positions per round);
+K sizes vLLM's draft slots and buffers, so it must hold the tree (K >= B) and the drafter's query
+(K >= L). `vllm_kwargs` picks K for you. Hybrid (GatedDeltaNet) targets keep one conv window per
+draft slot, and the tree templates need exactly one slot per tree node: K == B there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+from ddtree_compile.core.spec import MAX_BUDGET, TreeSpec
+
+KEY = "ddtree"
+GDN_STATES = ("snapshots", "replay")
+_FIELDS = ("budget", "top_k", "temperature", "chain_seed", "draft_len", "gdn_state", "log_interval")
+
+
+def _fail(field: str, msg: str) -> None:
+    raise ValueError(f"additional_config['ddtree']['{field}'] {msg}")
+
+
+def _int(field: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(field, f"must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        _fail(field, f"must be {'>= ' + str(low) if high is None else f'in [{low}, {high}]'}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class DDTreeConfig:
+    """Validated DDTree settings (see module docstring).
+
+    budget        tree nodes B verified per round (the verify runs B+1 tokens per request)
+    top_k         candidates per depth
+    temperature   draft temperature used to score tree nodes (not the sampling temperature)
+    chain_seed    always include the drafter's top-1 chain (the tree contains flat DFlash)
+    draft_len     L, positions the drafter proposes per round; None: the drafter's block_size - 1
+    gdn_state     hybrid targets: "replay" (record per-node k/v/g/beta, replay the accepted path at
+                  commit; state memory independent of the budget) or "snapshots" (every node's
+                  state in vLLM's per-draft state slots; no replay at commit)
+    log_interval  tree rounds between DDTree log lines (0: no periodic log line)
+    """
+
+    budget: int
+    top_k: int = 8
+    temperature: float = 1.0
+    chain_seed: bool = True
+    draft_len: int | None = None
+    gdn_state: str = "replay"
+    log_interval: int = 100
+
+    def __post_init__(self) -> None:
+        _int("budget", self.budget, 1, MAX_BUDGET)
+        _int("top_k", self.top_k, 1)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            _fail("temperature", f"must be a finite float > 0, got {t!r}")
+        if not isinstance(self.chain_seed, bool):
+            _fail("chain_seed", f"must be true or false, got {self.chain_seed!r}")
+        if self.draft_len is not None:
+            _int("draft_len", self.draft_len, 1)
+        if self.gdn_state not in GDN_STATES:
+            _fail("gdn_state", f"must be one of {', '.join(GDN_STATES)}, got {self.gdn_state!r}")
+        _int("log_interval", self.log_interval, 0)
+
+    def tree_spec(self, draft_len: int) -> TreeSpec:
+        return TreeSpec(budget=effective_budget(self.budget, self.top_k, draft_len), top_k=self.top_k,
+                        chain_seed=self.chain_seed, temperature=float(self.temperature))
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def effective_budget(budget: int, top_k: int, draft_len: int) -> int:
+    """min(budget, nodes a top_k x draft_len tree can hold): a tree never has padding slots."""
+    k = min(top_k, budget)
+    total, level = 0, 1
+    for _ in range(draft_len):
+        level *= k
+        total += level
+        if total >= budget:
+            return budget
+    return total
+
+
+def parse(additional_config) -> DDTreeConfig | None:
+    """The DDTree settings in vLLM's `additional_config`, or None when DDTree is off."""
+    if additional_config is None:
+        return None
+    if not isinstance(additional_config, dict):
+        additional_config = getattr(additional_config, "__dict__", {})
+    raw = additional_config.get(KEY)
+    if raw is None:
+        return None
+    if isinstance(raw, DDTreeConfig):
+        return raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"additional_config['ddtree'] must be a dict of DDTree settings, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"additional_config['ddtree'] has unknown keys {unknown}; allowed keys: {', '.join(_FIELDS)}")
+    if "budget" not in raw:
+        raise ValueError("additional_config['ddtree'] needs 'budget' (tree nodes verified per round, >= 1)")
+    return DDTreeConfig(**raw)
+
+
+def vllm_kwargs(draft_model, budget: int, top_k: int = 8, temperature: float = 1.0, chain_seed: bool = True,
+                num_speculative_tokens: int = 15) -> dict:
+    """Keyword arguments that switch DDTree on for `vllm.LLM(...)` (what `cli_args` passes to `vllm serve`).
+
+    `num_speculative_tokens` is the draft length L (flat DFlash's chain length); vLLM's own
+    num_speculative_tokens becomes max(effective budget, L) so its slots hold the tree. Merge the
+    returned `compilation_config` with your own if you pass one.
+    """
+    cfg = DDTreeConfig(budget=budget, top_k=top_k, temperature=temperature, chain_seed=chain_seed,
+                       draft_len=_int("draft_len", num_speculative_tokens, 1))
+    b_eff = effective_budget(budget, top_k, cfg.draft_len)
+    kwargs = {
+        "speculative_config": {"method": "dflash", "model": str(draft_model),
+                               "num_speculative_tokens": max(b_eff, cfg.draft_len)},
+        "additional_config": {KEY: cfg.to_dict()},
+    }
+    # vLLM resolves the pass as `__import__("ddtree_compile").__dict__["tree_verify_pass"]`.
+    kwargs["compilation_config"] = {"inductor_passes": {"post_grad_custom_post_pass": PASS_NAME}}
+    return kwargs
+
+
+PASS_NAME = "ddtree_compile.tree_verify_pass"
+
+
+def cli_args(draft_model, budget: int, **kw) -> list[str]:
+    """`vllm serve` arguments equivalent to `vllm_kwargs(...)` (one switch, two spellings)."""
+    out = []
+    for key, value in vllm_kwargs(draft_model, budget, **kw).items():
+        out += ["--" + key.replace("_", "-"), json.dumps(value)]
+    return out

@@ -1,0 +1,60 @@
+"""In-process vLLM engines (VLLM_ENABLE_V1_MULTIPROCESSING=0): find the runner, shut down cleanly.
+
+Tests, the demo and `ddtree-compile dump` start several engines one after another in one process.
+vLLM 0.32 leaks each compiled model there: `TorchCompileWithNoGuardsWrapper.__init__` runs twice
+per model and registers two Dynamo bytecode hooks (bound methods of the model), and its cleanup
+removes only the second, while LLMEngine's finalizer looks for `driver_worker.model_runner`, which
+an in-process engine does not have. The model (and the CPU GEMM handles of its layers) is then
+freed whenever that hook goes away, which can be inside the next engine's fake-tensor trace, where
+the handles' `__del__` (a real `.item()`) fails and can leave the dispatcher state broken for
+every later trace. Dynamo's caches also hold the compiled forward (a bound method of the model).
+`shutdown` drops those hooks, resets Dynamo and collects the engine right away (one engine at a
+time: another live engine of this process would recompile on its next trace).
+"""
+
+from __future__ import annotations
+
+import gc
+
+from ddtree_compile import adapters
+
+
+def find_runner(llm):
+    """The model runner of an in-process `vllm.LLM`, else None (multiprocess engines)."""
+    return adapters.current().find_runner(llm)
+
+
+_ATTR = "_ddtree"  # the DDTree round, on its runner instance (ours: vLLM never reads it)
+
+
+def state_of(runner):
+    return getattr(runner, _ATTR, None)
+
+
+def set_state(runner, state) -> None:
+    setattr(runner, _ATTR, state)
+
+
+def find_state(llm):
+    """The DDTree round of an in-process `vllm.LLM`, else None."""
+    runner = find_runner(llm)
+    return state_of(runner) if runner is not None else None
+
+
+def shutdown(llm) -> None:
+    """Shut `llm` down and free its models now; the `LLM` object is unusable afterwards."""
+    import torch
+
+    A = adapters.current()
+    runner = A.find_runner(llm)
+    state = find_state(llm)
+    if state is not None:
+        state.close()
+    modules = A.model_module_ids(runner) if runner is not None else set()
+    del runner, state
+    A.shutdown_engine(llm)
+    A.drop_compiled_model_hooks(modules)
+    del modules
+    torch._dynamo.reset()
+    gc.collect()
+    A.cleanup_distributed()

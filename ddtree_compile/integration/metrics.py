@@ -1,0 +1,175 @@
+"""DDTree counters: what the tree rounds verified, accepted and wasted, and why they fell back.
+
+Per-round numbers stay on the device (one small accumulator tensor, no host sync in a round); the
+host reads them only when asked (`snapshot()`), for the periodic log line, or at `collect(llm)`.
+Host-side counters (fallbacks, step kinds, wall time of each phase) are plain Python numbers.
+
+vLLM's own spec-decode metrics (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
+`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`, also on Prometheus) keep working:
+the scheduler sees B drafts per tree round and the accepted path as an accepted prefix.
+The DDTree-specific counters below live in the worker process; `collect(llm)` fetches them.
+
+Phase times are host wall clock around each phase: exact on CPU (synchronous), launch time only
+on CUDA. The periodic "DDTree:" log line (every `log_interval` tree steps, DDTreeConfig) reads the
+device counters, i.e. syncs once per interval; log_interval=0 turns it off.
+
+Prometheus: vLLM's spec-decode series already carry the per-round numbers that the scheduler sees
+(drafts = B per tree round -> nodes verified; accepted tokens and accepted-per-position -> accept
+depth and its histogram; draft - accepted -> nodes wasted). The DDTree-only counters (sibling
+branches, fallbacks and their reasons, phase times) live in the worker process and have no clean
+path into vLLM 0.32's stat loggers (they run in the front process and only see scheduler stats):
+read them with `collect(llm)` or the log line.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+
+import torch
+
+
+def _logger() -> logging.Logger:
+    """The package logger, visible without any logging setup (vLLM only configures its own "vllm"
+    logger). DDTREE_LOG_LEVEL sets the level (default INFO). It does not propagate to the root logger
+    (no duplicate lines where an application configured logging); tests that capture it turn that on."""
+    lg = logging.getLogger("ddtree_compile")
+    if not lg.handlers:
+        lg.propagate = False
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s "
+                                         "[ddtree_compile] %(message)s", "%m-%d %H:%M:%S"))
+        lg.addHandler(h)
+        lg.setLevel(os.environ.get("DDTREE_LOG_LEVEL", "INFO"))
+    return lg
+
+
+logger = _logger()
+
+# Accumulator columns (device, int64).
+_COLS = ("tree_requests", "nodes_verified", "nodes_accepted", "sibling_rounds", "sibling_nodes",
+         "full_accepts", "zero_accepts")
+PROCESS_STARTUP_FALLBACKS: collections.Counter = collections.Counter()  # reason -> engines, this process
+_REFUSED: set[str] = set()
+
+
+def refuse_once(reason: str, consequence: str) -> None:
+    """DDTree cannot run in this process (e.g. a vLLM outside the adapters' window): counted and
+    logged once per reason and consequence, so every caller that meets it says what it does instead."""
+    key = f"{reason} ({consequence})"
+    if key in _REFUSED:
+        return
+    _REFUSED.add(key)
+    PROCESS_STARTUP_FALLBACKS[reason] += 1
+    logger.warning("ddtree_compile: %s; %s.", reason, consequence)
+_LOCK = threading.Lock()
+_REGISTRY: list = []  # live DDTreeMetrics of this process (one per DDTree runner)
+
+
+class DDTreeMetrics:
+    def __init__(self, max_depth: int, device, log_interval: int = 0):
+        self.max_depth = max_depth
+        self.log_interval = log_interval
+        self._acc = torch.zeros(len(_COLS), dtype=torch.int64, device=device)
+        self._hist = torch.zeros(max_depth + 1, dtype=torch.int64, device=device)  # accept depth histogram
+        self.tree_steps = 0  # steps verified as trees
+        self.chain_steps = 0  # steps with drafts verified as a plain chain (whole-step fallback)
+        self.fallback_steps: collections.Counter = collections.Counter()  # reason -> steps
+        self.fallback_requests: collections.Counter = collections.Counter()  # reason -> request rounds
+        self.seconds: collections.Counter = collections.Counter()  # phase -> wall seconds
+        self.kv_layouts: list[str] = []  # the attention layers' KV-cache layouts (kv_layouts.py)
+        with _LOCK:
+            _REGISTRY.append(self)
+
+    # -- recording (device, no sync) ---------------------------------------------------------
+    def record_round(self, tree_rows: torch.Tensor, nodes: torch.Tensor, accepted: torch.Tensor,
+                     off_chain: torch.Tensor, full: torch.Tensor) -> None:
+        """One tree step. All args [R] on the device: bool tree row; live nodes; accepted path length
+        (excluding the root); accepted nodes off the drafter's top-1 chain; accepted the whole draft."""
+        t = tree_rows.to(torch.int64)
+        acc = accepted.to(torch.int64) * t
+        row = torch.stack([t.sum(), (nodes.to(torch.int64) * t).sum(), acc.sum(),
+                           ((off_chain > 0) & tree_rows).sum(), (off_chain.to(torch.int64) * t).sum(),
+                           (full & tree_rows).sum(), ((accepted == 0) & tree_rows).sum()])
+        self._acc += row
+        self._hist.scatter_add_(0, acc.clamp(max=self.max_depth), t)
+
+    def fallback(self, reason: str, requests: int = 0) -> None:
+        if requests:
+            self.fallback_requests[reason] += requests
+        else:
+            self.fallback_steps[reason] += 1
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    # -- reading (host sync) -------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        acc = dict(zip(_COLS, self._acc.tolist()))
+        hist = self._hist.tolist()
+        n = max(acc["tree_requests"], 1)
+        return {
+            **acc,
+            "nodes_wasted": acc["nodes_verified"] - acc["nodes_accepted"],
+            "mean_accept_depth": acc["nodes_accepted"] / n,
+            "max_accept_depth": max((d for d, c in enumerate(hist) if c), default=0),
+            "accept_depth_histogram": hist,
+            "tree_steps": self.tree_steps,
+            "chain_steps": self.chain_steps,
+            "fallback_steps": dict(self.fallback_steps),
+            "fallback_requests": dict(self.fallback_requests),
+            "fallback_total": sum(self.fallback_steps.values()) + sum(self.fallback_requests.values()),
+            "seconds": dict(self.seconds),
+            "kv_layouts": list(self.kv_layouts),
+        }
+
+    def maybe_log(self) -> None:
+        if self.log_interval and self.tree_steps % self.log_interval == 0:
+            logger.info("DDTree: %s", format_line(self.snapshot()))
+
+    def close(self) -> None:
+        with _LOCK:
+            if self in _REGISTRY:
+                _REGISTRY.remove(self)
+
+
+def format_line(s: dict) -> str:
+    return (f"tree steps {s['tree_steps']}, chain steps {s['chain_steps']}, rounds {s['tree_requests']}, "
+            f"nodes verified {s['nodes_verified']} / accepted {s['nodes_accepted']} / wasted {s['nodes_wasted']}, "
+            f"mean accept depth {s['mean_accept_depth']:.2f} (max {s['max_accept_depth']}), "
+            f"sibling rounds {s['sibling_rounds']}, fallbacks {s['fallback_total']}")
+
+
+def worker_snapshots() -> list[dict]:
+    """Snapshots of every live DDTree runner of this process."""
+    with _LOCK:
+        live = list(_REGISTRY)
+    return [m.snapshot() for m in live]
+
+
+def collect(llm) -> list[dict]:
+    """DDTree counters of a `vllm.LLM`'s workers (one snapshot per DDTree runner; [] if DDTree is off).
+
+    In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) read the runner directly; otherwise the
+    snapshot is fetched from the workers with `LLM.collective_rpc`, which ships a function and so
+    needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (without it, read the periodic "DDTree:" log line).
+    """
+    import os
+
+    from ddtree_compile.integration import engines
+
+    if engines.find_runner(llm) is not None:
+        state = engines.find_state(llm)
+        return [state.metrics.snapshot()] if state is not None else []
+    if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+        raise RuntimeError("ddtree_compile.integration.metrics.collect on a multiprocess engine needs "
+                           "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (it sends a function to the workers)")
+    out = llm.collective_rpc(_rpc_snapshots)
+    return [s for per_worker in out for s in per_worker]
+
+
+def _rpc_snapshots(worker) -> list[dict]:
+    state = getattr(getattr(worker, "model_runner", None), "_ddtree", None)
+    return [state.metrics.snapshot()] if state is not None else []

@@ -1,0 +1,43 @@
+"""vLLM general plugin: makes the DDTree switch available in every vLLM process.
+
+pyproject entry point (group `vllm.general_plugins`):  ddtree = "ddtree_compile.integration.plugin:register"
+
+vLLM runs `register()` once per process (front end, engine core, workers) before the runner
+classes are used. It only installs the adapter's runner hook (adapters/), which does nothing
+unless an engine's `additional_config` holds a "ddtree" entry. On a vLLM outside the adapters'
+window nothing is patched: an engine with DDTree switched on then runs as flat DFlash, and the
+reason is logged once per process and counted (metrics.PROCESS_STARTUP_FALLBACKS).
+"""
+
+from __future__ import annotations
+
+_DONE = False
+
+
+def register() -> None:
+    global _DONE
+    if _DONE:
+        return
+    _DONE = True
+    from ddtree_compile import adapters
+    from ddtree_compile.integration.metrics import refuse_once
+
+    try:
+        adapter = adapters.current()
+    except adapters.UnsupportedVLLM as e:
+        refuse_once(str(e), "engines with DDTree switched on (additional_config['ddtree']) run as flat DFlash")
+        return
+    adapter.install_kv_cache_hook(_on_kv_caches_ready)
+
+
+def _on_kv_caches_ready(runner) -> None:
+    """The adapter's hook: the runner's KV caches exist; attach the round if this engine asked for it."""
+    from ddtree_compile.integration import config
+    from ddtree_compile.integration.round import attach
+
+    cfg = config.parse(runner.vllm_config.additional_config)
+    if cfg is None:
+        return
+    if getattr(runner, "drafter", None) is None:
+        raise ValueError("DDTree (additional_config['ddtree']) needs a speculative_config with a DFlash drafter")
+    attach(runner, cfg)

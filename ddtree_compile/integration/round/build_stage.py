@@ -1,0 +1,46 @@
+"""Build: the drafter's L positions -> per-depth logits -> `build_tree` -> Pending; the scheduler
+gets the B node tokens as the request's drafts."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...core.build import build_tree
+from .step import Pending, RoundContext
+
+
+class BuildStage:
+    def __init__(self, ctx: RoundContext):
+        self.ctx = ctx
+        self._captured: torch.Tensor | None = None
+
+    def sample_draft_tokens(self, hidden_states, sampling_metadata):
+        """Stands in for the drafter's own sampling: keep the logits, hand back the argmax."""
+        logits = self.ctx.view.drafter_compute_logits(hidden_states)
+        self._captured = logits
+        return logits.argmax(dim=-1), None
+
+    def propose(self, original_propose, **kw) -> tuple[torch.Tensor, Pending]:
+        """Run the drafter for L positions, build the trees; returns (drafts [R, B], Pending)."""
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        self._captured = None
+        original_propose(num_speculative_tokens=ctx.L, **kw)
+        logits, self._captured = self._captured, None
+        R = kw["next_token_ids"].shape[0]
+        logits = logits.view(R, ctx.L, -1)
+        tree = build_tree(logits, ctx.spec).with_root(kw["next_token_ids"])
+        top1 = logits.argmax(-1)
+        req_ids = ctx.view.req_ids(R)
+        chain = [ctx.chain_reason(r) for r in req_ids]
+        drafts = tree.tokens[:, 1:]
+        if any(chain):
+            rows = ctx.h2d([c is not None for c in chain], torch.bool)
+            # Flat DFlash's chain first, then the tree's other nodes (verified causally: waste).
+            chained = torch.cat([top1, drafts], dim=1)[:, : ctx.B]
+            drafts = torch.where(rows.unsqueeze(1), chained, drafts)
+            tree.tokens[:, 1:] = drafts
+        ctx.metrics.add_time("build", time.perf_counter() - t0)
+        return drafts, Pending(req_ids, tree, top1, chain)

@@ -1,0 +1,93 @@
+"""Commit: K/V of the accepted path compacted into place, GDN state + conv window of the path, and
+the drafter's next inputs reordered so the accepted path comes first."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import adapters
+from ...core.commit import commit_plan
+from ..tree_ops import kv_layout
+from .step import RoundContext, Step
+
+
+class CommitStage:
+    def __init__(self, ctx: RoundContext):
+        self.ctx = ctx
+        self.commit_hooks: list = []  # tests: fn(ctx, info) after each GDN commit (per KV cache group)
+        self._views: dict | None = None
+
+    def commit(self, step: Step) -> torch.Tensor | None:
+        """K/V (+ GDN state and conv) of the accepted paths. Hybrids: returns the accepted counts the
+        next step must read its state at (the runner's update hands them to vLLM)."""
+        self._commit_kv(step)
+        return self._commit_gdn(step) if self.ctx.hybrid else None
+
+    def _cache_views(self) -> dict:
+        """Per KV cache group, the layers' caches and layout, built once: the caches exist from attach
+        on (the adapter attaches after the runner's initialize_kv_cache) and keep their storage."""
+        if self._views is None:
+            ctx, A = self.ctx, adapters.current()
+            kv = {}
+            for gid, names in ctx.kv_groups.items():
+                layers = [ctx.layer(n) for n in names]
+                layouts = {kv_layout(x) for x in layers}
+                if len(layouts) != 1:  # one ISA per KV cache group (vLLM picks it per group)
+                    raise RuntimeError(f"KV cache group {gid}: layers in several layouts {layouts}")
+                kv[gid] = (layouts.pop(), [x.kv_cache for x in layers], A.attention_params(layers[0]).head_size)
+            gdn = {}
+            for gid, names in ctx.gdn_groups.items():
+                views = [A.gdn_state_views(ctx.layer(n)) for n in names]
+                gdn[gid] = ([c for c, _, _ in views], [s for _, s, _ in views], views[0][2].shape[-1])
+            self._views = {"kv": kv, "gdn": gdn}
+        return self._views
+
+    def _commit_kv(self, step: Step) -> None:
+        plan = commit_plan(step.walk, step.start)
+        for gid, (layout, caches, head_size) in self._cache_views()["kv"].items():
+            layout.compact(caches, head_size, step.block_tables[gid].to(torch.int32), plan.src_pos, plan.dst_pos)
+
+    def _commit_gdn(self, step: Step) -> torch.Tensor:
+        """Per GDN KV cache group: conv window (+ state, replay strategy) of the accepted path."""
+        from ...templates.gdn_step import commit_accepted_path
+
+        replay = self.ctx.cfg.gdn_state == "replay"
+        accepted = step.walk.accepted.to(torch.int32)
+        path_len = step.walk.num_accepted.to(torch.int32)
+        committed = None
+        for gid, names in self.ctx.gdn_groups.items():
+            state_indices, verify_num_accepted = step.gdn_groups[gid]
+            convs, ssms, width = self._cache_views()["gdn"][gid]
+            before = None
+            if self.commit_hooks:  # the requests' conv lines as the verify left them
+                before = {"conv_lines": [c[state_indices[:, 0].long()].clone() for c in convs]}
+            num_accepted = verify_num_accepted.clone()  # the verify's committed column; becomes p + 1
+            rec_kv, rec_gb = step.gdn_records[gid] if replay else (None, None)
+            commit_accepted_path(convs, ssms, state_indices, num_accepted, accepted, path_len, width,
+                                 rec_kv=rec_kv, rec_gb=rec_gb, parents=step.tree.parents)
+            for hook in self.commit_hooks:
+                hook(self.ctx, {"step": step, "group": gid, "layers": names, "before": before, "ssm": ssms,
+                                "conv": convs, "width": width, "state_indices": state_indices,
+                                "verify_num_accepted": verify_num_accepted, "num_accepted": num_accepted,
+                                "records": step.gdn_records.get(gid)})
+            committed = num_accepted
+        return committed
+
+    def reorder_drafter_inputs(self, step: Step, aux_hidden_states) -> None:
+        """Accepted path rows first in each request's segment: with flat positions, rows 0..a then
+        carry the path at start..start+a, which is what the drafter's context K/V must see."""
+        dev = self.ctx.device
+        R, N = step.R, step.N
+        W = step.walk.accepted.shape[1]
+        slot = torch.arange(N, device=dev).expand(R, N)
+        acc = step.walk.accepted
+        key = torch.full((R, N + 1), 2 * N, dtype=torch.int64, device=dev)  # column N: sink
+        depth = torch.arange(W, device=dev).expand(R, W)
+        key.scatter_(1, torch.where(acc >= 0, acc, N), torch.where(acc >= 0, depth, 2 * N))
+        key = torch.where(key[:, :N] >= 2 * N, N + slot, key[:, :N])
+        order = (key.argsort(1) + torch.arange(R, device=dev).unsqueeze(1) * N).reshape(-1)
+        T = R * N
+        ids = self.ctx.view.input_ids()
+        ids[:T] = ids[:T][order]
+        for h in aux_hidden_states or ():
+            h[:T] = h[:T][order]

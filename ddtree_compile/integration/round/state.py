@@ -1,0 +1,155 @@
+"""One DDTree round inside vLLM's V1 model runner, as four stages that hand each other values:
+
+    build_stage   drafter logits -> trees                              -> Pending
+    verify_stage  Pending + vLLM's scheduled batch -> tree metadata, target forward -> Step
+    walk_stage    Step + target logits -> accepted paths (Step.walk), the tokens vLLM sees
+    commit_stage  Step -> K/V compaction, GDN state + conv window, drafter inputs reordered
+
+`attach(runner, cfg)` (the adapter calls it once the runner's KV caches exist) validates the
+settings against the engine and installs `DDTreeRound`'s hooks on that runner instance through the
+adapter (adapters/vllm_0_32.py names the vLLM members they replace). The round holds only the
+value in flight between hooks: the Pending of the last proposal and the Step being verified.
+
+Request kinds in a step: a TREE row is walked by us; a CHAIN row (a request that needs sampling
+features the walk does not implement: penalties, logprobs, top-k/p, structured output, ...) gets a
+chain-shaped tree (its drafts verified causally, flat DFlash) and vLLM's own rejection sampler.
+A step that is not uniform (a prefill or truncated drafts next to the trees) runs as a plain vLLM
+chain verify of the scheduled node lists: lossless (a causal verify of any draft list is), counted.
+
+Host syncs: none of our own inside a round (request-to-row maps and feature checks read host
+state vLLM already has); vLLM's bookkeeping syncs on the sampled tokens every step anyway. The
+CPU templates (torch references) sync internally (`.tolist()` loops); the CUDA ones do not.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ... import adapters
+from .. import config as config_mod
+from ..engines import set_state, state_of
+from ..metrics import PROCESS_STARTUP_FALLBACKS, DDTreeMetrics, logger
+from ..tree_ops import kv_layout, redirect_ops_for_eager, release_eager_redirects
+from .build_stage import BuildStage
+from .checks import UnsupportedEngine, check_engine, classify_layers, validate
+from .commit_stage import CommitStage
+from .step import Pending, RoundContext, Step
+from .verify_stage import VerifyStage
+from .walk_stage import TreeSampler, WalkStage
+
+
+def attach(runner, cfg: config_mod.DDTreeConfig) -> "DDTreeRound | None":
+    """Validate `cfg` against the engine; install the round on `runner`, or start as flat DFlash.
+
+    Bad settings raise ValueError. An engine DDTree cannot serve (attention backend, model
+    family, drafter kind) logs the reason once, counts it, and is left as flat DFlash.
+    """
+    if state_of(runner) is not None:
+        return state_of(runner)
+    view = adapters.current().RunnerView(runner)
+    draft_len, num_spec = validate(view.vllm_config, cfg)
+    try:
+        layers = classify_layers(view)
+        check_engine(view, layers["attention"])
+    except UnsupportedEngine as e:
+        PROCESS_STARTUP_FALLBACKS[str(e)] += 1
+        logger.warning("DDTree is switched on but cannot run here: %s. Starting as flat DFlash "
+                       "(num_speculative_tokens=%d).", e, num_spec)
+        return None
+    state = DDTreeRound(runner, view, cfg, draft_len, layers)
+    set_state(runner, state)
+    return state
+
+
+class DDTreeRound:
+    """The stages of one engine's round and the hooks that feed them (module docstring)."""
+
+    def __init__(self, runner, view, cfg: config_mod.DDTreeConfig, draft_len: int, layers: dict):
+        spec = cfg.tree_spec(draft_len)
+        self.metrics = DDTreeMetrics(min(draft_len, spec.budget), view.device, cfg.log_interval)
+        self.ctx = ctx = RoundContext(view, cfg, spec, draft_len, layers, self.metrics)
+        self.build, self.verify = BuildStage(ctx), VerifyStage(ctx)
+        self.walk, self.commit = WalkStage(ctx), CommitStage(ctx)
+        self.pending: Pending | None = None
+        self.step: Step | None = None
+        self.round_hooks: list = []  # demo/tests: fn(round, step) after each tree step's commit (host reads)
+        self.metrics.kv_layouts = sorted({kv_layout(ctx.layer(n)).name for n in ctx.attn_layers})
+        self._orig = adapters.current().install_round_hooks(runner, {
+            "propose": self._on_propose, "sample_draft_tokens": self.build.sample_draft_tokens,
+            "prepare_inputs": self._on_prepare_inputs, "model_forward": self._on_model_forward,
+            "rejection_sampler": TreeSampler(self._on_sample, runner.rejection_sampler),
+            "update_states": self._on_update_states, "propose_draft_token_ids": self._on_propose_draft_token_ids,
+        })
+        self._redirected = view.eager
+        if self._redirected:
+            from ...passes.rules import load_rules
+
+            redirect_ops_for_eager(load_rules())
+        logger.info("DDTree on: budget %d (requested %d), top_k %d, draft length %d, %s target, KV layout %s%s",
+                    ctx.B, cfg.budget, cfg.top_k, ctx.L, "hybrid" if ctx.hybrid else "attention-only",
+                    "/".join(self.metrics.kv_layouts), f", GDN state: {cfg.gdn_state}" if ctx.hybrid else "")
+
+    # tests and tools reach the stages' switches through the round
+    @property
+    def commit_hooks(self) -> list:
+        return self.commit.commit_hooks
+
+    @property
+    def debug_gdn_records(self) -> bool:
+        return self.verify.debug_gdn_records
+
+    @debug_gdn_records.setter
+    def debug_gdn_records(self, on: bool) -> None:
+        self.verify.debug_gdn_records = on
+
+    def close(self) -> None:
+        """The engine shuts down: drop the metrics and this engine's claim on the eager op redirect."""
+        self.metrics.close()
+        if self._redirected:
+            self._redirected = False
+            release_eager_redirects()
+
+    # -- the hooks (vLLM 0.32 arguments, see the adapter) ------------------------------------------
+    def _on_propose(self, num_speculative_tokens=None, **kw):
+        drafts, self.pending = self.build.propose(self._orig["propose"], **kw)
+        return drafts
+
+    def _on_prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = self._orig["prepare_inputs"](scheduler_output, num_scheduled_tokens)
+        pending, self.pending = self.pending, None
+        self.step = self.verify.prepare(pending, scheduler_output.scheduled_spec_decode_tokens,
+                                        num_scheduled_tokens)
+        return out
+
+    def _on_model_forward(self, **kw):
+        if self.step is None:
+            return self._orig["model_forward"](**kw)
+        return self.verify.forward(self.step, self._orig["model_forward"], **kw)
+
+    def _on_sample(self, original, metadata, draft_probs, logits, sampling_metadata):
+        return self.walk.sample(self.step, original, metadata, draft_probs, logits, sampling_metadata)
+
+    def _on_update_states(self, output_token_ids, scheduler_output):
+        step = self.step
+        if step is None or step.walk is None:
+            return self._orig["update_states"](output_token_ids, scheduler_output)
+        t0 = time.perf_counter()
+        committed = self.commit.commit(step)
+        self._orig["update_states"](output_token_ids, scheduler_output)
+        if committed is not None:  # the next step reads state/conv at the last accepted node
+            self.ctx.view.set_num_accepted(step.R, committed)
+        self.metrics.add_time("commit", time.perf_counter() - t0)
+        self.metrics.tree_steps += 1
+        self.metrics.maybe_log()
+        for hook in self.round_hooks:
+            hook(self, step)
+
+    def _on_propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                                 common_attn_metadata, slot_mappings):
+        step, self.step = self.step, None
+        if step is not None and step.walk is not None:
+            self.commit.reorder_drafter_inputs(step, aux_hidden_states)
+        return self._orig["propose_draft_token_ids"](
+            scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+            aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)

@@ -1,0 +1,117 @@
+"""The values the round's stages hand each other, and the per-engine context they share.
+
+    build  --Pending-->  verify  --Step-->  walk  --Step (+ walk)-->  commit
+
+`Pending` is what one step's drafter proposes for the next; `Step` is one tree verify, filled in
+by verify (tree rows, positions, metadata) and walk (the accepted paths) and consumed by commit.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from ...core.tree import TreeBatch
+from ...core.walk import WalkResult
+from ..metrics import logger
+from ..tree_context import TreeVerifyMetadata
+from .checks import unsupported_reason
+
+
+@dataclass
+class Pending:
+    """Trees proposed at the end of a step, verified by the next one."""
+
+    req_ids: list[str]
+    tree: TreeBatch  # [R, N], slot 0 = the bonus token the drafter started from
+    top1: torch.Tensor  # [R, L] the drafter's argmax per depth (flat DFlash's chain)
+    chain: list[str | None]  # per row: fallback reason (verify as a chain) or None (tree)
+
+    def __post_init__(self):
+        self.index = {r: i for i, r in enumerate(self.req_ids)}
+
+
+@dataclass
+class Step:
+    R: int
+    N: int
+    tree: TreeBatch  # [R, N]; chain rows are chain-shaped
+    tree_rows: torch.Tensor  # bool [R] on device: walked by us
+    chain_rows: list[bool]
+    top1: torch.Tensor  # [R, L]
+    start: torch.Tensor  # [R] cache position of the root
+    positions: torch.Tensor  # [R*N] start + depth
+    meta: TreeVerifyMetadata
+    block_tables: dict = field(default_factory=dict)  # kv group id -> block table of the verify
+    gdn_groups: dict = field(default_factory=dict)  # kv group id -> (state_indices, num_accepted) of the verify
+    gdn_records: dict = field(default_factory=dict)  # kv group id -> (rec_kv, rec_gb) of all its layers
+    debug_pre: dict | None = None  # tests: GDN layer -> fp32 committed state [R, HV, V, K] before the verify
+    walk: WalkResult | None = None  # combined (tree + chain rows) accepted paths
+    t0: float = 0.0
+
+
+class RoundContext:
+    """What every stage reads: the settings, the runner (through the adapter's RunnerView), the
+    layers by KV cache group, the metrics, and the per-request policy (chain reason, seed)."""
+
+    def __init__(self, view, cfg, spec, draft_len: int, layers: dict, metrics):
+        self.view = view
+        self.cfg = cfg
+        self.spec = spec
+        self.L = draft_len
+        self.B = spec.budget
+        self.N = self.B + 1
+        self.max_depth = max(self.L, self.B)
+        self.device = view.device
+        self.attn_layers = layers["attention"]
+        self.gdn_layers = layers["gdn"]
+        self.hybrid = bool(self.gdn_layers)
+        self.metrics = metrics
+        self.kv_groups = self._groups(self.attn_layers)
+        self.gdn_groups = self._groups(self.gdn_layers)
+        self._reasons: dict[str, str | None] = {}
+        self._seeds: dict[str, int] = {}
+        self._rng = random.Random(view.vllm_config.model_config.seed or 0)
+        self._logged: set[str] = set()
+
+    def _groups(self, layer_names) -> dict[int, list[str]]:
+        """KV cache group id -> the given layers in it (each group has its own block table / state lines)."""
+        names = set(layer_names)
+        out = {}
+        for gid, group in enumerate(self.view.kv_cache_groups()):
+            mine = [n for n in group if n in names]
+            if mine:
+                out[gid] = mine
+        return out
+
+    def layer(self, name):
+        return self.view.layer(name)
+
+    def h2d(self, values, dtype) -> torch.Tensor:
+        """Host list -> device tensor without a stream sync (pinned staging on CUDA)."""
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
+
+    def log_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning(msg, *args)
+
+    def chain_reason(self, req_id: str) -> str | None:
+        """Why this request is verified as a chain by vLLM's sampler, or None (cached per request)."""
+        if req_id not in self._reasons:
+            self._reasons[req_id] = unsupported_reason(self.view.sampling_params(req_id))
+            if len(self._reasons) > 4 * self.view.max_num_reqs + 64:  # forget finished requests
+                live = self.view.live_req_ids()
+                self._reasons = {k: v for k, v in self._reasons.items() if k in live}
+                self._seeds = {k: v for k, v in self._seeds.items() if k in live}
+        return self._reasons[req_id]
+
+    def seed(self, req_id: str) -> int:
+        """The request's sampling seed (its own, else a draw from the engine's seeded generator)."""
+        if req_id not in self._seeds:
+            sp = self.view.sampling_params(req_id)
+            self._seeds[req_id] = sp.seed if sp.seed is not None else self._rng.getrandbits(62)
+        return self._seeds[req_id]

@@ -1,0 +1,141 @@
+"""Walk: the target's token at every node (argmax, or seeded sampling), `walk_tree`, and the accepted
+path + bonus handed to vLLM as an ordinary accepted prefix."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ... import adapters
+from ...core.sampling import sample_target_tokens
+from ...core.tree import TreeBatch, ancestor_closure, pack_bits
+from ...core.walk import WalkResult, walk_tree
+from .step import RoundContext, Step
+
+
+class WalkStage:
+    """Serves runner.rejection_sampler: tree steps are walked here, chain steps go to vLLM's sampler."""
+
+    def __init__(self, ctx: RoundContext):
+        self.ctx = ctx
+
+    def sample(self, step: Step | None, original, metadata, draft_probs, logits, sampling_metadata):
+        """The sampled tokens of the step ([path tokens, bonus, -1...] per request); fills step.walk."""
+        if step is None:
+            return self._sample_chain_step(original, metadata, draft_probs, logits, sampling_metadata)
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        R, N, B = step.R, step.N, ctx.B
+        chain_out = None
+        if any(step.chain_rows):
+            chain_out = original(metadata, draft_probs, logits.clone(), sampling_metadata)
+        logits3 = logits[: R * N].view(R, N, -1)
+        temp = sampling_metadata.temperature
+        if sampling_metadata.all_greedy or temp is None:
+            target = logits3.argmax(-1)
+        else:
+            seeds = ctx.h2d([ctx.seed(q) for q in ctx.view.req_ids(R)], torch.int64)
+            target = sample_target_tokens(logits3, temp[:R], seeds, step.positions.view(R, N) + 1)
+        walk = walk_tree(step.tree, target)
+        W = walk.accepted.shape[1]
+        tokens = _pad_cols(walk.tokens, B + 1)
+        accepted, num_acc = walk.accepted, walk.num_accepted
+        if chain_out is not None:
+            cr = ~step.tree_rows
+            c_tok = chain_out.sampled_token_ids
+            tokens = torch.where(cr.unsqueeze(1), _pad_cols(c_tok.to(tokens.dtype), B + 1), tokens)
+            c_num = (c_tok != -1).sum(1)  # accepted drafts + 1 = path length including the root
+            idx = torch.arange(W, device=ctx.device).expand(R, W)
+            c_path = torch.where(idx < c_num.unsqueeze(1), idx, -1)
+            accepted = torch.where(cr.unsqueeze(1), c_path, accepted)
+            num_acc = torch.where(cr, c_num, num_acc)
+        step.walk = WalkResult(accepted, num_acc, walk.bonus, tokens)
+        self._record_metrics(step)
+        ctx.metrics.add_time("walk", time.perf_counter() - t0)
+        logprobs = chain_out.logprobs_tensors if chain_out is not None else None
+        return adapters.current().sampler_output(tokens.to(torch.int32), logprobs)
+
+    def _sample_chain_step(self, original, metadata, draft_probs, logits, sampling_metadata):
+        """A plain chain verify (whole-step fallback, warm-up): vLLM's sampler, except that rows which
+        sample with a temperature and need no unsupported feature are drawn by the same seeded
+        sample-and-walk as tree rows, on chain-shaped trees. vLLM 0.32's CPU random rejection kernel
+        is not lossless for DFlash's drafts (tests/test_e2e_sampling.py measures it), and this keeps
+        a request's samples independent of how its rounds were batched."""
+        temp = sampling_metadata.temperature
+        ctx = self.ctx
+        if metadata is None or sampling_metadata.all_greedy or temp is None or metadata.max_spec_len == 0:
+            return original(metadata, draft_probs, logits, sampling_metadata)
+        ks = list(metadata.num_draft_tokens)
+        R = len(ks)
+        host_temp = ctx.view.temperatures_host(R)
+        req_ids = ctx.view.req_ids(R)
+        redo = [k > 0 and float(t) > 0 and ctx.chain_reason(q) is None for k, t, q in zip(ks, host_temp, req_ids)]
+        if not any(redo):
+            return original(metadata, draft_probs, logits, sampling_metadata)
+        logits_in = logits.clone()  # the original may update logits in place
+        out = original(metadata, draft_probs, logits, sampling_metadata)
+        K = max(ks)
+        N = K + 1
+        rows, drafts, cu = [], [], 0
+        last = max(sum(ks) - 1, 0)
+        for i, k in enumerate(ks):
+            start = sum(ks[:i]) + i
+            rows.append([start + min(j, k) for j in range(N)])
+            drafts.append([min(cu + min(j, max(k - 1, 0)), last) for j in range(K)])  # padding: any draft
+            cu += k
+        rows_t = ctx.h2d(rows, torch.int64)
+        lg = logits_in[rows_t]  # [R, N, V]
+        dt = metadata.draft_token_ids
+        tokens = torch.cat([torch.zeros(R, 1, dtype=torch.int64, device=ctx.device),
+                            (dt[ctx.h2d(drafts, torch.int64)] if dt.numel() else
+                             torch.zeros(R, K, dtype=torch.int64, device=ctx.device)).long()], 1)
+        k_t = ctx.h2d(ks, torch.int64)
+        j = torch.arange(N, device=ctx.device).expand(R, N)
+        live = j <= k_t.unsqueeze(1)
+        parents = torch.where(live & (j > 0), j - 1, -1)
+        depths = torch.where(live, j, 0)
+        tree = TreeBatch(tokens, parents, depths, torch.zeros(R, N, device=ctx.device), k_t,
+                         pack_bits(ancestor_closure(parents, K)), max_depth=K)
+        pos = ctx.view.verify_positions(metadata.logits_indices)[rows_t] + 1
+        seeds = ctx.h2d([ctx.seed(q) for q in req_ids], torch.int64)
+        walk = walk_tree(tree, sample_target_tokens(lg, temp[:R], seeds, pos))
+        redo_t = ctx.h2d(redo, torch.bool)
+        ours = _pad_cols(walk.tokens, out.sampled_token_ids.shape[1]).to(out.sampled_token_ids.dtype)
+        out.sampled_token_ids.copy_(torch.where(redo_t.unsqueeze(1), ours, out.sampled_token_ids))
+        return out
+
+    def _record_metrics(self, step: Step) -> None:
+        tree, walk = step.tree, step.walk
+        # A node is on the drafter's top-1 chain iff it and all its ancestors are rank-0 tokens.
+        d = (tree.depths - 1).clamp(min=0, max=step.top1.shape[1] - 1)
+        rank0 = (tree.tokens == step.top1.gather(1, d)) | (tree.depths == 0)
+        on_chain = ~(tree.ancestor_mask() & ~rank0.unsqueeze(1)).any(-1)
+        path = walk.accepted
+        off = (~on_chain.gather(1, path.clamp(min=0)) & (path > 0)).sum(1)
+        accepted = walk.num_accepted - 1
+        self.ctx.metrics.record_round(step.tree_rows, tree.num_nodes, accepted, off,
+                                      accepted >= min(self.ctx.L, self.ctx.B))
+
+
+class TreeSampler:
+    """Stands in for the runner's rejection sampler: calls `sample(original, *args)`, and forwards
+    every other attribute to the original."""
+
+    def __init__(self, sample, original):
+        self._sample = sample
+        self.original = original
+
+    def __call__(self, metadata, draft_probs, logits, sampling_metadata):
+        return self._sample(self.original, metadata, draft_probs, logits, sampling_metadata)
+
+    def __getattr__(self, name):
+        return getattr(self.original, name)
+
+
+def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.shape[1] >= width:
+        return x[:, :width]
+    pad = torch.full((x.shape[0], width - x.shape[1]), -1, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=1)
+

@@ -1,0 +1,225 @@
+"""The op swap, in one place: `ddtree::` mirror ops, their tree implementations, the eager redirect.
+
+The tree-verify pass (passes/) rewrites `vllm::X` to `ddtree::X`; each row of passes/rules.py names
+the tree implementation of its op (TREE_IMPLS below), and the pass refuses a row whose
+implementation does not exist or does not serve that op when it loads, not at the first verify.
+`ddtree::X` is registered with X's exact schema (copied from the installed op), so every argument,
+the `layer_name` graph input and auto_functionalized's mutation bookkeeping stay as they were.
+At run time a mirror op
+
+- calls the original `vllm::X` with the same arguments when no tree verify is active (prefill,
+  plain decode, the drafter), so one compiled graph serves every step;
+- runs its tree implementation while a tree verify is active (integration/tree_context.py).
+
+Eager engines (enforce_eager) have no compiled graph to rewrite: there `torch.ops.vllm.X` is
+pointed at the same mirror ops (`redirect_ops_for_eager`), counted per engine, and the last eager
+DDTree engine's shutdown restores vLLM's ops.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from .. import adapters
+from . import tree_context
+from .kv_layouts import layout_of
+
+# ---------------------------------------------------------------------------------------------
+# Tree implementations: (meta, original op, *the op's arguments)
+# ---------------------------------------------------------------------------------------------
+
+
+def kv_layout(layer):
+    """The KV-cache layout of an attention layer (kv_layouts.py); NotImplementedError if unreadable."""
+    return layout_of(*adapters.current().attention_backend(layer))
+
+
+def _attention_tree(meta, original, query, key, value, output, layer_name, output_scale=None,
+                    output_block_scale=None, kv_cache_dummy_dep=None):
+    import ddtree_compile.templates.ops  # noqa: F401  registers ddtree::tree_attention
+
+    if output_scale is not None or output_block_scale is not None:
+        raise NotImplementedError("tree attention: fused output quantization is not supported")
+    A = adapters.current()
+    attn_metadata, layer, kv_cache = A.attention_context(layer_name)
+    p = A.attention_params(layer)
+    if p.unsupported:
+        raise NotImplementedError(f"tree attention: {p.unsupported} is not supported")
+    R, N = meta.num_requests, meta.num_slots
+    T = R * N
+    ctx_lens = meta.context_lens if meta.context_lens is not None else attn_metadata.seq_lens[:R] - N
+    block_table = meta.block_table if meta.block_table is not None else attn_metadata.block_table[:R]
+    k_cache, v_cache, block_table = kv_layout(layer).logical_blocks(kv_cache, p.head_size,
+                                                                    block_table.to(torch.int32))
+    torch.ops.ddtree.tree_attention(
+        query[:T].view(T, p.num_heads, p.head_size), k_cache, v_cache, block_table, ctx_lens,
+        meta.ancestor_bits, meta.depths, output[:T].view(T, p.num_heads, p.head_size), p.scale,
+        p.sliding_window, p.logits_soft_cap)
+
+
+def _kv_update_tree(meta, original, key, value, layer_name):
+    # The tree's K/V go where vLLM's slot mapping puts them (slot j at context_len + j), which is
+    # the layout tree attention reads; only check that the cache layout is one we can read.
+    kv_layout(adapters.current().attention_context(layer_name)[1])
+    return original(key, value, layer_name)
+
+
+def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest):
+    """Tree verify of one GatedDeltaNet layer: tree conv + tree delta rule (ddtree::tree_gdn)."""
+    from ddtree_compile.templates import gdn_step
+
+    if rest and rest[0]:
+        raise NotImplementedError("tree GDN: the ROCm AITER packed path (use_aiter=True) is not supported")
+    A = adapters.current()
+    name, layer, md = A.gdn_context(layer_name)
+    p = A.gdn_params(layer)
+    g = meta.gdn if meta.gdn is not None else tree_context.GdnVerify()
+    R, N = meta.num_requests, meta.num_slots
+    conv, ssm, weight = A.gdn_state_views(layer)
+    if g.conv_state is not None:
+        conv = g.for_layer(g.conv_state, name)
+    state_indices, num_accepted = g.for_layer(g.state_indices, name), g.for_layer(g.num_accepted, name)
+    if state_indices is None or num_accepted is None:
+        if md.spec_state_indices_tensor is None:
+            raise ValueError("tree GDN: no state_indices in TreeVerifyMetadata.gdn and the batch is not "
+                             "a vLLM spec-decode batch (schedule the verify with num_speculative_tokens = B)")
+        state_indices = md.spec_state_indices_tensor[:R] if state_indices is None else state_indices
+        num_accepted = md.num_accepted_tokens[:R] if num_accepted is None else num_accepted
+    width = weight.shape[-1]
+    if g.tree_meta is None or g.tree_meta.width != width:
+        g.tree_meta = gdn_step.make_gdn_meta(meta.parents, width)
+    tm = g.tree_meta
+    hv, v, k = ssm.shape[1:]
+    if g.stack is None or g.stack.shape[1] < tm.max_depth or g.stack.shape[2:] != (hv, v, k):
+        g.stack = torch.empty(R, max(tm.max_depth, 1), hv, v, k, dtype=torch.float32, device=mixed_qkv.device)
+    rec_kv, rec_gb = g.records.get(p.prefix, (None, None))
+    T = R * N
+    gdn_step.tree_gdn_verify(
+        mixed_qkv[:T].contiguous(), b[:T].contiguous(), a[:T].contiguous(), core_attn_out[:T], conv, ssm,
+        weight, p.conv_bias, p.A_log, p.dt_bias, state_indices.to(torch.int32), num_accepted.to(torch.int32),
+        tm, g.stack, p.num_k_heads, p.head_k_dim, activation=p.activation, rec_kv=rec_kv, rec_gb=rec_gb,
+        write_snapshots=g.write_snapshots)
+    if meta.gdn is None:
+        meta.gdn = g
+
+
+@dataclass(frozen=True)
+class TreeImpl:
+    fn: object  # (meta, original, *args)
+    serves: tuple[str, ...]  # the source ops ("ns::op") whose argument lists `fn` takes
+
+
+# rule row's tree_impl -> implementation. A row naming anything else is refused when the pass loads.
+TREE_IMPLS = {
+    "attention": TreeImpl(_attention_tree, ("vllm::unified_attention_with_output",)),
+    "kv_cache_update": TreeImpl(_kv_update_tree, ("vllm::unified_kv_cache_update",)),
+    "gdn": TreeImpl(_gdn_tree, ("vllm::cpu_gdn_attention_core", "vllm::qwen_gdn_attention_core")),
+}
+
+
+def tree_impl_for(impl_name: str, source_op: str) -> TreeImpl:
+    """The implementation a rule row names, checked to serve the row's source op; ValueError if not."""
+    if impl_name not in TREE_IMPLS:
+        raise ValueError(f"tree_impl {impl_name!r} does not exist; known: {', '.join(sorted(TREE_IMPLS))}")
+    impl = TREE_IMPLS[impl_name]
+    if source_op not in impl.serves:
+        raise ValueError(f"tree_impl {impl_name!r} does not serve {source_op} (it serves {', '.join(impl.serves)})")
+    return impl
+
+
+# ---------------------------------------------------------------------------------------------
+# Mirror-op registration
+# ---------------------------------------------------------------------------------------------
+
+_LIB = torch.library.Library("ddtree", "FRAGMENT")
+_REGISTERED: dict[str, torch._ops.OpOverload] = {}
+
+
+def register_mirror(original: torch._ops.OpOverload, impl: TreeImpl) -> torch._ops.OpOverload:
+    """Define `ddtree::<original's name>` with `original`'s schema (idempotent); returns its overload."""
+    name = original._schema.name.split("::", 1)[1]
+    if name in _REGISTERED:
+        if _REGISTERED[name] is not original:
+            raise RuntimeError(f"ddtree::{name} already mirrors {_REGISTERED[name]}, not {original}")
+        return getattr(torch.ops.ddtree, name).default
+    _LIB.define(name + _schema_signature(original), tags=tuple(original.tags))
+    op_name = f"ddtree::{name}"
+
+    def run(*args, **kwargs):
+        meta = tree_context.current_tree_verify()
+        if meta is None:
+            return original(*args, **kwargs)
+        meta.calls[op_name] = meta.calls.get(op_name, 0) + 1
+        return impl.fn(meta, original, *args, **kwargs)
+
+    returns_nothing = len(original._schema.returns) == 0
+
+    def fake(*args, **kwargs):  # same outputs as the original: nothing, or what its own fake makes
+        return None if returns_nothing else original(*args, **kwargs)
+
+    _LIB.impl(name, run, "CompositeExplicitAutograd")
+    _LIB._register_fake(name, fake)
+    _REGISTERED[name] = original
+    return getattr(torch.ops.ddtree, name).default
+
+
+def _schema_signature(original) -> str:
+    """'(args) -> returns' of `original`, with opaque (PyObject) argument types spelled out by name."""
+    from torch._library.opaque_object import get_opaque_type_name
+
+    known = adapters.current().OPAQUE_ARG_TYPES
+    schema = str(original._schema)
+    sig = schema[schema.index("("):]
+    for a in original._schema.arguments:
+        if str(a.type) != "PyObject":
+            continue
+        if a.name not in known:
+            raise ValueError(f"{original}: opaque argument {a.name!r} has no known type; known: {', '.join(known)}")
+        module, cls = known[a.name]
+        type_name = get_opaque_type_name(getattr(importlib.import_module(module), cls))
+        sig = sig.replace(f"PyObject {a.name}", f"{type_name} {a.name}")
+    return sig
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager engines: torch.ops.vllm.X -> ddtree::X
+# ---------------------------------------------------------------------------------------------
+
+_REDIRECTED: dict[str, tuple] = {}
+_USERS = 0  # live eager DDTree engines of this process that need the redirect
+
+
+def redirect_ops_for_eager(active_rules) -> dict[str, object]:
+    """Point `torch.ops.<ns>.<op>` at its `ddtree::` mirror for every active rule ([(Rule, source op)]
+    from passes.rules.load_rules: the pass's table, so eager and compiled engines reach the same ops).
+    Counted per engine; returns {op name: original packet}."""
+    global _USERS
+    _USERS += 1
+    for rule, source in active_rules:
+        src_ns, src_name = rule.source_packet.split("::")
+        if src_name in _REDIRECTED:
+            continue
+        register_mirror(source, tree_impl_for(rule.tree_impl, rule.source_packet))
+        ns = getattr(torch.ops, src_ns)
+        _REDIRECTED[src_name] = (ns, getattr(ns, src_name))
+        setattr(ns, src_name, getattr(torch.ops.ddtree, src_name))
+    return {k: packet for k, (_, packet) in _REDIRECTED.items()}
+
+
+def release_eager_redirects() -> None:
+    """One eager DDTree engine is gone; the last one restores vLLM's ops."""
+    global _USERS
+    _USERS = max(_USERS - 1, 0)
+    if _USERS == 0:
+        undo_eager_redirects()
+
+
+def undo_eager_redirects() -> None:
+    global _USERS
+    for name, (ns, packet) in _REDIRECTED.items():
+        setattr(ns, name, packet)
+    _REDIRECTED.clear()
+    _USERS = 0

@@ -1,0 +1,234 @@
+"""Test drafter harness: drafts derived from the target's own continuation, with controlled corruption.
+
+A random drafter accepts almost nothing, so it cannot show that deep paths, sibling branches and
+full blocks are verified and committed correctly. The harness replaces the drafter's logits (the
+DFlash forward still runs, so its context bookkeeping is exercised) with per-position
+distributions built from a reference continuation (the target's no-speculation output): at each
+depth the true next token sits at a chosen rank, or is absent. Patterns, cycled per round:
+
+  ("full",)            true token at rank 0 at every depth: the whole block is accepted
+  ("zero",)            true token absent at depth 1: nothing accepted
+  ("cut", d)           rank 0 before depth d, absent at d: accept d - 1
+  ("sibling", d, k)    rank 0 except rank k at depth d, where ranks 0..k are near-ties, so the tree
+                       holds those siblings and the path must leave the drafter's top-1 chain
+
+Depths with rank 0 are sharp (the rank-0 token has almost all the mass), so the tree's spare
+budget goes to the branch depth's siblings and their continuations.
+
+It wraps `drafter.model.compute_logits` on a live in-process engine, so it serves DDTree and
+vLLM's flat DFlash alike (e.g. to compare accepted counts with the same drafts).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from ddtree_compile.integration.engines import shutdown  # noqa: F401  (tests and the demo shut engines down through here)
+
+DEFAULT_PATTERNS = (("full",), ("sibling", 2, 1), ("cut", 4), ("sibling", 1, 2), ("zero",), ("sibling", 3, 1))
+SHARP, NEAR_TIE_STEP, LOW = 12.0, 0.05, -8.0
+
+
+class DraftHarness:
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], patterns=DEFAULT_PATTERNS, seed: int = 0):
+        """reference: prompt token ids -> prompt + reference continuation (the no-speculation output)."""
+        if not reference:
+            raise ValueError("reference must map at least one prompt to its continuation")
+        for p in patterns:
+            if not p or p[0] not in ("full", "zero", "cut", "sibling"):
+                raise ValueError(f"pattern {p!r}: kind must be one of full, zero, cut, sibling")
+        self.reference = {tuple(k): list(v) for k, v in reference.items()}
+        self.patterns = tuple(patterns)
+        self.seed = seed
+        self.rounds: dict[str, int] = {}
+        self.used: list[tuple] = []  # (req_id, round, pattern) per drafted row, for tests
+        self._view = None
+
+    # -- install on a live engine ---------------------------------------------------------------
+    def install(self, llm) -> "DraftHarness":
+        from ddtree_compile import adapters
+        from ddtree_compile.integration.engines import find_runner
+
+        runner = find_runner(llm)
+        if runner is None or getattr(runner, "drafter", None) is None:
+            raise ValueError("the harness needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) "
+                             "with a DFlash drafter")
+        self._view = adapters.current().RunnerView(runner)
+        self._view.wrap_drafter_logits(self._compute_logits)
+        return self
+
+    def uninstall(self) -> None:
+        if self._view is not None:
+            self._view.unwrap_drafter_logits()
+            self._view = None
+
+    # -- logits ---------------------------------------------------------------------------------
+    def _compute_logits(self, original, hidden_states):
+        logits = original(hidden_states)
+        view = self._view
+        L = view.drafter_draft_len()
+        R = logits.shape[0] // L
+        V = logits.shape[-1]
+        bonus_pos = view.drafter_root_positions(R).tolist()  # test-only host sync
+        out = torch.full((R, L, V), LOW, dtype=torch.float32)
+        for r, req_id in enumerate(view.req_ids(R)):
+            ref = self.reference.get(tuple(view.prompt_token_ids(req_id)))
+            n = self.rounds.get(req_id, 0)
+            self.rounds[req_id] = n + 1
+            pattern = self.patterns[(n + r) % len(self.patterns)]
+            self.used.append((req_id, n, pattern))
+            for d in range(1, L + 1):
+                idx = bonus_pos[r] + d
+                truth = ref[idx] if ref is not None and idx < len(ref) else None
+                out[r, d - 1] = self._row(V, truth, _rank(pattern, d), pattern, d, req_id)
+        return out.view(R * L, V).to(logits.dtype).to(logits.device)
+
+    def _row(self, V, truth, rank, pattern, d, req_id) -> torch.Tensor:
+        key = f"{self.seed}/{req_id}/{d}/{self.rounds[req_id]}".encode()
+        g = torch.Generator().manual_seed(zlib.crc32(key))
+        order = torch.randperm(V - 1, generator=g)  # distractors, never DFlash's mask id (V - 1)
+        if truth is not None:
+            order = order[order != truth]
+        row = torch.full((V,), LOW)
+        branch = pattern[0] == "sibling" and d == pattern[1]
+        ranked = list(order[:8].tolist())
+        if truth is not None and rank is not None:
+            ranked.insert(rank, truth)
+        for i, tok in enumerate(ranked):
+            if branch and i <= pattern[2]:
+                row[tok] = SHARP - NEAR_TIE_STEP * i  # near-ties: the tree keeps these siblings
+            else:
+                row[tok] = (SHARP if i == 0 and not branch else 0.0) - 0.5 * i
+        return row
+
+
+def _rank(pattern, d: int) -> int | None:
+    """Rank of the true token at depth d (None: absent from the drafter's top candidates)."""
+    kind = pattern[0]
+    if kind == "full":
+        return 0
+    if kind == "zero":
+        return None if d == 1 else 0
+    if kind == "cut":
+        return 0 if d < pattern[1] else None
+    return pattern[2] if d == pattern[1] else 0  # sibling
+
+
+def reference_from_outputs(prompts: list[dict], outputs: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
+    """Harness reference from TokensPrompt dicts and their no-speculation outputs."""
+    return {tuple(p["prompt_token_ids"]): list(p["prompt_token_ids"]) + list(o) for p, o in zip(prompts, outputs)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared by the end-to-end tests and the demo (in-process engines)
+# ---------------------------------------------------------------------------------------------
+
+def generate(llm, prompts: list[dict], max_tokens: int, **sampling) -> list[list[int]]:
+    """Token ids of each prompt's first completion (greedy unless `sampling` says otherwise)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(**{"temperature": 0.0, **sampling, "max_tokens": max_tokens, "ignore_eos": True})
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def generate_with_logprobs(llm, prompts: list[dict], max_tokens: int, logprobs: int = 5):
+    """(token ids, per-position {token: logprob} of the top `logprobs` choices) for each prompt."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]) for o in outs]
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's own spec-decode counters (needs an engine started with disable_log_stats=False)."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
+    return out
+
+
+def counters_delta(after: dict, before: dict) -> dict:
+    """Numeric difference of two `DDTreeMetrics.snapshot()`s (histograms element-wise)."""
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        if isinstance(v, (int, float)) and isinstance(b, (int, float)) and not isinstance(v, bool):
+            out[k] = v - b
+        elif k == "kv_layouts":
+            out[k] = v
+        elif isinstance(v, list) and isinstance(b, list) and len(v) == len(b):
+            out[k] = [x - y for x, y in zip(v, b)]
+    if "nodes_accepted" in out:  # derived fields: recomputed, not differenced
+        out["mean_accept_depth"] = out["nodes_accepted"] / max(out["tree_requests"], 1)
+        out["max_accept_depth"] = max((d for d, c in enumerate(out["accept_depth_histogram"]) if c), default=0)
+    return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """First index where two token lists differ (a length mismatch counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def regret_gate(reference, got: list[int], tol: float = 0.2) -> dict:
+    """The regret gate: identical to the reference up to the first divergence, and there our token
+    is a near-tie of the reference's choice.
+
+    reference: (tokens, per-position {token: logprob}) as from `generate_with_logprobs`.
+    Returns {"divergence": index or None, "gap": the reference's top-2 log-prob gap there,
+    "second": our token is its second choice, "rank": our token's rank in the listed choices (None:
+    not listed), "regret": reference top log-prob minus our token's (a lower bound when unlisted),
+    "ok": regret <= tol}. `regret <= tol` is the criterion: with three-way near-ties our token can be
+    the third choice at a regret well inside tol (the strict "second choice" flag is reported too).
+    """
+    ref_tokens, ref_lps = reference
+    i = first_divergence(ref_tokens, got)
+    if i is None:
+        return {"divergence": None, "gap": None, "second": None, "rank": None, "regret": 0.0, "ok": True}
+    ranked = sorted(ref_lps[i].items(), key=lambda kv: -kv[1])
+    gap = ranked[0][1] - ranked[1][1] if len(ranked) > 1 else float("inf")
+    tok = got[i] if i < len(got) else None
+    ranks = [t for t, _ in ranked]
+    rank = ranks.index(tok) if tok in ranks else None
+    regret = ranked[0][1] - (ref_lps[i][tok] if rank is not None else ranked[-1][1])
+    return {"divergence": i, "gap": gap, "second": rank == 1, "rank": rank, "regret": regret,
+            "ok": rank is not None and regret <= tol}
+
+
+def regret_segments(ref_llm, cand_llm, prompt: dict, total: int, tol: float = 0.2, window: int = 64,
+                    draft_harness: "DraftHarness | None" = None) -> list[dict]:
+    """Gate EVERY divergence over `total` tokens: after each (near-tie) divergence both engines
+    continue from the reference's prefix through the divergent token, `window` tokens at a time.
+
+    Returns one `regret_gate` record per divergence (with its absolute position `at`); stops at the
+    first one that fails. With `draft_harness`, its reference follows each segment's reference
+    continuation, so the candidate keeps accepting deep paths and siblings across segments.
+    """
+    prefix = list(prompt["prompt_token_ids"])
+    done, out = 0, []
+    while done < total:
+        n = min(window, total - done)
+        ref = generate_with_logprobs(ref_llm, [{"prompt_token_ids": prefix}], n)[0]
+        if draft_harness is not None:
+            draft_harness.reference[tuple(prefix)] = prefix + ref[0]
+        got = generate(cand_llm, [{"prompt_token_ids": prefix}], n)[0]
+        g = regret_gate(ref, got, tol)
+        if g["divergence"] is None:
+            prefix += ref[0]
+            done += n
+            continue
+        g["at"] = done + g["divergence"]
+        out.append(g)
+        if not g["ok"]:
+            break
+        keep = g["divergence"] + 1
+        prefix += ref[0][:keep]
+        done += keep
+    return out

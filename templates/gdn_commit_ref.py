@@ -1,0 +1,98 @@
+"""Accepted-path commit of the GatedDeltaNet state after the tree walk, for ALL GDN layers at once:
+argument checks and the plain torch reference (float32 replay), the CPU kernel of
+`torch.ops.ddtree.gdn_commit` and the oracle of the Triton kernels (gdn_commit.py).
+
+Walk result: `accepted` [R, L+1] slot indices (root first, -1 padded) and `path_len` [R] (0 = leave the
+request untouched). With p = accepted[r, path_len[r] - 1] the last accepted slot:
+- conv: after the verify a request's conv line holds [h_1 .. h_{W-2}, x_0 .. x_B] (see tree_conv_ref);
+  the last W-1 entries of [h_1 .. h_{W-2}, x_path...] are written to columns [p, p + W - 1), where
+  vLLM's lazy convention reads them (a main-chain path already has them there: nothing moves);
+- state (records strategy only): replay the path from the committed line with the recorded
+  (k, v, g, beta) and store the result in line `state_indices[r, p]` (or `[r, 0]` with a single
+  column). The snapshots strategy needs no state work: the snapshot of p is already in that line;
+- `num_accepted[r] = p + 1` (in place), so the next step reads the committed window and state there.
+Per-layer cache tensors go in as lists (vLLM gives each layer its own tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree_compile.templates.tree_gdn_ref import committed_lines, gdn_update_ref
+
+
+def _check_same(tensors, name):
+    t0 = tensors[0]
+    for t in tensors[1:]:
+        if t.shape != t0.shape or t.stride() != t0.stride() or t.dtype != t0.dtype or t.device != t0.device:
+            raise ValueError(f"all {name} must share shape, strides, dtype and device")
+
+
+def check_commit_args(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
+                      width):
+    """Shape/dtype checks (host only, no sync)."""
+    R = accepted.shape[0]
+    if width not in (2, 3, 4):
+        raise ValueError(f"width (conv kernel size) must be 2, 3 or 4, got {width}")
+    if accepted.dim() != 2 or accepted.dtype != torch.int32 or path_len.shape != (R,) or path_len.dtype != torch.int32:
+        raise ValueError(f"accepted must be int32 [R, L+1] and path_len int32 [R], got {accepted.dtype} "
+                         f"{tuple(accepted.shape)}, {path_len.dtype} {tuple(path_len.shape)}")
+    if state_indices.dim() != 2 or state_indices.shape[0] != R or state_indices.dtype != torch.int32:
+        raise ValueError(f"state_indices must be int32 [R={R}, NS], got {state_indices.dtype} {tuple(state_indices.shape)}")
+    if num_accepted.shape != (R,) or num_accepted.dtype != torch.int32:
+        raise ValueError(f"num_accepted must be int32 [R={R}], got {num_accepted.dtype} {tuple(num_accepted.shape)}")
+    if len(conv_states) == 0:
+        raise ValueError("conv_states must list one [lines, dim, state_len] tensor per GDN layer")
+    _check_same(conv_states, "conv_states")
+    if conv_states[0].dim() != 3:
+        raise ValueError(f"conv_states entries must be [lines, dim, state_len], got {tuple(conv_states[0].shape)}")
+    if (rec_kv is None) != (rec_gb is None):
+        raise ValueError("rec_kv and rec_gb must be given together (records strategy) or both None (snapshots)")
+    if rec_kv is not None:
+        nl = len(conv_states)
+        if len(ssm_states) != nl:
+            raise ValueError(f"replay needs one ssm_state per layer: {len(ssm_states)} ssm_states, {nl} conv_states")
+        _check_same(ssm_states, "ssm_states")
+        _, HV, V, K = ssm_states[0].shape
+        if rec_gb.dim() != 5 or rec_gb.shape[:2] != (nl, R) or rec_gb.shape[3:] != (2, HV) or not rec_gb.is_contiguous():
+            raise ValueError(f"rec_gb must be contiguous [layers={nl}, R={R}, N, 2, HV={HV}], got {tuple(rec_gb.shape)}")
+        N = rec_gb.shape[2]
+        if rec_kv.dim() != 4 or rec_kv.shape[:3] != (nl, R, N) or not rec_kv.is_contiguous():
+            raise ValueError(f"rec_kv must be contiguous [layers={nl}, R={R}, N={N}, H*K + HV*V], got {tuple(rec_kv.shape)}")
+        if (rec_kv.shape[3] - HV * V) % K or rec_kv.shape[3] <= HV * V:
+            raise ValueError(f"rec_kv last dim {rec_kv.shape[3]} is not H*K + HV*V for K={K}, HV*V={HV * V}")
+
+
+def gdn_commit_ref(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
+                   width):
+    """Torch reference (float32 replay). Mutates the listed caches and num_accepted."""
+    check_commit_args(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
+                      width)
+    src_lines = committed_lines(state_indices, num_accepted)
+    single = state_indices.shape[1] == 1
+    for r in range(accepted.shape[0]):
+        n = int(path_len[r])
+        if n <= 0:
+            continue
+        path = accepted[r, :n].long().tolist()
+        p = path[-1]
+        if rec_kv is not None:
+            src, dst = int(src_lines[r]), int(state_indices[r, 0 if single else p])
+            for layer, ssm in enumerate(ssm_states):
+                _, HV, V, K = ssm.shape
+                H = (rec_kv.shape[3] - HV * V) // K
+                h = ssm[src].float() if src > 0 else torch.zeros(HV, V, K, device=ssm.device)
+                for s in path:
+                    kv = rec_kv[layer, r, s]
+                    k = kv[: H * K].view(H, K).repeat_interleave(HV // H, 0)
+                    h = gdn_update_ref(h, k, kv[H * K:].view(HV, V), rec_gb[layer, r, s, 0], rec_gb[layer, r, s, 1])
+                if dst > 0:
+                    ssm[dst] = h.to(ssm.dtype)
+        line = int(state_indices[r, 0])
+        if line > 0:
+            # Canonical line after the verify: h_1..h_{W-2} in columns 0..W-3, x_s in column W-2+s.
+            seq = list(range(width - 2)) + [width - 2 + s for s in path]
+            cols = torch.tensor(seq[-(width - 1):], device=conv_states[0].device)
+            for conv in conv_states:
+                conv[line, :, p: p + width - 1] = conv[line][:, cols].clone()
+        num_accepted[r] = p + 1

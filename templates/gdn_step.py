@@ -1,0 +1,56 @@
+"""The tree GatedDeltaNet work of one step, as the integration calls it: the tree metadata (validated in
+debug mode), one layer's tree verify (tree conv, then the tree recurrence, the way vLLM's
+`qwen_gdn_attention_core` chains conv and recurrence) and every layer's accepted-path commit, all
+through the `ddtree::` ops (ops.py). Set DDTREE_DEBUG=1 to validate tree metadata and walk results on
+the host before each use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ddtree_compile.templates import ops  # noqa: F401  registers the ddtree:: ops called below
+from ddtree_compile.templates.gdn_meta import GdnTreeMeta, build_gdn_meta, validate_path, validate_tree
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("DDTREE_DEBUG", "0") == "1"
+
+
+def make_gdn_meta(parents: torch.Tensor, width: int, max_depth: int | None = None) -> GdnTreeMeta:
+    """`build_gdn_meta`, validating the tree first in debug mode."""
+    if debug_enabled():
+        validate_tree(parents, max_depth)
+    return build_gdn_meta(parents, width, max_depth)
+
+
+def tree_gdn_verify(mixed_qkv, b, a, core_attn_out, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias,
+                    state_indices, num_accepted, meta: GdnTreeMeta, stack, num_k_heads, head_k_dim,
+                    activation="silu", conv_out=None, rec_kv=None, rec_gb=None, write_snapshots=False, scale=None):
+    """One GDN layer's tree verify: tree conv, then the tree recurrence into `core_attn_out`.
+
+    `mixed_qkv` [R*N, 2*H*K + HV*V], b/a [R*N, HV], core_attn_out [R*N, HV, V]; conv_weight [dim, W]
+    (vLLM's conv1d.weight viewed 2-D). Pass `conv_out` (like mixed_qkv) to avoid an allocation.
+    """
+    if stack.dim() != 5 or stack.shape[1] < meta.max_depth:
+        raise ValueError(f"stack must have >= max_depth = {meta.max_depth} levels, got shape {tuple(stack.shape)}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    if conv_out is None:
+        conv_out = torch.empty_like(mixed_qkv)
+    torch.ops.ddtree.tree_conv1d(mixed_qkv, conv_weight, conv_bias, conv_state, state_indices, num_accepted,
+                                 meta.conv_anc, conv_out, activation is not None)
+    torch.ops.ddtree.tree_gdn(conv_out, a, b, A_log, dt_bias, ssm_state, state_indices, num_accepted, meta.walk,
+                              stack, core_attn_out, rec_kv, rec_gb, num_k_heads, head_k_dim,
+                              head_k_dim ** -0.5 if scale is None else scale, write_snapshots)
+
+
+def commit_accepted_path(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, width,
+                         rec_kv=None, rec_gb=None, parents=None):
+    """All GDN layers' commit (see gdn_commit). In debug mode the walk result is checked against `parents`."""
+    if debug_enabled() and parents is not None:
+        validate_path(accepted, path_len, parents)
+    torch.ops.ddtree.gdn_commit(list(conv_states), list(ssm_states), state_indices, num_accepted, accepted,
+                                path_len, rec_kv, rec_gb, width)
