@@ -44,6 +44,13 @@ RULES: tuple[dict, ...] = (
          source="vllm::cpu_gdn_attention_core.default", defined_in=_GDN_CPU_MOD, tree_impl="gdn"),
     dict(name="gdn_cuda", platforms=("cuda", "rocm"), vllm="0.32",
          source="vllm::qwen_gdn_attention_core.default", defined_in=_GDN_CUDA_MOD, tree_impl="gdn"),
+    # vLLM 0.26 (CUDA): the same ops and schemas (docs/vllm_0_26.md (b)); no fused-norm GDN variant.
+    dict(name="attention_026", platforms=("cuda",), vllm="0.26",
+         source="vllm::unified_attention_with_output.default", defined_in=_ATTN_MOD, tree_impl="attention"),
+    dict(name="kv_cache_update_026", platforms=("cuda",), vllm="0.26",
+         source="vllm::unified_kv_cache_update.default", defined_in=_ATTN_MOD, tree_impl="kv_cache_update"),
+    dict(name="gdn_cuda_026", platforms=("cuda",), vllm="0.26",
+         source="vllm::qwen_gdn_attention_core.default", defined_in=_GDN_CUDA_MOD, tree_impl="gdn"),
 )
 
 # Ops that carry per-token sequence state (a tree verify would change their meaning) and have no

@@ -96,7 +96,7 @@ def test_vllm_outside_the_window_is_refused_once_and_runs_as_flat_dflash(monkeyp
     from ddtree_compile.passes import rules
     from ddtree_compile.passes.entry import TreeVerifyPass
 
-    with pytest.raises(adapters.UnsupportedVLLM, match=r"vLLM 0.31.2 is not supported.*release lines: 0.32.x"):
+    with pytest.raises(adapters.UnsupportedVLLM, match=r"vLLM 0.31.2 is not supported.*release lines: 0.32.x, 0.26.x"):
         adapters.check("0.31.2")
     assert adapters.check("0.32.0+cpu") == "0.32"
     monkeypatch.setattr(adapters, "installed_version", lambda: "0.40.0")

@@ -22,11 +22,8 @@ GDN op runs only in bf16).
 """
 
 import pytest
-import torch
 
-from ddtree_compile import adapters
 from ddtree_compile.integration import config, engines, metrics, plugin
-from ddtree_compile.templates.tree_gdn_ref import gdn_update_ref
 from ddtree_compile.tools import harness, models
 
 BUDGET, DRAFT_LEN, TOP_K, MAX_TOKENS, TOL = 16, 8, 4, 500, 0.2
@@ -62,44 +59,6 @@ def _ddtree(dirs, top_k, gdn_state="replay"):
     return _llm(dirs, **kw)
 
 
-class StateCheck:
-    """Commit hook: committed GDN state == float32 replay of the committed path (and conv window)."""
-
-    def __init__(self):
-        self.paths = self.sibling_paths = 0
-        self.max_err = 0.0
-
-    def __call__(self, state, info):
-        step = info["step"]
-        acc, n = step.walk.accepted.tolist(), step.walk.num_accepted.tolist()
-        rec_kv, rec_gb = info["records"]
-        lines = info["state_indices"]
-        W = info["width"]
-        for li, name in enumerate(info["layers"]):
-            gp = adapters.current().gdn_params(state.layer(name))
-            H, K, HV, V = gp.num_k_heads, gp.head_k_dim, gp.num_v_heads, gp.head_v_dim
-            for r in range(step.R):
-                path = acc[r][: n[r]]
-                p = path[-1]
-                h = step.debug_pre[name][r]
-                for s in path:
-                    kv = rec_kv[li, r, s].float()
-                    k = kv[: H * K].view(H, K).repeat_interleave(HV // H, 0)
-                    h = gdn_update_ref(h, k, kv[H * K:].view(HV, V), rec_gb[li, r, s, 0], rec_gb[li, r, s, 1])
-                got = info["ssm"][li][int(lines[r, p])].float()
-                err = (got - h).abs().max().item() / max(h.abs().max().item(), 1e-6)
-                self.max_err = max(self.max_err, err)
-                assert err < 1e-4, f"{name}: committed state of request {r} (path {path}) is off by {err:.2e}"
-                # Conv window: the last W-1 inputs along [history, path], where the next step reads it.
-                seq = list(range(W - 2)) + [W - 2 + s for s in path]
-                want = info["before"]["conv_lines"][li][r][:, seq[-(W - 1):]]
-                line = info["conv"][li][int(lines[r, 0])]
-                assert torch.equal(line[:, p:p + W - 1], want), f"{name}: conv window of request {r} (path {path})"
-                if li == 0:
-                    self.paths += 1
-                    self.sibling_paths += any(s != d for d, s in enumerate(path))
-
-
 @pytest.fixture(scope="module", params=["replay", pytest.param("snapshots", marks=pytest.mark.slow)])
 def runs(request, dirs):
     """Chain DDTree (reference, with log-probs), tree DDTree with the state check: random, then harness.
@@ -118,7 +77,7 @@ def runs(request, dirs):
     try:
         state = engines.find_state(llm)
         state.debug_gdn_records = True
-        check = StateCheck()
+        check = harness.GdnStateCheck()
         state.commit_hooks.append(check)
         out["random"] = harness.generate(llm, PROMPTS, MAX_TOKENS)
         before = metrics.collect(llm)[0]

@@ -81,7 +81,7 @@ def test_rows_of_other_platforms_are_not_resolved():
 
 
 def test_a_vllm_outside_the_window_is_refused():
-    with pytest.raises(rules_mod.RuleError, match=r"vLLM 0.99.0 is not supported.*release lines: 0.32.x"):
+    with pytest.raises(rules_mod.RuleError, match=r"vLLM 0.99.0 is not supported.*release lines: 0.32.x, 0.26.x"):
         rules_mod.load_rules(platform="cpu", vllm_version="0.99.0")
 
 
@@ -89,7 +89,7 @@ def test_a_vllm_outside_the_window_is_refused():
     ("platforms", ("tpu",), "platforms"),
     ("source", "unified_attention_with_output", "must look like"),
     ("tree_impl", None, "tree_impl None does not exist"),
-    ("vllm", ">=0.32", r"vllm '>=0.32' is not a release line with an adapter; allowed values: 0.32"),
+    ("vllm", ">=0.32", r"vllm '>=0.32' is not a release line with an adapter; allowed values: 0.32, 0.26"),
 ])
 def test_malformed_rows_are_rejected(field, value, msg):
     with pytest.raises(rules_mod.RuleError, match=msg):

