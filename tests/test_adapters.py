@@ -13,11 +13,13 @@ from ddtree_compile import adapters
 def _api(module) -> dict:
     out = {}
     for name, obj in vars(module).items():
-        if name.startswith("_") or inspect.ismodule(obj) or getattr(obj, "__module__", module.__name__) != module.__name__:
+        if name.startswith("_") or inspect.ismodule(obj):
             continue
+        if (inspect.isclass(obj) or callable(obj)) and not obj.__module__.startswith("ddtree_compile.adapters"):
+            continue  # imported helpers (dataclass, ...), not the adapter's API
         if inspect.isclass(obj):
-            out[name] = {m: list(inspect.signature(f).parameters) for m, f in vars(obj).items()
-                         if callable(f) and not m.startswith("_") or m == "__init__"}
+            out[name] = {m: list(inspect.signature(f).parameters) for m, f in inspect.getmembers(obj, inspect.isfunction)
+                         if not m.startswith("_") or m == "__init__"}
         elif callable(obj):
             out[name] = list(inspect.signature(obj).parameters)
         else:

@@ -31,17 +31,27 @@ What differs from 0.32 (everything else is the same code, checked line by line):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
+from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapter
+    _PATCHED,
+    OPAQUE_ARG_TYPES,
+    ROUND_HOOKS,
+    AttentionParams,
+    GdnParams,
+    V1RunnerView,
+    attention_backend,
+    attention_context,
+    attention_splitting_ops,
+    cleanup_distributed,
+    drop_compiled_model_hooks,
+    find_runner,
+    gdn_context,
+    gdn_params,
+    model_module_ids,
+    sampler_output,
+    shutdown_engine,
+)
 
 LINE = "0.26"
-_PATCHED = "_ddtree_patched"
-
-# The opaque `layer_name` argument of vLLM's custom ops, declared by type name in a copied schema
-# (`utils/torch_utils.py:845-880`: registered as an opaque value type on torch >= 2.11 unless
-# VLLM_USE_LAYERNAME=0, then the ops take a plain `str`).
-OPAQUE_ARG_TYPES = {"layer_name": ("vllm.utils.torch_utils", "LayerName")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,28 +133,6 @@ def uninstall_kv_cache_hook() -> None:
 # The round's hooks on one runner instance
 # ---------------------------------------------------------------------------------------------
 
-# hook name -> (object path from the runner, attribute). Same members and call signatures as 0.32:
-#   drafter.propose(num_speculative_tokens=..., target_token_ids=..., ...)  llm_base_proposer.py:502,
-#       called with keywords at gpu_model_runner.py:5212-5224
-#   drafter._sample_draft_tokens(hidden_states, sampling_metadata) -> (tokens, probs|None)  :468
-#       (DFlash: parallel drafting, one call per propose, :619-626)
-#   runner._prepare_inputs(scheduler_output, num_scheduled_tokens) -> (logits_indices, spec_md)  :1937
-#   runner._model_forward(input_ids=, positions=, intermediate_tensors=, inputs_embeds=, **kw)  :3824
-#   runner.rejection_sampler(spec_md, draft_probs, logits, sampling_metadata)  built :655, called :3660
-#   runner._update_states_after_model_execute(output_token_ids, scheduler_output)  :1545, called :4535
-#   runner.propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata,
-#       hidden_states, sample_hidden_states, aux_hidden_states, spec_decode_metadata,
-#       common_attn_metadata, slot_mappings)  :4954, called :4558
-ROUND_HOOKS = {
-    "propose": ("drafter", "propose"),  # DFlash drafts L positions
-    "sample_draft_tokens": ("drafter", "_sample_draft_tokens"),  # the drafter's logits -> tokens
-    "prepare_inputs": ("", "_prepare_inputs"),  # batch layout, positions, slot mapping of a step
-    "model_forward": ("", "_model_forward"),  # the target forward
-    "rejection_sampler": ("", "rejection_sampler"),  # an object: verify logits -> sampled tokens
-    "update_states": ("", "_update_states_after_model_execute"),  # after sampling (hybrids: accepted counts)
-    "propose_draft_token_ids": ("", "propose_draft_token_ids"),  # the drafter's next-round inputs
-}
-
 
 def install_round_hooks(runner, hooks: dict) -> dict:
     """Replace the members named by ROUND_HOOKS on `runner` (instance level) with `hooks[name]`;
@@ -187,137 +175,8 @@ def _static_positions_forward(runner, original):
     return forward
 
 
-@dataclass(frozen=True)
-class AttentionParams:
-    """What tree attention reads of an attention layer's impl; `unsupported` names a feature it lacks."""
-
-    num_heads: int
-    head_size: int
-    scale: float
-    sliding_window: int  # 0: none
-    logits_soft_cap: float  # 0.0: none
-    unsupported: str | None
-
-
-@dataclass(frozen=True)
-class GdnParams:
-    """What the tree GDN op reads of a Qwen GatedDeltaNet layer (per tensor-parallel rank)."""
-
-    num_k_heads: int
-    head_k_dim: int
-    num_v_heads: int
-    head_v_dim: int
-    conv_bias: torch.Tensor | None
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
-    activation: str
-    prefix: str
-
-
-class RunnerView:
-    """The runner state the round reads and writes, under names that do not depend on vLLM's.
-
-    Every attribute read here exists under the same name in 0.26's V1 runner
-    (`v1/worker/gpu_model_runner.py`, line numbers in the comments)."""
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.vllm_config = runner.vllm_config  # :460
-        self.device = runner.device
-        self.dtype = runner.model_config.dtype  # :461
-        self.max_num_reqs = runner.max_num_reqs  # :505
-        self.eager = runner.vllm_config.compilation_config.mode == 0  # CompilationMode.NONE (config/compilation.py:41)
-
-    # -- requests of the current step -----------------------------------------------------------
-    def num_reqs(self) -> int:
-        return self.runner.input_batch.num_reqs  # gpu_input_batch.py:1089
-
-    def req_ids(self, R: int) -> list[str]:
-        return list(self.runner.input_batch.req_ids[:R])  # gpu_input_batch.py:307
-
-    def sampling_params(self, req_id: str):
-        req = self.runner.requests.get(req_id)  # :675, CachedRequestState.sampling_params
-        return getattr(req, "sampling_params", None)
-
-    def live_req_ids(self) -> set[str]:
-        return set(self.runner.requests)
-
-    def temperatures_host(self, R: int):
-        return self.runner.input_batch.temperature_cpu[:R]  # gpu_input_batch.py:193
-
-    def positions(self, T: int) -> torch.Tensor:
-        """The step's positions as vLLM computed them (num_computed + query index, :2165)."""
-        return self.runner.positions[:T]
-
-    def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor:
-        return self.runner.positions[logits_indices]
-
-    def input_ids(self) -> torch.Tensor:
-        """The step's input-id buffer, which the drafter reads after the verify (:5194)."""
-        return self.runner.input_ids.gpu  # :762
-
-    def set_num_accepted(self, R: int, committed: torch.Tensor) -> None:
-        """Hybrids: the next step reads GDN state / conv at column committed-1 (vLLM's lazy commit).
-        Same buffers as 0.32: the next `_prepare_inputs` waits on the event and reloads the CPU
-        copy (`:2084-2113`, synchronous scheduling)."""
-        r = self.runner
-        r.num_accepted_tokens.gpu[:R] = committed.to(r.num_accepted_tokens.gpu.dtype)  # :806
-        r.input_batch.num_accepted_tokens_cpu_tensor[:R].copy_(committed, non_blocking=True)  # gpu_input_batch.py:242
-        if r.num_accepted_tokens_event is not None:  # :914-917
-            r.num_accepted_tokens_event.record()
-
-    # -- layers and caches ------------------------------------------------------------------------
-    def layer(self, name: str):
-        return self.runner.compilation_config.static_forward_context[name]
-
-    def kv_cache_groups(self) -> list[list[str]]:
-        """Layer names per KV cache group (each group has its own block table / state lines)."""
-        return [list(g.layer_names) for g in self.runner.kv_cache_config.kv_cache_groups]  # kv_cache_interface.py:945
-
-    def drafter_compute_logits(self, hidden_states) -> torch.Tensor:
-        return self.runner.drafter.model.compute_logits(hidden_states)
-
-    # -- the drafter (the test drafter harness replaces its logits) -----------------------------------
-    def drafter_draft_len(self) -> int:
-        return self.runner.drafter.num_speculative_tokens  # set per call, llm_base_proposer.py:522
-
-    def drafter_root_positions(self, R: int) -> torch.Tensor:
-        """Position of each request's bonus token in the drafter's current forward ([R]); DFlash's
-        query positions are request-major, 1 + L per request (dflash.py:60, utils.py:533-534)."""
-        L = self.drafter_draft_len()
-        return self.runner.drafter.positions[: R * (1 + L)].view(R, 1 + L)[:, 0]
-
-    def prompt_token_ids(self, req_id: str) -> list[int]:
-        return list(self.runner.requests[req_id].prompt_token_ids or ())
-
-    def wrap_drafter_logits(self, fn):
-        """drafter.model.compute_logits -> fn(original, hidden_states), on this instance; undo with
-        `unwrap_drafter_logits`."""
-        model = self.runner.drafter.model
-        original = model.compute_logits
-        model.compute_logits = lambda hidden_states: fn(original, hidden_states)
-
-    def unwrap_drafter_logits(self) -> None:
-        self.runner.drafter.model.__dict__.pop("compute_logits", None)  # back to the class method
-
-    def classify_layers(self) -> tuple[list[str], list[str], list[str]]:
-        """(attention, Qwen GatedDeltaNet, other sequence-state layers) of the target (not the drafter)."""
-        from vllm.model_executor.layers.attention.attention import Attention  # attention.py:223
-        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  # :12
-        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # :342
-
-        drafter_layers = set(getattr(self.runner.drafter, "_draft_attn_layer_names", ()) or ())  # llm_base_proposer.py:1346
-        attn, gdn, other = [], [], []
-        for name, layer in self.runner.compilation_config.static_forward_context.items():
-            if name in drafter_layers or not isinstance(layer, AttentionLayerBase):
-                continue  # the drafter's own layers; MoE runners and other stateless modules
-            if isinstance(layer, Attention):
-                attn.append(name)
-            elif isinstance(layer, QwenGatedDeltaNetAttention):
-                gdn.append(name)
-            else:
-                other.append(f"{name} ({type(layer).__name__})")
-        return attn, gdn, other
+class RunnerView(V1RunnerView):
+    """V1RunnerView plus the engine features this release's round does not serve."""
 
     def unsupported_features(self) -> str | None:
         """An engine feature the round does not serve, or None."""
@@ -350,29 +209,6 @@ class RunnerView:
                     f"cudagraph_mode='PIECEWISE' (or NONE) until tree-verify FULL graphs are captured")
         return None
 
-    # -- forward-time metadata (inside set_forward_context) -----------------------------------------
-    def block_table(self, layer_name: str, R: int) -> torch.Tensor:
-        # FlashAttentionMetadata.block_table (flash_attn.py:246), TritonAttentionMetadata
-        # (triton_attn.py:74): kernel-block ids, matching the cache tensor's block dim.
-        return _forward_attn_metadata()[layer_name].block_table[:R]
-
-    def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(state_indices int32 [R, 1+K], num_accepted int32 [R]) of a pure spec-decode GDN batch
-        (gdn_attn.py:253-275; under FULL graphs the tensors are padded to the graph's batch, :420-465)."""
-        g = _forward_attn_metadata()[self.layer(layer_name).prefix]
-        if g.num_spec_decodes != R or g.num_prefills or g.num_decodes:
-            raise RuntimeError(f"DDTree: the GDN metadata of a tree step is not a pure spec batch (spec "
-                               f"{g.num_spec_decodes}, prefills {g.num_prefills}, decodes {g.num_decodes})")
-        return (g.spec_state_indices_tensor[:R].to(torch.int32).contiguous(),
-                g.num_accepted_tokens[:R].to(torch.int32).clone())
-
-
-def sampler_output(sampled_token_ids: torch.Tensor, logprobs_tensors=None):
-    """What the rejection sampler returns to the runner (v1/outputs.py:186-192)."""
-    from vllm.v1.outputs import SamplerOutput
-
-    return SamplerOutput(sampled_token_ids=sampled_token_ids, logprobs_tensors=logprobs_tensors)
-
 
 def sampling_unsupported_reason(sp) -> str | None:
     """Why a request's SamplingParams need vLLM's own sampler (the tree walk does greedy and plain
@@ -399,30 +235,9 @@ def sampling_unsupported_reason(sp) -> str | None:
     return None
 
 
-def _forward_attn_metadata():
-    from vllm.forward_context import get_forward_context
-
-    return get_forward_context().attn_metadata  # dict layer name -> metadata (forward_context.py:135)
-
-
 # ---------------------------------------------------------------------------------------------
 # Inside the replacement ops (a forward context is set)
 # ---------------------------------------------------------------------------------------------
-
-def attention_context(layer_name):
-    """(attention metadata, layer, kv_cache) of an attention layer, from the op's layer_name."""
-    from vllm.model_executor.layers.attention.attention import get_attention_context  # attention.py:731
-    from vllm.utils.torch_utils import _resolve_layer_name  # torch_utils.py:882
-
-    attn_metadata, layer, kv_cache, _ = get_attention_context(_resolve_layer_name(layer_name))
-    return attn_metadata, layer, kv_cache
-
-
-def attention_backend(layer) -> tuple[str, str | None]:
-    """(backend name, the CPU ISA vLLM picked for the layer's KV layout or None).
-    CUDA: "FLASH_ATTN" (flash_attn.py:92) or "TRITON_ATTN" (triton_attn.py:306), no ISA."""
-    return layer.attn_backend.get_name(), getattr(layer, "isa", None)
-
 
 def attention_params(layer) -> AttentionParams:
     impl = layer.impl
@@ -444,25 +259,6 @@ def attention_params(layer) -> AttentionParams:
                            float(getattr(impl, "logits_soft_cap", None) or 0.0), unsupported)
 
 
-def gdn_context(layer_name):
-    """(layer name, layer, GDN attention metadata) of a GDN op's layer_name
-    (qwen_gdn_linear_attn.py:1640-1642, :1203)."""
-    from vllm.forward_context import get_forward_context
-    from vllm.utils.torch_utils import _resolve_layer_name
-
-    name = _resolve_layer_name(layer_name)
-    fctx = get_forward_context()
-    layer = fctx.no_compile_layers[name]
-    return name, layer, fctx.attn_metadata[layer.prefix]
-
-
-def gdn_params(layer) -> GdnParams:
-    # qwen_gdn_linear_attn.py:366-369 (global head counts), gdn/base.py:32-37 (prefix, tp_size, activation)
-    tp = getattr(layer, "tp_size", 1)
-    return GdnParams(layer.num_k_heads // tp, layer.head_k_dim, layer.num_v_heads // tp, layer.head_v_dim,
-                     layer.conv1d.bias, layer.A_log, layer.dt_bias, layer.activation, layer.prefix)
-
-
 def gdn_state_views(layer):
     """(conv_state [lines, dim, state_len], ssm_state logical [lines, HV, V, K], conv weight [dim, W]).
 
@@ -481,54 +277,8 @@ def gdn_state_views(layer):
 
 
 # ---------------------------------------------------------------------------------------------
-# Compilation and engines
+# CPU only
 # ---------------------------------------------------------------------------------------------
-
-def attention_splitting_ops() -> list[str]:
-    """vLLM's attention-like ops: the piecewise split points, and ops a tree verify must not leave
-    (config/compilation.py:764-780; 0.26 has no qwen_gdn_attention_core_fused_norm_packed)."""
-    from vllm.config.compilation import CompilationConfig
-
-    return list(CompilationConfig._attention_ops)
-
-
-def find_runner(llm):
-    """The model runner of an in-process `vllm.LLM`, else None (multiprocess engines).
-    llm_engine.py:123-125 (model_executor only without multiprocessing), uniproc_executor.py:48,
-    worker_base.py:319, gpu_worker.py:416 (V1) / :408 (V2)."""
-    try:
-        return llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    except AttributeError:
-        return None
-
-
-def model_module_ids(runner) -> set[int]:
-    """ids of every module of the target and the drafter."""
-    tops = (runner.model, getattr(getattr(runner, "drafter", None), "model", None))
-    return {id(m) for top in tops if top is not None for m in top.modules()}
-
-
-def shutdown_engine(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()  # InprocClient.shutdown, core_client.py:305
-    llm.llm_engine = None  # nothing but the caller's husk refers to the engine any more
-
-
-def cleanup_distributed() -> None:
-    """vLLM's own teardown of the process-wide distributed state an engine set up."""
-    from vllm.distributed import cleanup_dist_env_and_memory  # parallel_state.py:2107
-
-    cleanup_dist_env_and_memory()
-
-
-def drop_compiled_model_hooks(modules: set[int]) -> None:
-    """Drop Dynamo bytecode hooks bound to `modules` (ids). vLLM 0.26 registers one per
-    `TorchCompileWithNoGuardsWrapper` (compilation/wrapper.py:156-160) and the in-process
-    LLMEngine's finalizer removes it (v1/engine/llm_engine.py:127-133, 436-443); this sweep is the
-    same safety net as on 0.32 and finds nothing when that finalizer already ran."""
-    hooks = getattr(torch._dynamo.convert_frame, "_bytecode_hooks", {})
-    for key in [k for k, h in hooks.items() if id(getattr(h, "__self__", None)) in modules]:
-        del hooks[key]
-
 
 # CPU attention ISAs: not ported to the 0.26 (CUDA) adapter.
 FORCEABLE_CPU_ISAS: tuple[str, ...] = ()

@@ -1,0 +1,258 @@
+"""The V1 `GPUModelRunner` internals that vLLM 0.26 and 0.32 share (read in both sources).
+
+vllm_0_26.py and vllm_0_32.py import these; what differs between the releases stays in the
+version module (the class patch, the round's hook installation, engine features the round does
+not serve, sampling fields, attention parameters, GDN state layouts). docs/runner_hooks.md (0.32)
+and docs/vllm_0_26.md (0.26) cite the lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_PATCHED = "_ddtree_patched"
+
+# The opaque `layer_name` argument of vLLM's custom ops, declared by type name in a copied schema.
+OPAQUE_ARG_TYPES = {"layer_name": ("vllm.utils.torch_utils", "LayerName")}
+
+ROUND_HOOKS = {
+    "propose": ("drafter", "propose"),  # DFlash drafts L positions
+    "sample_draft_tokens": ("drafter", "_sample_draft_tokens"),  # the drafter's logits -> tokens
+    "prepare_inputs": ("", "_prepare_inputs"),  # batch layout, positions, slot mapping of a step
+    "model_forward": ("", "_model_forward"),  # the target forward
+    "rejection_sampler": ("", "rejection_sampler"),  # an object: verify logits -> sampled tokens
+    "update_states": ("", "_update_states_after_model_execute"),  # after sampling (hybrids: accepted counts)
+    "propose_draft_token_ids": ("", "propose_draft_token_ids"),  # the drafter's next-round inputs
+}
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """What tree attention reads of an attention layer's impl; `unsupported` names a feature it lacks."""
+
+    num_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int  # 0: none
+    logits_soft_cap: float  # 0.0: none
+    unsupported: str | None
+
+
+@dataclass(frozen=True)
+class GdnParams:
+    """What the tree GDN op reads of a Qwen GatedDeltaNet layer (per tensor-parallel rank)."""
+
+    num_k_heads: int
+    head_k_dim: int
+    num_v_heads: int
+    head_v_dim: int
+    conv_bias: torch.Tensor | None
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    activation: str
+    prefix: str
+
+
+class V1RunnerView:
+    """The runner state the round reads and writes, under names that do not depend on vLLM's.
+
+    The V1 runner's members read here have the same names and meaning in 0.26 and 0.32 (checked in
+    both sources, docs/vllm_0_26.md); each adapter subclasses it with its own `unsupported_features`."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.vllm_config = runner.vllm_config
+        self.device = runner.device
+        self.dtype = runner.model_config.dtype
+        self.max_num_reqs = runner.max_num_reqs
+        self.eager = runner.vllm_config.compilation_config.mode == 0  # NONE: no compiled graph to rewrite
+
+    # -- requests of the current step -----------------------------------------------------------
+    def num_reqs(self) -> int:
+        return self.runner.input_batch.num_reqs
+
+    def req_ids(self, R: int) -> list[str]:
+        return list(self.runner.input_batch.req_ids[:R])
+
+    def sampling_params(self, req_id: str):
+        req = self.runner.requests.get(req_id)
+        return getattr(req, "sampling_params", None)
+
+    def live_req_ids(self) -> set[str]:
+        return set(self.runner.requests)
+
+    def temperatures_host(self, R: int):
+        return self.runner.input_batch.temperature_cpu[:R]
+
+    def positions(self, T: int) -> torch.Tensor:
+        """The step's positions as vLLM computed them (num_computed + query index)."""
+        return self.runner.positions[:T]
+
+    def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor:
+        return self.runner.positions[logits_indices]
+
+    def input_ids(self) -> torch.Tensor:
+        """The step's input-id buffer, which the drafter reads after the verify."""
+        return self.runner.input_ids.gpu
+
+    def set_num_accepted(self, R: int, committed: torch.Tensor) -> None:
+        """Hybrids: the next step reads GDN state / conv at column committed-1 (vLLM's lazy commit)."""
+        r = self.runner
+        r.num_accepted_tokens.gpu[:R] = committed.to(r.num_accepted_tokens.gpu.dtype)
+        r.input_batch.num_accepted_tokens_cpu_tensor[:R].copy_(committed, non_blocking=True)
+        if r.num_accepted_tokens_event is not None:  # the next step waits for this copy, not the original's
+            r.num_accepted_tokens_event.record()
+
+    # -- layers and caches ------------------------------------------------------------------------
+    def layer(self, name: str):
+        return self.runner.compilation_config.static_forward_context[name]
+
+    def kv_cache_groups(self) -> list[list[str]]:
+        """Layer names per KV cache group (each group has its own block table / state lines)."""
+        return [list(g.layer_names) for g in self.runner.kv_cache_config.kv_cache_groups]
+
+    def drafter_compute_logits(self, hidden_states) -> torch.Tensor:
+        return self.runner.drafter.model.compute_logits(hidden_states)
+
+    # -- the drafter (the test drafter harness replaces its logits) -----------------------------------
+    def drafter_draft_len(self) -> int:
+        return self.runner.drafter.num_speculative_tokens
+
+    def drafter_root_positions(self, R: int) -> torch.Tensor:
+        """Position of each request's bonus token in the drafter's current forward ([R])."""
+        L = self.drafter_draft_len()
+        return self.runner.drafter.positions[: R * (1 + L)].view(R, 1 + L)[:, 0]
+
+    def prompt_token_ids(self, req_id: str) -> list[int]:
+        return list(self.runner.requests[req_id].prompt_token_ids or ())
+
+    def wrap_drafter_logits(self, fn):
+        """drafter.model.compute_logits -> fn(original, hidden_states), on this instance; undo with
+        `unwrap_drafter_logits`."""
+        model = self.runner.drafter.model
+        original = model.compute_logits
+        model.compute_logits = lambda hidden_states: fn(original, hidden_states)
+
+    def unwrap_drafter_logits(self) -> None:
+        self.runner.drafter.model.__dict__.pop("compute_logits", None)  # back to the class method
+
+    def classify_layers(self) -> tuple[list[str], list[str], list[str]]:
+        """(attention, Qwen GatedDeltaNet, other sequence-state layers) of the target (not the drafter)."""
+        from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+        drafter_layers = set(getattr(self.runner.drafter, "_draft_attn_layer_names", ()) or ())
+        attn, gdn, other = [], [], []
+        for name, layer in self.runner.compilation_config.static_forward_context.items():
+            if name in drafter_layers or not isinstance(layer, AttentionLayerBase):
+                continue  # the drafter's own layers; MoE runners and other stateless modules
+            if isinstance(layer, Attention):
+                attn.append(name)
+            elif isinstance(layer, QwenGatedDeltaNetAttention):
+                gdn.append(name)
+            else:
+                other.append(f"{name} ({type(layer).__name__})")
+        return attn, gdn, other
+
+
+    # -- forward-time metadata (inside set_forward_context) -----------------------------------------
+    def block_table(self, layer_name: str, R: int) -> torch.Tensor:
+        return _forward_attn_metadata()[layer_name].block_table[:R]
+
+    def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state_indices int32 [R, 1+K], num_accepted int32 [R]) of a pure spec-decode GDN batch."""
+        g = _forward_attn_metadata()[self.layer(layer_name).prefix]
+        if g.num_spec_decodes != R or g.num_prefills or g.num_decodes:
+            raise RuntimeError(f"DDTree: the GDN metadata of a tree step is not a pure spec batch (spec "
+                               f"{g.num_spec_decodes}, prefills {g.num_prefills}, decodes {g.num_decodes})")
+        return (g.spec_state_indices_tensor[:R].to(torch.int32).contiguous(),
+                g.num_accepted_tokens[:R].to(torch.int32).clone())
+
+
+def sampler_output(sampled_token_ids: torch.Tensor, logprobs_tensors=None):
+    """What the rejection sampler returns to the runner."""
+    from vllm.v1.outputs import SamplerOutput
+
+    return SamplerOutput(sampled_token_ids=sampled_token_ids, logprobs_tensors=logprobs_tensors)
+
+
+def _forward_attn_metadata():
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().attn_metadata
+
+
+def attention_context(layer_name):
+    """(attention metadata, layer, kv_cache) of an attention layer, from the op's layer_name."""
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    attn_metadata, layer, kv_cache, _ = get_attention_context(_resolve_layer_name(layer_name))
+    return attn_metadata, layer, kv_cache
+
+
+def attention_backend(layer) -> tuple[str, str | None]:
+    """(backend name, the CPU ISA vLLM picked for the layer's KV layout or None)."""
+    return layer.attn_backend.get_name(), getattr(layer, "isa", None)
+
+
+def gdn_context(layer_name):
+    """(layer name, layer, GDN attention metadata) of a GDN op's layer_name."""
+    from vllm.forward_context import get_forward_context
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    name = _resolve_layer_name(layer_name)
+    fctx = get_forward_context()
+    layer = fctx.no_compile_layers[name]
+    return name, layer, fctx.attn_metadata[layer.prefix]
+
+
+def gdn_params(layer) -> GdnParams:
+    tp = getattr(layer, "tp_size", 1)
+    return GdnParams(layer.num_k_heads // tp, layer.head_k_dim, layer.num_v_heads // tp, layer.head_v_dim,
+                     layer.conv1d.bias, layer.A_log, layer.dt_bias, layer.activation, layer.prefix)
+
+
+def attention_splitting_ops() -> list[str]:
+    """vLLM's attention-like ops: the piecewise split points, and ops a tree verify must not leave."""
+    from vllm.config.compilation import CompilationConfig
+
+    return list(CompilationConfig._attention_ops)
+
+
+def find_runner(llm):
+    """The model runner of an in-process `vllm.LLM`, else None (multiprocess engines)."""
+    try:
+        return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return None
+
+
+def model_module_ids(runner) -> set[int]:
+    """ids of every module of the target and the drafter."""
+    tops = (runner.model, getattr(getattr(runner, "drafter", None), "model", None))
+    return {id(m) for top in tops if top is not None for m in top.modules()}
+
+
+def shutdown_engine(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    llm.llm_engine = None  # nothing but the caller's husk refers to the engine any more
+
+
+def cleanup_distributed() -> None:
+    """vLLM's own teardown of the process-wide distributed state an engine set up."""
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def drop_compiled_model_hooks(modules: set[int]) -> None:
+    """vLLM 0.32 leaks every compiled model of an in-process engine: `TorchCompileWithNoGuardsWrapper
+    .__init__` registers two Dynamo bytecode hooks (bound methods of the model) and its cleanup
+    removes one. Drop the hooks bound to `modules` (ids), so the model dies with its engine."""
+    hooks = getattr(torch._dynamo.convert_frame, "_bytecode_hooks", {})
+    for key in [k for k, h in hooks.items() if id(getattr(h, "__self__", None)) in modules]:
+        del hooks[key]
