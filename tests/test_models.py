@@ -32,6 +32,7 @@ GDN_OPS = (
     [
         ("qwen3", "Qwen3ForCausalLM", None),
         ("qwen3_next", "Qwen3NextForCausalLM", ["linear_attention"] * 3 + ["full_attention"]),
+        ("qwen3_next_dense", "Qwen3NextForCausalLM", ["linear_attention"] * 3 + ["full_attention"]),
         ("qwen3_5", "Qwen3_5ForCausalLM", ["linear_attention"] * 3 + ["full_attention"]),
     ],
 )
@@ -43,6 +44,8 @@ def test_write_tiny_model_config_and_weights(tmp_path, kind, arch, layer_types):
     cfg = AutoConfig.from_pretrained(out)
     assert cfg.architectures == [arch]
     assert cfg.vocab_size == models.VOCAB and cfg.num_hidden_layers == 4
+    if kind.startswith("qwen3_next"):  # the dense variant routes every token to its one expert
+        assert (cfg.num_experts, cfg.num_experts_per_tok) == ((1, 1) if kind.endswith("dense") else (4, 2))
     if layer_types:
         assert cfg.layer_types == layer_types
         assert cfg.linear_key_head_dim in (64, 128)  # CPU GDN op limit
@@ -58,7 +61,7 @@ def test_write_tiny_model_config_and_weights(tmp_path, kind, arch, layer_types):
 
 
 def test_bad_kind_or_dtype_names_allowed_values(tmp_path):
-    with pytest.raises(ValueError, match="kind.*qwen3, qwen3_next, qwen3_5"):
+    with pytest.raises(ValueError, match="kind.*qwen3, qwen3_next, qwen3_next_dense, qwen3_5"):
         models.write_tiny_model("llama", tmp_path)
     with pytest.raises(ValueError, match="dtype.*bfloat16, float16, float32"):
         models.write_tiny_model("qwen3", tmp_path, dtype="int8")
