@@ -2,7 +2,7 @@
 
 vllm_0_26.py and vllm_0_32.py import these; what differs between the releases stays in the
 version module (the class patch, the round's hook installation, engine features the round does
-not serve, sampling fields, attention parameters, GDN state layouts). docs/runner_hooks.md (0.32)
+not serve, attention parameters, GDN state layouts). docs/runner_hooks.md (0.32)
 and docs/vllm_0_26.md (0.26) cite the lines.
 """
 
@@ -256,3 +256,29 @@ def drop_compiled_model_hooks(modules: set[int]) -> None:
     hooks = getattr(torch._dynamo.convert_frame, "_bytecode_hooks", {})
     for key in [k for k, h in hooks.items() if id(getattr(h, "__self__", None)) in modules]:
         del hooks[key]
+
+
+def sampling_unsupported_reason(sp) -> str | None:
+    """Why a request's SamplingParams need vLLM's own sampler (the tree walk does greedy and plain
+    temperature sampling only), or None. Fields: sampling_params.py (0.26: :213-347); `num_logprobs` has
+    the same meaning in both releases."""
+    if sp is None:
+        return "no sampling params"
+    # num_logprobs also counts logprob_token_ids without logprobs (sampling_params.py:721-729)
+    if getattr(sp, "num_logprobs", sp.logprobs) is not None:
+        return "logprobs"
+    if sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1:
+        return "penalties"
+    if sp.temperature >= 1e-5 and (sp.top_k not in (0, -1) or sp.top_p < 1 or sp.min_p > 0):
+        return "top_k/top_p/min_p"
+    if sp.structured_outputs is not None:
+        return "structured output"
+    if sp.bad_words or getattr(sp, "_bad_words_token_ids", None):
+        return "bad_words"
+    if sp.logit_bias or sp.allowed_token_ids:
+        return "logit_bias/allowed_token_ids"
+    if sp.min_tokens:
+        return "min_tokens"
+    if getattr(sp, "thinking_token_budget", None) is not None:
+        return "thinking_token_budget"
+    return None

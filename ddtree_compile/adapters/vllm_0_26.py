@@ -48,6 +48,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     gdn_params,
     model_module_ids,
     sampler_output,
+    sampling_unsupported_reason,
     shutdown_engine,
 )
 
@@ -208,31 +209,6 @@ class RunnerView(V1RunnerView):
             return (f"FULL CUDA graphs (cudagraph_mode={mode.name}); use compilation_config "
                     f"cudagraph_mode='PIECEWISE' (or NONE) until tree-verify FULL graphs are captured")
         return None
-
-
-def sampling_unsupported_reason(sp) -> str | None:
-    """Why a request's SamplingParams need vLLM's own sampler (the tree walk does greedy and plain
-    temperature sampling only), or None. Fields: sampling_params.py:213-347."""
-    if sp is None:
-        return "no sampling params"
-    # num_logprobs also counts logprob_token_ids without logprobs (sampling_params.py:721-729)
-    if getattr(sp, "num_logprobs", sp.logprobs) is not None:
-        return "logprobs"
-    if sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1:
-        return "penalties"
-    if sp.temperature >= 1e-5 and (sp.top_k not in (0, -1) or sp.top_p < 1 or sp.min_p > 0):
-        return "top_k/top_p/min_p"
-    if sp.structured_outputs is not None:
-        return "structured output"
-    if sp.bad_words or getattr(sp, "_bad_words_token_ids", None):
-        return "bad_words"
-    if sp.logit_bias or sp.allowed_token_ids:
-        return "logit_bias/allowed_token_ids"
-    if sp.min_tokens:
-        return "min_tokens"
-    if getattr(sp, "thinking_token_budget", None) is not None:
-        return "thinking_token_budget"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
