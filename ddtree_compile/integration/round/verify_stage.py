@@ -16,6 +16,7 @@ class VerifyStage:
     def __init__(self, ctx: RoundContext):
         self.ctx = ctx
         self.debug_gdn_records = False  # tests: record per-node GDN inputs (snapshots too) and pre-verify states
+        self._records: dict = {}  # batch size R -> the GDN record buffers (allocated once, reused every step)
         N, dev = ctx.N, ctx.device
         parents = torch.arange(-1, N - 1, device=dev)
         self._chain = (parents, torch.arange(N, device=dev), pack_bits(ancestor_closure(parents.unsqueeze(0), N))[0])
@@ -129,7 +130,15 @@ class VerifyStage:
         step.meta.gdn = gdn
 
     def _gdn_records(self, R, N):
-        """Per-node k/v and g/beta buffers: {layer prefix: (rec_kv, rec_gb)} and {group: stacked}."""
+        """Per-node k/v and g/beta buffers: {layer prefix: (rec_kv, rec_gb)} and {group: stacked}.
+
+        One set per batch size, kept: the verify overwrites every row it commits from and the commit
+        of the same step reads them, so no step allocates (static addresses, as CUDA graphs need)."""
+        if R not in self._records:
+            self._records[R] = self._alloc_gdn_records(R, N)
+        return self._records[R]
+
+    def _alloc_gdn_records(self, R, N):
         from ... import adapters
 
         ctx = self.ctx
