@@ -11,6 +11,7 @@ Adding a vLLM release line = one adapter module here + its rows in passes/rules.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from packaging.version import Version
@@ -26,6 +27,7 @@ class UnsupportedVLLM(RuntimeError):
     """The installed vLLM is outside the window of release lines DDTree has an adapter for."""
 
 
+@functools.lru_cache(maxsize=None)
 def release_line(version: str) -> str:
     """'0.32.0+cpu' -> '0.32' (local tags and patch releases do not change the internals read)."""
     v = Version(Version(version).base_version)
@@ -49,5 +51,7 @@ def check(version: str | None = None) -> str:
 
 
 def current():
-    """The adapter module of the installed vLLM (raises UnsupportedVLLM outside the window)."""
+    """The adapter module of the installed vLLM (raises UnsupportedVLLM outside the window). Called by
+    the replacement ops on every layer of a tree verify: the version parse is cached, the module is
+    a sys.modules lookup."""
     return importlib.import_module(ADAPTERS[check()])

@@ -28,6 +28,44 @@ ROUND_HOOKS = {
 }
 
 
+def patch_after(cls, name: str, after) -> bool:
+    """Wrap `cls.name` so `after(self, args, kwargs)` runs once the original returned (the one kind
+    of class patch DDTree makes). Idempotent: False if already patched; `unpatch` undoes it."""
+    original = getattr(cls, name)
+    if getattr(original, _PATCHED, False):
+        return False
+
+    def patched(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        after(self, args, kwargs)
+        return out
+
+    setattr(patched, _PATCHED, True)
+    patched.__wrapped__ = original
+    patched.__doc__ = original.__doc__
+    setattr(cls, name, patched)
+    return True
+
+
+def unpatch(cls, name: str) -> None:
+    fn = getattr(cls, name)
+    if getattr(fn, _PATCHED, False):
+        setattr(cls, name, fn.__wrapped__)
+
+
+def replace_round_members(runner, hooks: dict) -> dict:
+    """Replace the members named by ROUND_HOOKS on `runner` (instance level) with `hooks[name]`;
+    returns the originals by the same names."""
+    if set(hooks) != set(ROUND_HOOKS):
+        raise ValueError(f"round hooks: expected {sorted(ROUND_HOOKS)}, got {sorted(hooks)}")
+    originals = {}
+    for name, (path, attr) in ROUND_HOOKS.items():
+        owner = getattr(runner, path) if path else runner
+        originals[name] = getattr(owner, attr)
+        setattr(owner, attr, hooks[name])
+    return originals
+
+
 @dataclass(frozen=True)
 class AttentionParams:
     """What tree attention reads of an attention layer's impl; `unsupported` names a feature it lacks."""

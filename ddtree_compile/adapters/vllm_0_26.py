@@ -32,7 +32,6 @@ What differs from 0.32 (everything else is the same code, checked line by line):
 from __future__ import annotations
 
 from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapter
-    _PATCHED,
     OPAQUE_ARG_TYPES,
     ROUND_HOOKS,
     AttentionParams,
@@ -47,9 +46,12 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     gdn_context,
     gdn_params,
     model_module_ids,
+    patch_after,
+    replace_round_members,
     sampler_output,
     sampling_unsupported_reason,
     shutdown_engine,
+    unpatch,
 )
 
 LINE = "0.26"
@@ -68,66 +70,45 @@ def install_kv_cache_hook(on_kv_caches_ready) -> bool:
     `initialize_kv_cache` (`v1/worker/gpu/model_runner.py:411`) is patched to refuse DDTree once."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    original = GPUModelRunner.initialize_kv_cache
-    if getattr(original, _PATCHED, False):
+    def after(runner, args, kwargs):
+        if not kwargs.get("is_profiling", args[1] if len(args) > 1 else False):
+            on_kv_caches_ready(runner)
+
+    if not patch_after(GPUModelRunner, "initialize_kv_cache", after):
         return False
-
-    def initialize_kv_cache(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        is_profiling = kwargs.get("is_profiling", args[1] if len(args) > 1 else False)
-        if not is_profiling:
-            on_kv_caches_ready(self)
-        return out
-
-    setattr(initialize_kv_cache, _PATCHED, True)
-    initialize_kv_cache.__wrapped__ = original
-    initialize_kv_cache.__doc__ = original.__doc__
-    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
-    _install_v2_refusal()
+    runner_v2 = _runner_v2()
+    if runner_v2 is not None:
+        patch_after(runner_v2, "initialize_kv_cache", _refuse_on_v2)
     return True
 
 
-def _install_v2_refusal() -> None:
+def _runner_v2():
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
     except Exception:  # Model Runner V2 needs Triton; absent builds simply have no V2 engines
-        return
-    original = RunnerV2.initialize_kv_cache
-    if getattr(original, _PATCHED, False):
-        return
+        return None
+    return RunnerV2
 
-    def initialize_kv_cache(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        from ddtree_compile.integration.config import KEY
 
-        extra = getattr(self.vllm_config, "additional_config", None)
-        if isinstance(extra, dict) and extra.get(KEY) is not None:
-            from ddtree_compile.integration.metrics import refuse_once
+def _refuse_on_v2(runner, args, kwargs) -> None:
+    from ddtree_compile.integration.config import KEY
 
-            refuse_once("vLLM 0.26 runs this engine on Model Runner V2, which has no DDTree round hooks "
-                        "(they exist in the V1 GPUModelRunner only)",
-                        "it runs as flat DFlash; set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner")
-        return out
+    extra = getattr(runner.vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and extra.get(KEY) is not None:
+        from ddtree_compile.integration.metrics import refuse_once
 
-    setattr(initialize_kv_cache, _PATCHED, True)
-    initialize_kv_cache.__wrapped__ = original
-    initialize_kv_cache.__doc__ = original.__doc__
-    RunnerV2.initialize_kv_cache = initialize_kv_cache
+        refuse_once("vLLM 0.26 runs this engine on Model Runner V2, which has no DDTree round hooks "
+                    "(they exist in the V1 GPUModelRunner only)",
+                    "it runs as flat DFlash; set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner")
 
 
 def uninstall_kv_cache_hook() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    fn = GPUModelRunner.initialize_kv_cache
-    if getattr(fn, _PATCHED, False):
-        GPUModelRunner.initialize_kv_cache = fn.__wrapped__
-    try:
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
-    except Exception:
-        return
-    fn = RunnerV2.initialize_kv_cache
-    if getattr(fn, _PATCHED, False):
-        RunnerV2.initialize_kv_cache = fn.__wrapped__
+    unpatch(GPUModelRunner, "initialize_kv_cache")
+    runner_v2 = _runner_v2()
+    if runner_v2 is not None:
+        unpatch(runner_v2, "initialize_kv_cache")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,17 +117,10 @@ def uninstall_kv_cache_hook() -> None:
 
 
 def install_round_hooks(runner, hooks: dict) -> dict:
-    """Replace the members named by ROUND_HOOKS on `runner` (instance level) with `hooks[name]`;
-    returns the originals by the same names. The returned `model_forward` writes the positions
-    it is called with into the runner's persistent buffer (CUDA graphs replay from fixed
-    addresses) and restores the buffer after the forward."""
-    if set(hooks) != set(ROUND_HOOKS):
-        raise ValueError(f"round hooks: expected {sorted(ROUND_HOOKS)}, got {sorted(hooks)}")
-    originals = {}
-    for name, (path, attr) in ROUND_HOOKS.items():
-        owner = getattr(runner, path) if path else runner
-        originals[name] = getattr(owner, attr)
-        setattr(owner, attr, hooks[name])
+    """`replace_round_members`, and the returned `model_forward` writes the positions it is called
+    with into the runner's persistent buffer (CUDA graphs replay from fixed addresses) and restores
+    the buffer after the forward."""
+    originals = replace_round_members(runner, hooks)
     originals["model_forward"] = _static_positions_forward(runner, originals["model_forward"])
     return originals
 

@@ -15,7 +15,6 @@ vLLM 0.32 runs the V1 `GPUModelRunner` (`CPUModelRunner` on CPU, a thin subclass
 from __future__ import annotations
 
 from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapter
-    _PATCHED,
     OPAQUE_ARG_TYPES,
     ROUND_HOOKS,
     AttentionParams,
@@ -30,9 +29,12 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     gdn_context,
     gdn_params,
     model_module_ids,
+    patch_after,
+    replace_round_members,
     sampler_output,
     sampling_unsupported_reason,
     shutdown_engine,
+    unpatch,
 )
 
 LINE = "0.32"
@@ -47,46 +49,20 @@ def install_kv_cache_hook(on_kv_caches_ready) -> bool:
     exist), call `on_kv_caches_ready(runner)`. Returns False if already patched."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    original = GPUModelRunner.initialize_kv_cache
-    if getattr(original, _PATCHED, False):
-        return False
-
-    def initialize_kv_cache(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        on_kv_caches_ready(self)
-        return out
-
-    setattr(initialize_kv_cache, _PATCHED, True)
-    initialize_kv_cache.__wrapped__ = original
-    initialize_kv_cache.__doc__ = original.__doc__
-    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
-    return True
+    return patch_after(GPUModelRunner, "initialize_kv_cache", lambda runner, args, kwargs: on_kv_caches_ready(runner))
 
 
 def uninstall_kv_cache_hook() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    fn = GPUModelRunner.initialize_kv_cache
-    if getattr(fn, _PATCHED, False):
-        GPUModelRunner.initialize_kv_cache = fn.__wrapped__
+    unpatch(GPUModelRunner, "initialize_kv_cache")
 
 
 # ---------------------------------------------------------------------------------------------
-# The round's hooks on one runner instance
+# The round's hooks on one runner instance: vLLM 0.32's members, called with 0.32's arguments
 # ---------------------------------------------------------------------------------------------
 
-
-def install_round_hooks(runner, hooks: dict) -> dict:
-    """Replace the members named by ROUND_HOOKS on `runner` (instance level) with `hooks[name]`;
-    returns the originals by the same names."""
-    if set(hooks) != set(ROUND_HOOKS):
-        raise ValueError(f"round hooks: expected {sorted(ROUND_HOOKS)}, got {sorted(hooks)}")
-    originals = {}
-    for name, (path, attr) in ROUND_HOOKS.items():
-        owner = getattr(runner, path) if path else runner
-        originals[name] = getattr(owner, attr)
-        setattr(owner, attr, hooks[name])
-    return originals
+install_round_hooks = replace_round_members
 
 
 class RunnerView(V1RunnerView):

@@ -206,10 +206,11 @@ def counters_delta(after: dict, before: dict) -> dict:
         b = before.get(k)
         if isinstance(v, (int, float)) and isinstance(b, (int, float)) and not isinstance(v, bool):
             out[k] = v - b
-        elif k == "kv_layouts":
-            out[k] = v
-        elif isinstance(v, list) and isinstance(b, list) and len(v) == len(b):
+        elif (isinstance(v, list) and isinstance(b, list) and len(v) == len(b)
+              and all(isinstance(x, (int, float)) for x in v + b)):
             out[k] = [x - y for x, y in zip(v, b)]
+        elif isinstance(v, (list, str)):  # descriptive fields (kv_layouts): as they are now
+            out[k] = v
     if "nodes_accepted" in out:  # derived fields: recomputed, not differenced
         out["mean_accept_depth"] = out["nodes_accepted"] / max(out["tree_requests"], 1)
         out["max_accept_depth"] = max((d for d, c in enumerate(out["accept_depth_histogram"]) if c), default=0)
