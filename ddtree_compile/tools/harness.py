@@ -74,7 +74,8 @@ class DraftHarness:
         bonus_pos = view.drafter_root_positions(R).tolist()  # test-only host sync
         out = torch.full((R, L, V), LOW, dtype=torch.float32)
         for r, req_id in enumerate(view.req_ids(R)):
-            ref = self.reference.get(tuple(view.prompt_token_ids(req_id)))
+            prompt = tuple(view.prompt_token_ids(req_id))
+            ref = self.reference.get(prompt)
             n = self.rounds.get(req_id, 0)
             self.rounds[req_id] = n + 1
             pattern = self.patterns[(n + r) % len(self.patterns)]
@@ -82,11 +83,14 @@ class DraftHarness:
             for d in range(1, L + 1):
                 idx = bonus_pos[r] + d
                 truth = ref[idx] if ref is not None and idx < len(ref) else None
-                out[r, d - 1] = self._row(V, truth, _rank(pattern, d), pattern, d, req_id)
+                out[r, d - 1] = self._row(V, truth, _rank(pattern, d), pattern, d, prompt, self.rounds[req_id])
         return out.view(R * L, V).to(logits.dtype).to(logits.device)
 
-    def _row(self, V, truth, rank, pattern, d, req_id) -> torch.Tensor:
-        key = f"{self.seed}/{req_id}/{d}/{self.rounds[req_id]}".encode()
+    def _row(self, V, truth, rank, pattern, d, prompt, round_no) -> torch.Tensor:
+        # Seeded by the prompt, never the request id: vLLM appends a random suffix to every request
+        # id, and distractors drawn from it made two engines draft different tokens past the end of
+        # the reference, where the target's own token can match one by chance (a flaky count).
+        key = f"{self.seed}/{zlib.crc32(repr(prompt).encode())}/{d}/{round_no}".encode()
         g = torch.Generator().manual_seed(zlib.crc32(key))
         order = torch.randperm(V - 1, generator=g)  # distractors, never DFlash's mask id (V - 1)
         if truth is not None:
