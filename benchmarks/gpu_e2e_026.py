@@ -3,11 +3,14 @@
     python benchmarks/gpu_e2e_026.py --out benchmarks/results/gpu_e2e_026_h100.json [--kinds qwen3,qwen3_next]
 
 Per target kind: one engine without speculation (reference, with log-probs for the regret gate) and
-one with DDTree (tiny DFlash drafter, then the test drafter harness so trees really branch), both
-with vLLM's PIECEWISE CUDA graphs and Inductor graph partition (the tree-verify pass sees the
-attention / GDN ops; they run between the graphs). Attention-only targets run on the V1 runner
-(VLLM_USE_V2_MODEL_RUNNER=0: the round's hooks live there). Writes one JSON with the outputs'
-agreement, DDTree's counters and the engine settings; prints a short table last.
+one with DDTree (tiny DFlash drafter, then the test drafter harness so trees really branch, then
+seeded sampling twice and one request alone), both with vLLM's CUDA graphs (default
+FULL_AND_PIECEWISE: tree verifies replay FULL graphs captured with the tree ops, mixed batches run
+PIECEWISE) and Inductor graph partition (the tree-verify pass sees the attention / GDN ops).
+Attention-only targets run on the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0: the round's hooks live
+there). Writes one JSON with the outputs' agreement, DDTree's counters (graph_steps: verifies that
+replayed a FULL graph), vLLM's capture time and memory and the engine settings; prints a table last.
+tests/test_gpu_vllm026.py runs the same checks as a GPU test module.
 """
 
 from __future__ import annotations
@@ -24,8 +27,34 @@ import traceback
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: counters, harness
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DDTREE_FULL_CUDA_GRAPHS", "1")  # the adapter's opt-in (FULL graphs not yet validated)
 
 BUDGET, TOP_K, DRAFT_LEN, MAX_TOKENS, NUM_PROMPTS = 16, 4, 7, 96, 4
+CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"
+
+
+class _CaptureLog:
+    """vLLM's own capture summary lines ("Graph capturing finished in X secs, took Y GiB")."""
+
+    def __init__(self):
+        import logging
+
+        self.lines: list[str] = []
+        outer = self
+
+        class _H(logging.Handler):
+            def emit(self, record):
+                msg = record.getMessage()
+                if "Graph capturing finished" in msg or "Capturing CUDA graphs" in msg:
+                    outer.lines.append(msg)
+
+        self.handler = _H()
+        logging.getLogger("vllm").addHandler(self.handler)
+
+    def close(self):
+        import logging
+
+        logging.getLogger("vllm").removeHandler(self.handler)
 
 
 def _engine(target, drafter=None, hybrid=False, dtype="bfloat16", flat=False):
@@ -36,7 +65,7 @@ def _engine(target, drafter=None, hybrid=False, dtype="bfloat16", flat=False):
     from ddtree_compile.tools import models
 
     cc = compilation_config("cuda")
-    cc["cudagraph_mode"] = "PIECEWISE"
+    cc["cudagraph_mode"] = CUDAGRAPH_MODE
     kw = models.tiny_llm_kwargs(target, dtype=dtype, async_scheduling=False, compilation_config=cc)
     extra = {"gdn_prefill_backend": "triton"} if hybrid else {}
     if flat:  # vLLM's own flat DFlash: the control for what speculation alone changes in bf16
@@ -78,7 +107,12 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
         finally:
             engines.shutdown(llm)
         out["gates_flat_dflash"] = [harness.regret_gate(r, g) for r, g in zip(ref, flat_out)]
-    llm, out["start_s_ddtree"] = _engine(target, drafter, hybrid=hybrid, dtype=dtype)
+    log = _CaptureLog()
+    try:
+        llm, out["start_s_ddtree"] = _engine(target, drafter, hybrid=hybrid, dtype=dtype)
+    finally:
+        log.close()
+    out["capture_log"] = log.lines
     try:
         state = engines.find_state(llm)
         out["attached"] = state is not None
@@ -109,30 +143,48 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
                                   "max_rel_err": check.max_err,
                                   "ssm_cache_dtype": str(adapters.current().gdn_state_views(
                                       state.ctx.layer(state.ctx.gdn_layers[0]))[1].dtype)}
+        c_harness = metrics.collect(llm)[0] if state is not None else {}
+        if check is not None:
+            state.commit_hooks.remove(check)
+            state.debug_gdn_records = False
+        # seeded sampling: reproducible, and a request's samples do not depend on its batch
+        seeded = [harness.generate(llm, prompts, MAX_TOKENS, temperature=1.0, seed=1234 + i) for i in range(2)]
+        again = harness.generate(llm, prompts, MAX_TOKENS, temperature=1.0, seed=1234)
+        alone = harness.generate(llm, prompts[1:2], MAX_TOKENS, temperature=1.0, seed=1234)
+        out["seeded_repeat_equal"] = again == seeded[0]
+        out["seeded_alone_equal"] = alone[0] == seeded[0][1]
+        out["seeded_seeds_differ"] = seeded[0] != seeded[1]
         c_all = metrics.collect(llm)[0] if state is not None else {}
     finally:
         engines.shutdown(llm)
     out["counters_random"] = c_random
-    out["counters_harness"] = harness.counters_delta(c_all, c_random) if c_all else {}
+    out["counters_harness"] = harness.counters_delta(c_harness, c_random) if c_harness else {}
+    out["counters_seeded"] = harness.counters_delta(c_all, c_harness) if c_all else {}
+    out["graph_sizes"] = c_all.get("graph_sizes", [])
     out["random_equal"] = random_out == ref_tokens
     out["harness_equal"] = harness_out == ref_tokens
     out["gates_random"] = [harness.regret_gate(r, g) for r, g in zip(ref, random_out)]
     out["gates_harness"] = [harness.regret_gate(r, g) for r, g in zip(ref, harness_out)]
+    full = "FULL" in out.get("cudagraph_mode", "")
     out["ok"] = bool(out["attached"] and c_random.get("tree_steps", 0) > 0
-                     and all(g["ok"] for g in out["gates_random"] + out["gates_harness"]))
+                     and all(g["ok"] for g in out["gates_random"] + out["gates_harness"])
+                     and out["seeded_repeat_equal"] and out["seeded_alone_equal"] and out["seeded_seeds_differ"]
+                     and (not full or (out["graph_sizes"] and c_all.get("graph_steps", 0) > 0))
+                     and (not hybrid or out.get("state_check", {}).get("paths", 0) > 0))
     return out
 
 
 def main(argv=None) -> int:
-    global BUDGET, TOP_K, DRAFT_LEN
+    global BUDGET, TOP_K, DRAFT_LEN, CUDAGRAPH_MODE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--kinds", default="qwen3,qwen3_next_dense", help="kind[:dtype],...")
     ap.add_argument("--budget", type=int, default=BUDGET)
     ap.add_argument("--top-k", type=int, default=TOP_K)
     ap.add_argument("--draft-len", type=int, default=DRAFT_LEN)
+    ap.add_argument("--cudagraph-mode", default=CUDAGRAPH_MODE, help="FULL_AND_PIECEWISE, PIECEWISE, NONE, ...")
     args = ap.parse_args(argv)
-    BUDGET, TOP_K, DRAFT_LEN = args.budget, args.top_k, args.draft_len
+    BUDGET, TOP_K, DRAFT_LEN, CUDAGRAPH_MODE = args.budget, args.top_k, args.draft_len, args.cudagraph_mode
     import torch
     import vllm
 
@@ -141,7 +193,8 @@ def main(argv=None) -> int:
     plugin.register()
     result = {"command": " ".join(sys.argv), "vllm": vllm.__version__, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-              "budget": BUDGET, "top_k": TOP_K, "draft_len": DRAFT_LEN, "max_tokens": MAX_TOKENS, "runs": []}
+              "budget": BUDGET, "top_k": TOP_K, "draft_len": DRAFT_LEN, "max_tokens": MAX_TOKENS,
+              "cudagraph_mode": CUDAGRAPH_MODE, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.kinds.split(","):
             try:
@@ -152,11 +205,11 @@ def main(argv=None) -> int:
                 print(traceback.format_exc()[-4000:], file=sys.stderr)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-    print("\nkind:dtype            attached  runner            graphs      tree steps  equal(rand/harn)  ok")
+    print("\nkind:dtype            attached  runner            graphs      tree/graph steps  equal(rand/harn)  ok")
     for r in result["runs"]:
         c = r.get("counters_random", {})
         print(f"{r['kind'] + ':' + r.get('dtype', ''):<21} {str(r.get('attached')):<9} {r.get('runner', '-'):<17} "
-              f"{r.get('cudagraph_mode', '-')[-12:]:<11} {c.get('tree_steps', '-')!s:<11} "
+              f"{r.get('cudagraph_mode', '-')[-12:]:<11} {c.get('tree_steps', '-')!s:>6}/{c.get('graph_steps', '-')!s:<10} "
               f"{r.get('random_equal')!s}/{r.get('harness_equal')!s}  {r['ok']}"
               + (f"  ERROR {r['error'][:200]}" if "error" in r else ""))
     return 0 if all(r["ok"] for r in result["runs"]) else 1

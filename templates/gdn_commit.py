@@ -82,12 +82,11 @@ if triton is not None:
 
     @triton.jit
     def _replay_kernel(tab, like, s_sl, s_sh, s_sv, s_sk, idx, s_ir, s_ic, nacc, acc, s_ar, plen, rec_kv, rec_gb,
-                       N, NS, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       s_kvl, s_gbl, N, NS, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr):
         i_v = tl.program_id(0)
         i_rh = tl.program_id(1)
         layer = tl.program_id(2).to(tl.int64)
-        R = tl.num_programs(1) // HV
         r = i_rh // HV
         hv = i_rh % HV
         hk = hv // (HV // H)
@@ -110,13 +109,14 @@ if triton is not None:
             dst = tl.load(idx + r * s_ir + col1 * s_ic).to(tl.int64)
             h = tl.load(base + src * s_sl + st_off, mask=tl.where(src > 0, mh, False), other=0.0).to(tl.float32)
             KVD: tl.constexpr = H * K + HV * V
-            rows = (layer * R + r) * N
+            kv_l = rec_kv + layer * s_kvl  # the layer's records (rows beyond the batch: padding)
+            gb_l = rec_gb + layer * s_gbl
             for m in range(n):
-                row = rows + tl.load(acc + r * s_ar + m)
-                kr = tl.load(rec_kv + row * KVD + hk * K + ok, mask=mk, other=0.0).to(tl.float32)
-                v = tl.load(rec_kv + row * KVD + H * K + hv * V + ov, mask=mv, other=0.0).to(tl.float32)
-                g = tl.load(rec_gb + row * (2 * HV) + hv)
-                beta = tl.load(rec_gb + row * (2 * HV) + HV + hv)
+                row = r * N + tl.load(acc + r * s_ar + m)
+                kr = tl.load(kv_l + row * KVD + hk * K + ok, mask=mk, other=0.0).to(tl.float32)
+                v = tl.load(kv_l + row * KVD + H * K + hv * V + ov, mask=mv, other=0.0).to(tl.float32)
+                g = tl.load(gb_l + row * (2 * HV) + hv)
+                beta = tl.load(gb_l + row * (2 * HV) + HV + hv)
                 h = gdn_update(h, kr, v, g, beta)
             tl.store(base + dst * s_sl + st_off, h.to(like.dtype.element_ty), mask=tl.where(dst > 0, mh, False))
 
@@ -137,7 +137,8 @@ def gdn_commit_triton(conv_states, ssm_states, state_indices, num_accepted, acce
         BV = min(block_v, triton.next_power_of_2(V))
         _replay_kernel[(triton.cdiv(V, BV), R * HV, nl)](
             pointer_table(ssm_states), ssm, *ssm.stride(), state_indices, *state_indices.stride(), num_accepted,
-            accepted, accepted.stride(0), path_len, rec_kv, rec_gb, rec_kv.shape[2], state_indices.shape[1],
+            accepted, accepted.stride(0), path_len, rec_kv, rec_gb, rec_kv.stride(0), rec_gb.stride(0),
+            rec_kv.shape[2], state_indices.shape[1],
             H=(rec_kv.shape[3] - HV * V) // K, HV=HV, K=K, V=V,
             BK=triton.next_power_of_2(K), BV=BV, num_warps=num_warps)
     conv = conv_states[0]

@@ -54,11 +54,16 @@ def check_commit_args(conv_states, ssm_states, state_indices, num_accepted, acce
             raise ValueError(f"replay needs one ssm_state per layer: {len(ssm_states)} ssm_states, {nl} conv_states")
         _check_same(ssm_states, "ssm_states")
         _, HV, V, K = ssm_states[0].shape
-        if rec_gb.dim() != 5 or rec_gb.shape[:2] != (nl, R) or rec_gb.shape[3:] != (2, HV) or not rec_gb.is_contiguous():
-            raise ValueError(f"rec_gb must be contiguous [layers={nl}, R={R}, N, 2, HV={HV}], got {tuple(rec_gb.shape)}")
+        # Records may hold more rows than the batch (a CUDA-graph bucket's padded rows, or a slice of
+        # one buffer sized for the largest batch): rows >= R are ignored, each layer's rows contiguous.
+        if (rec_gb.dim() != 5 or rec_gb.shape[0] != nl or rec_gb.shape[1] < R or rec_gb.shape[3:] != (2, HV)
+                or not rec_gb[0].is_contiguous() or rec_gb.shape[1] != rec_kv.shape[1]):
+            raise ValueError(f"rec_gb must be [layers={nl}, rows>={R}, N, 2, HV={HV}] (rows as rec_kv, each layer "
+                             f"contiguous), got {tuple(rec_gb.shape)}")
         N = rec_gb.shape[2]
-        if rec_kv.dim() != 4 or rec_kv.shape[:3] != (nl, R, N) or not rec_kv.is_contiguous():
-            raise ValueError(f"rec_kv must be contiguous [layers={nl}, R={R}, N={N}, H*K + HV*V], got {tuple(rec_kv.shape)}")
+        if rec_kv.dim() != 4 or rec_kv.shape[0] != nl or rec_kv.shape[2] != N or not rec_kv[0].is_contiguous():
+            raise ValueError(f"rec_kv must be [layers={nl}, rows>={R}, N={N}, H*K + HV*V] (each layer contiguous), "
+                             f"got {tuple(rec_kv.shape)}")
         if (rec_kv.shape[3] - HV * V) % K or rec_kv.shape[3] <= HV * V:
             raise ValueError(f"rec_kv last dim {rec_kv.shape[3]} is not H*K + HV*V for K={K}, HV*V={HV * V}")
 

@@ -149,9 +149,11 @@ def test_full_chain_commit_equals_chain_run(W):
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
-@pytest.mark.parametrize("records", [False, True])
+@pytest.mark.parametrize("records", [False, True, "padded"])
 def test_commit_triton_matches_reference(W, records):
-    gen = torch.Generator().manual_seed(W + 10 * records)
+    """records="padded": the records are the first R rows of a buffer sized for a larger (CUDA-graph
+    bucket) batch, the rows beyond the batch poisoned with NaN: they must never be read."""
+    gen = torch.Generator().manual_seed(W + 10 * bool(records))
     layers, R, N = 3, 4, 8
     convs = [torch.randn(2 * R * N, W - 2 + N, D, generator=gen).transpose(1, 2) for _ in range(layers)]
     ssms = [torch.randn(2 * R * N, HV, V, K, generator=gen) for _ in range(layers)]
@@ -163,11 +165,19 @@ def test_commit_triton_matches_reference(W, records):
     path_len[3] = 0  # a request left untouched
     rec_kv = torch.randn(layers, R, N, H * K + HV * V, generator=gen) if records else None
     rec_gb = torch.rand(layers, R, N, 2, HV, generator=gen) if records else None
+    exact = (rec_kv, rec_gb)
+    if records == "padded":
+        big_kv = torch.full((layers, R + 3, N, H * K + HV * V), float("nan"))
+        big_gb = torch.full((layers, R + 3, N, 2, HV), float("nan"))
+        big_kv[:, :R], big_gb[:, :R] = rec_kv, rec_gb
+        rec_kv, rec_gb = big_kv, big_gb  # the whole bucket (R + 3 rows) for the Triton kernel
     res = []
-    for fn in (gdn_commit_ref, gdn_commit_triton):
+    for fn, recs in ((gdn_commit_ref, exact), (gdn_commit_triton, (rec_kv, rec_gb))):
         c, s, n = [t.clone() for t in convs], [t.clone() for t in ssms], na.clone()
-        fn(c, s if records else [], si, n, accepted, path_len, rec_kv, rec_gb, W)
+        fn(c, s if records else [], si, n, accepted, path_len, *recs, W)
         res.append((c, s, n))
+    for i in range(layers):
+        assert not s[i].isnan().any()
     for i in range(layers):
         torch.testing.assert_close(res[1][0][i], res[0][0][i], rtol=0, atol=0)
         torch.testing.assert_close(res[1][1][i], res[0][1][i], rtol=1e-5, atol=1e-5)

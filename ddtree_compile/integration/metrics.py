@@ -76,6 +76,8 @@ class DDTreeMetrics:
         self._hist = torch.zeros(max_depth + 1, dtype=torch.int64, device=device)  # accept depth histogram
         self.tree_steps = 0  # steps verified as trees
         self.chain_steps = 0  # steps with drafts verified as a plain chain (whole-step fallback)
+        self.graph_steps = 0  # verifies (tree or chain-shaped) that replayed a FULL CUDA graph
+        self.graph_sizes: list[int] = []  # batch sizes (requests) whose FULL graph holds the tree ops
         self.fallback_steps: collections.Counter = collections.Counter()  # reason -> steps
         self.fallback_requests: collections.Counter = collections.Counter()  # reason -> request rounds
         self.seconds: collections.Counter = collections.Counter()  # phase -> wall seconds
@@ -118,6 +120,8 @@ class DDTreeMetrics:
             "accept_depth_histogram": hist,
             "tree_steps": self.tree_steps,
             "chain_steps": self.chain_steps,
+            "graph_steps": self.graph_steps,
+            "graph_sizes": list(self.graph_sizes),
             "fallback_steps": dict(self.fallback_steps),
             "fallback_requests": dict(self.fallback_requests),
             "fallback_total": sum(self.fallback_steps.values()) + sum(self.fallback_requests.values()),

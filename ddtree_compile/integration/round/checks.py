@@ -76,3 +76,15 @@ def check_engine(view, attn_layers) -> None:
 def unsupported_reason(sp) -> str | None:
     """Why a request must be verified as a chain by vLLM's own sampler (None: the tree walk serves it)."""
     return adapters.current().sampling_unsupported_reason(sp)
+
+
+def check_reached(ctx, calls: dict, what: str = "the tree verify") -> None:
+    """Every attention and GDN layer ran its tree template through the ddtree ops during a forward
+    whose Python ran (eager, PIECEWISE, or a FULL graph's capture): never a silent causal verify."""
+    attn = sum(v for k, v in calls.items() if k.endswith("attention_with_output"))
+    gdn = sum(v for k, v in calls.items() if "gdn_attention_core" in k)
+    if attn != len(ctx.attn_layers) or gdn != len(ctx.gdn_layers):
+        raise RuntimeError(
+            f"DDTree: {what} reached {attn}/{len(ctx.attn_layers)} attention and {gdn}/{len(ctx.gdn_layers)} "
+            f"GatedDeltaNet layers through the ddtree ops ({calls}); the graph was not rewritten (is the "
+            f"tree-verify pass in compilation_config.inductor_passes?)")

@@ -80,6 +80,7 @@ class DDTreeRound:
             "rejection_sampler": TreeSampler(self._on_sample, runner.rejection_sampler),
             "update_states": self._on_update_states, "propose_draft_token_ids": self._on_propose_draft_token_ids,
         })
+        adapters.current().install_graph_capture(runner, self.verify.graphs.capture)
         self._redirected = view.eager
         if self._redirected:
             from ...passes.rules import load_rules
@@ -123,6 +124,7 @@ class DDTreeRound:
 
     def _on_model_forward(self, **kw):
         if self.step is None:
+            self.verify.graphs.check_plain_forward(adapters.current().full_graph_tokens())
             return self._orig["model_forward"](**kw)
         return self.verify.forward(self.step, self._orig["model_forward"], **kw)
 
@@ -139,10 +141,11 @@ class DDTreeRound:
         if committed is not None:  # the next step reads state/conv at the last accepted node
             self.ctx.view.set_num_accepted(step.R, committed)
         self.metrics.add_time("commit", time.perf_counter() - t0)
-        self.metrics.tree_steps += 1
-        self.metrics.maybe_log()
-        for hook in self.round_hooks:
-            hook(self, step)
+        if step.has_tree:  # (an all-chain Step is a counted whole-step fallback, see verify_stage)
+            self.metrics.tree_steps += 1
+            self.metrics.maybe_log()
+            for hook in self.round_hooks:
+                hook(self, step)
 
     def _on_propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                  sample_hidden_states, aux_hidden_states, spec_decode_metadata,

@@ -51,6 +51,11 @@ class Step:
     walk: WalkResult | None = None  # combined (tree + chain rows) accepted paths
     t0: float = 0.0
 
+    @property
+    def has_tree(self) -> bool:
+        """False for a whole-step fallback verified as chain-shaped trees (FULL CUDA graph engines)."""
+        return not all(self.chain_rows)
+
 
 class RoundContext:
     """What every stage reads: the settings, the runner (through the adapter's RunnerView), the

