@@ -41,6 +41,26 @@ def find_state(llm):
     return state_of(runner) if runner is not None else None
 
 
+def on_runners(llm, fn, *args) -> list:
+    """`fn(runner, *args)` on the model runner of every worker of `llm` (one per tensor-parallel
+    rank), results by rank. In-process engines call it directly; multiprocess executors (TP > 1,
+    or VLLM_ENABLE_V1_MULTIPROCESSING=1) go through `LLM.collective_rpc`, which ships `fn` (a
+    module-level function) and so needs VLLM_ALLOW_INSECURE_SERIALIZATION=1."""
+    import os
+
+    runner = find_runner(llm)
+    if runner is not None:
+        return [fn(runner, *args)]
+    if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+        raise RuntimeError(f"{getattr(fn, '__qualname__', fn)} on the workers of a multiprocess engine needs "
+                           f"VLLM_ALLOW_INSECURE_SERIALIZATION=1 (LLM.collective_rpc ships a function)")
+    return llm.collective_rpc(_call_on_runner, args=(fn, args))
+
+
+def _call_on_runner(worker, fn, args):
+    return fn(worker.model_runner, *args)
+
+
 def shutdown(llm) -> None:
     """Shut `llm` down and free its models now; the `LLM` object is unusable afterwards."""
     import torch

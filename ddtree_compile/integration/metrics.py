@@ -154,26 +154,16 @@ def worker_snapshots() -> list[dict]:
 
 
 def collect(llm) -> list[dict]:
-    """DDTree counters of a `vllm.LLM`'s workers (one snapshot per DDTree runner; [] if DDTree is off).
-
-    In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) read the runner directly; otherwise the
-    snapshot is fetched from the workers with `LLM.collective_rpc`, which ships a function and so
-    needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (without it, read the periodic "DDTree:" log line).
-    """
-    import os
-
+    """DDTree counters of a `vllm.LLM`'s workers: one snapshot per DDTree runner, by tensor-parallel
+    rank ([] if DDTree is off). Multiprocess engines need VLLM_ALLOW_INSECURE_SERIALIZATION=1
+    (`engines.on_runners`); without it, read the periodic "DDTree:" log line."""
     from ddtree_compile.integration import engines
 
-    if engines.find_runner(llm) is not None:
-        state = engines.find_state(llm)
-        return [state.metrics.snapshot()] if state is not None else []
-    if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
-        raise RuntimeError("ddtree_compile.integration.metrics.collect on a multiprocess engine needs "
-                           "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (it sends a function to the workers)")
-    out = llm.collective_rpc(_rpc_snapshots)
-    return [s for per_worker in out for s in per_worker]
+    return [s for s in engines.on_runners(llm, _snapshot) if s is not None]
 
 
-def _rpc_snapshots(worker) -> list[dict]:
-    state = getattr(getattr(worker, "model_runner", None), "_ddtree", None)
-    return [state.metrics.snapshot()] if state is not None else []
+def _snapshot(runner) -> dict | None:
+    from ddtree_compile.integration.engines import state_of
+
+    state = state_of(runner)
+    return state.metrics.snapshot() if state is not None else None

@@ -48,13 +48,20 @@ class DraftHarness:
 
     # -- install on a live engine ---------------------------------------------------------------
     def install(self, llm) -> "DraftHarness":
-        from ddtree_compile import adapters
+        """On an in-process engine's runner (multiprocess / tensor-parallel: `install_on_workers`)."""
         from ddtree_compile.integration.engines import find_runner
 
         runner = find_runner(llm)
-        if runner is None or getattr(runner, "drafter", None) is None:
-            raise ValueError("the harness needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) "
-                             "with a DFlash drafter")
+        if runner is None:
+            raise ValueError("DraftHarness.install needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, "
+                             "one worker); use harness.install_on_workers for tensor-parallel engines")
+        return self.attach(runner)
+
+    def attach(self, runner) -> "DraftHarness":
+        from ddtree_compile import adapters
+
+        if getattr(runner, "drafter", None) is None:
+            raise ValueError("the harness needs an engine with a DFlash drafter")
         self._view = adapters.current().RunnerView(runner)
         self._view.wrap_drafter_logits(self._compute_logits)
         return self
@@ -153,6 +160,60 @@ class GdnStateCheck:
                 if li == 0:
                     self.paths += 1
                     self.sibling_paths += any(s != d for d, s in enumerate(path))
+
+
+# -- every worker of an engine (tensor parallel: one runner per rank, in its own process) ------------
+# Each rank drafts the same rows from the same prompts and rounds, so every rank builds the same trees.
+
+def install_on_workers(llm, reference, patterns=DEFAULT_PATTERNS, seed: int = 0) -> None:
+    """A DraftHarness on the runner of every worker of `llm` (engines.on_runners)."""
+    from ddtree_compile.integration.engines import on_runners
+
+    on_runners(llm, _attach_harness, reference, tuple(patterns), seed)
+
+
+def uninstall_on_workers(llm) -> None:
+    from ddtree_compile.integration.engines import on_runners
+
+    on_runners(llm, _detach_harness)
+
+
+def install_state_check_on_workers(llm) -> None:
+    """A GdnStateCheck on every worker's round (debug records on): each rank checks its own heads."""
+    from ddtree_compile.integration.engines import on_runners
+
+    on_runners(llm, _attach_state_check)
+
+
+def state_checks(llm) -> list[dict]:
+    """Per rank: {"paths", "sibling_paths", "max_err"} of its GdnStateCheck."""
+    from ddtree_compile.integration.engines import on_runners
+
+    return on_runners(llm, _state_check_result)
+
+
+def _attach_harness(runner, reference, patterns, seed) -> None:
+    runner._ddtree_harness = DraftHarness(reference, patterns, seed).attach(runner)
+
+
+def _detach_harness(runner) -> None:
+    h = runner.__dict__.pop("_ddtree_harness", None)
+    if h is not None:
+        h.uninstall()
+
+
+def _attach_state_check(runner) -> None:
+    from ddtree_compile.integration.engines import state_of
+
+    state = state_of(runner)
+    state.debug_gdn_records = True
+    runner._ddtree_state_check = GdnStateCheck()
+    state.commit_hooks.append(runner._ddtree_state_check)
+
+
+def _state_check_result(runner) -> dict:
+    c = runner._ddtree_state_check
+    return {"paths": c.paths, "sibling_paths": c.sibling_paths, "max_err": c.max_err}
 
 
 def _rank(pattern, d: int) -> int | None:
