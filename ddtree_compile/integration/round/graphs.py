@@ -41,6 +41,10 @@ class GraphBuckets:
         self.captured: set[int] = set()  # R_pad whose FULL graph holds the tree ops
         self._metas: dict[int, TreeVerifyMetadata] = {}
         self._buf = None
+        # vLLM's uniform decode batch is 1 + K tokens per request: trees of B + 1 slots only when
+        # K == B (vllm_kwargs sets it so whenever B >= L); otherwise tree verifies are not uniform,
+        # never replay a FULL graph, and those graphs keep the original ops.
+        self.K = ctx.view.vllm_config.speculative_config.num_speculative_tokens
 
     def _buffers(self):
         if self._buf is None:
@@ -84,6 +88,10 @@ class GraphBuckets:
         `num_tokens` is not a batch of whole trees (that graph then holds the original ops, and
         a tree step never replays it: `replay_rows` refuses)."""
         N = self.ctx.N
+        if self.K != self.ctx.B:
+            self.ctx.log_once("graph:K", "DDTree: num_speculative_tokens %d != budget %d: FULL CUDA graphs hold "
+                              "vLLM's chain verify; tree verifies run PIECEWISE", self.K, self.ctx.B)
+            return None
         if num_tokens % N or not 0 < num_tokens // N <= self.ctx.view.max_num_reqs:
             self.ctx.log_once(f"graph:{num_tokens}", "DDTree: FULL CUDA graph of %d tokens is not a batch of "
                               "trees of %d slots: captured without the tree verify", num_tokens, N)
