@@ -103,6 +103,13 @@ class GraphBuckets:
         meta = self.meta(rows)
         self._neutral(meta, 0)
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if meta.gdn is not None:
+            # vLLM's warm-up runs (eager, before each capture) build non-spec GDN metadata, so they
+            # get the null state line (block 0, never a request's) and one accepted token; the
+            # capture itself reads vLLM's persistent spec buffers, which replays then hold.
+            null = None if capturing else (torch.zeros(rows, self.ctx.N, dtype=torch.int32, device=self.ctx.device),
+                                           torch.ones(rows, dtype=torch.int32, device=self.ctx.device))
+            meta.gdn.state_indices, meta.gdn.num_accepted = null or (None, None)
         with tree_verify(meta):
             yield meta
         check_reached(self.ctx, meta.calls, f"FULL CUDA graph of {rows} trees")
