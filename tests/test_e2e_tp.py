@@ -91,6 +91,7 @@ def test_tp2_attention_only_lossless(qwen3, monkeypatch):
         harness.uninstall_on_workers(llm)
         c_all = _ranks_agree(metrics.collect(llm), 2)
         seeded_tp2 = harness.generate(llm, PROMPTS, MAX_TOKENS, temperature=1.0, seed=11)
+        _ranks_agree(metrics.collect(llm), 2)  # the seeded sample-and-walk too: same paths on both ranks
     finally:
         harness.shutdown(llm)
     llm = _llm(target, 1, monkeypatch, **fp32, **_ddtree_kw(drafter))
