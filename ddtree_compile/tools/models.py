@@ -170,3 +170,12 @@ def token_prompts(n, length, vocab_size, seed) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size - 1, (n, length), generator=g)  # vocab-1 is DFlash's mask id
     return [{"prompt_token_ids": row.tolist()} for row in ids]
+
+
+def write_tiny_chat_model(kind, out_dir, *, seed=0, dtype="bfloat16") -> pathlib.Path:
+    """A tiny target plus the offline tokenizer and chat template (tools/tokenizer.py) beside it,
+    so vLLM's OpenAI server loads it like any model folder (no skip_tokenizer_init)."""
+    from ddtree_compile.tools import tokenizer
+
+    out = write_tiny_model(kind, out_dir, seed=seed, dtype=dtype)
+    return tokenizer.write_tokenizer(out, seed=seed)
