@@ -7,6 +7,9 @@ tool parser; "on" adds exactly `config.cli_args(...)`. The official `openai` cli
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 import re
 
 from ddtree_compile.integration import config
@@ -34,10 +37,27 @@ def ddtree_args(drafter) -> list[str]:
     return config.cli_args(drafter, budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
 
 
-def start(target, drafter, ddtree: bool, log_dir, extra=(), name=None):
+HOOKS = pathlib.Path(__file__).parent / "serve_hooks"
+
+
+def harness_env(ref_file) -> dict:
+    """Server env that loads the test draft harness (serve_hooks/sitecustomize.py) in its worker."""
+    path = os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "DDTREE_TEST_HARNESS_REF": str(ref_file)}
+
+
+def write_harness_ref(ref_file, pairs) -> None:
+    """pairs: (prompt token ids, continuation token ids) the harness drafts from."""
+    old = json.loads(pathlib.Path(ref_file).read_text()) if pathlib.Path(ref_file).exists() else []
+    tmp = pathlib.Path(str(ref_file) + ".tmp")
+    tmp.write_text(json.dumps(old + [[list(p), list(p) + list(c)] for p, c in pairs]))
+    os.replace(tmp, ref_file)
+
+
+def start(target, drafter, ddtree: bool, log_dir, extra=(), name=None, env=None):
     args = [*BASE_ARGS, *server.PARSER_ARGS, *extra, *(ddtree_args(drafter) if ddtree else [])]
     name = name or ("ddtree" if ddtree else "plain")
-    return server.Server(target, args, log_dir / f"{name}.log", env=SERVER_ENV, name=name).start()
+    return server.Server(target, args, log_dir / f"{name}.log", env={**SERVER_ENV, **(env or {})}, name=name).start()
 
 
 def client(srv):
