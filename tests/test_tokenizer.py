@@ -54,3 +54,17 @@ def test_chat_template_roles_tools_and_thinking(tok):
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and "# Tools" not in off
     parts = t.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], tokenize=False)
     assert parts == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_vision_tokenizer_places_the_image_tokens_before_the_mask(tmp_path):
+    from transformers import AutoTokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": models.VOCAB}}))
+    tokenizer.write_tokenizer(tmp_path, vision=True)
+    t = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(t) == models.VOCAB and t.convert_tokens_to_ids(tokenizer.MASK) == models.VOCAB - 1
+    assert t.convert_tokens_to_ids(tokenizer.VISION) == list(range(models.VOCAB - 5, models.VOCAB - 1))
+    s = t.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
+                              tokenize=False)
+    assert s == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n"
+    assert json.loads((tmp_path / "preprocessor_config.json").read_text())["merge_size"] == 2
