@@ -30,7 +30,10 @@ BASE_ARGS = [
     "--enforce-eager",  # ~30 s start instead of 60-90 s of Inductor per server on 2 cores
 ]
 # Engines in their own processes as in production (conftest runs in-process engines for the rest).
-SERVER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+# DDTree's worker exports its counters for /metrics every EXPORT seconds (integration/prometheus.py).
+EXPORT = 0.25
+SERVER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "INFO",
+              "DDTREE_METRICS_INTERVAL": str(EXPORT)}
 
 
 def ddtree_args(drafter) -> list[str]:

@@ -1,6 +1,6 @@
 """DDTree behind a real `vllm serve`: the capability regression suite (issue 11) on the tiny bf16 hybrid.
 
-One server pair per module (tests/serve_cases.py): vLLM's OpenAI server as a subprocess with the
+One server pair per module (tests/_serve_cases.py): vLLM's OpenAI server as a subprocess with the
 qwen3 reasoning parser and qwen3_coder tool parser, with exactly `config.cli_args` (DDTree) and
 without; the official openai client calls both, greedy. The hybrid's outputs are judged by the regret
 gate of the end-to-end tests (identical up to the first divergence, a near-tie there), with the
@@ -17,14 +17,12 @@ from ddtree_compile.tools import harness, models, tokenizer
 
 import _serve_cases as sc
 
-from ddtree_compile.integration.prometheus import EXPORT_INTERVAL
-
 KIND = "qwen3_5"  # the bf16 hybrid (GatedDeltaNet + attention)
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",
     "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["paris", "tokyo", "berlin"]},  # bounded: random weights
+        "city": {"type": "string", "enum": ["paris", "tokyo", "berlin"]},
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}]
 
 
@@ -64,7 +62,7 @@ class Steps:
     def __exit__(self, *exc):
         import time
 
-        time.sleep(2 * EXPORT_INTERVAL)  # the worker exports its counters once per interval
+        time.sleep(2 * sc.EXPORT)  # the worker exports its counters once per interval
         self.after = sc.scrape(self.srv)
 
     def delta(self, name, **labels):
@@ -397,7 +395,7 @@ def test_prometheus_series_after_traffic(plain, ddtree):
     """Runs after the cases above: DDTree's counters are real series on the DDTree server's /metrics."""
     import time
 
-    time.sleep(2 * EXPORT_INTERVAL)
+    time.sleep(2 * sc.EXPORT)
     text = ddtree.metrics()
     m = sc.scrape(ddtree)
     names = {n for n, _ in m}

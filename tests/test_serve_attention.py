@@ -13,8 +13,6 @@ from ddtree_compile.tools import models
 
 import _serve_cases as sc
 
-from ddtree_compile.integration.prometheus import EXPORT_INTERVAL
-
 pytestmark = pytest.mark.slow
 F32 = ["--dtype", "float32"]
 
@@ -45,7 +43,7 @@ def ddtree(dirs, plain):
 def _steps(srv):
     import time
 
-    time.sleep(2 * EXPORT_INTERVAL)
+    time.sleep(2 * sc.EXPORT)
     m = sc.scrape(srv)
     return {k: sc.total(m, f"vllm:{k}") for k in ("ddtree_tree_steps_total", "ddtree_rounds_total",
                                                  "prefix_cache_hits_total", "prefix_cache_queries_total")}
