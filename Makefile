@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-layouts bench-cpu clean
+.PHONY: setup demo test test-slow test-serve test-layouts bench-cpu clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ test-layouts: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+# The `vllm serve` capability suite, slow modules included (real server subprocesses; docs/serve.md).
+test-serve: $(STAMP)
+	$(BIN)/python -m pytest -q -m "" tests/test_serve.py tests/test_serve_attention.py tests/test_serve_vision.py $(PYTEST_ARGS)
 
 bench-cpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_round.py --device cpu

@@ -15,10 +15,9 @@ device counters, i.e. syncs once per interval; log_interval=0 turns it off.
 
 Prometheus: vLLM's spec-decode series already carry the per-round numbers that the scheduler sees
 (drafts = B per tree round -> nodes verified; accepted tokens and accepted-per-position -> accept
-depth and its histogram; draft - accepted -> nodes wasted). The DDTree-only counters (sibling
-branches, fallbacks and their reasons, phase times) live in the worker process and have no clean
-path into vLLM 0.32's stat loggers (they run in the front process and only see scheduler stats):
-read them with `collect(llm)` or the log line.
+depth and its histogram; draft - accepted -> nodes wasted). The DDTree counters below are also
+series of their own on the server's /metrics (`vllm:ddtree_*`): integration/prometheus.py carries
+them from the worker to the front process (docs/serve.md says how and why).
 """
 
 from __future__ import annotations

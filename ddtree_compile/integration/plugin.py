@@ -20,7 +20,10 @@ def register() -> None:
         return
     _DONE = True
     from ddtree_compile import adapters
+    from ddtree_compile.integration import prometheus
     from ddtree_compile.integration.metrics import refuse_once
+
+    prometheus.setup_front()  # DDTree's counters on /metrics (integration/prometheus.py)
 
     try:
         adapter = adapters.current()
@@ -41,3 +44,6 @@ def _on_kv_caches_ready(runner) -> None:
     if getattr(runner, "drafter", None) is None:
         raise ValueError("DDTree (additional_config['ddtree']) needs a speculative_config with a DFlash drafter")
     attach(runner, cfg)
+    from ddtree_compile.integration.prometheus import start_exporter
+
+    start_exporter(runner)

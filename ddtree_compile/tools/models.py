@@ -120,6 +120,7 @@ def write_tiny_dflash_drafter(target_dir, out_dir, *, seed=0) -> pathlib.Path:
     from transformers import Qwen3Config, Qwen3Model
 
     tcfg = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
+    tcfg = tcfg.get("text_config", tcfg)  # a multimodal target: the drafter fits its language model
     n_target = tcfg["num_hidden_layers"]
     target_layer_ids = sorted({1, n_target - 2} & set(range(n_target))) or [0]
     cfg = Qwen3Config(num_hidden_layers=1, **{**_COMMON, "vocab_size": tcfg["vocab_size"]})
@@ -170,3 +171,37 @@ def token_prompts(n, length, vocab_size, seed) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size - 1, (n, length), generator=g)  # vocab-1 is DFlash's mask id
     return [{"prompt_token_ids": row.tolist()} for row in ids]
+
+
+def write_tiny_chat_model(kind, out_dir, *, seed=0, dtype="bfloat16") -> pathlib.Path:
+    """A tiny target plus the offline tokenizer and chat template (tools/tokenizer.py) beside it,
+    so vLLM's OpenAI server loads it like any model folder (no skip_tokenizer_init)."""
+    from ddtree_compile.tools import tokenizer
+
+    out = write_tiny_model(kind, out_dir, seed=seed, dtype=dtype)
+    return tokenizer.write_tokenizer(out, seed=seed)
+
+
+def write_tiny_vl_model(out_dir, *, seed=0) -> pathlib.Path:
+    """A tiny multimodal Qwen3.5 (vLLM's `Qwen3_5ForConditionalGeneration`: one-block vision tower +
+    the qwen3_5 text model, M-RoPE) in bf16, with the offline tokenizer (vision tokens at ids
+    VOCAB-5..VOCAB-2) and a Qwen2-VL image processor config beside it."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from ddtree_compile.tools import tokenizer
+
+    text = dict(_COMMON, **_GDN, num_hidden_layers=4, full_attention_interval=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=64, num_heads=2, out_hidden_size=HIDDEN, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, intermediate_size=128, num_position_embeddings=64)
+    ids = {t: VOCAB - 1 - len(tokenizer.VISION) + i for i, t in enumerate(tokenizer.VISION)}
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
+    _seed_all(seed)
+    model = Qwen3_5ForConditionalGeneration._from_config(cfg, dtype=torch.float32)
+    _randomize_norms(model, seed)
+    out = pathlib.Path(out_dir)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return tokenizer.write_tokenizer(out, seed=seed, vision=True)

@@ -1,0 +1,52 @@
+"""integration/prometheus.py without an engine: worker snapshot files -> the exposition text vLLM's
+/metrics serves (prometheus_client's own renderer), summed over workers, one histogram per model."""
+
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from ddtree_compile.integration import metrics, prometheus
+
+
+@pytest.fixture(autouse=True)
+def _no_live_runners(monkeypatch):
+    # The collector also reads live in-process runners; engines of other test modules may still exist.
+    monkeypatch.setattr(metrics, "_REGISTRY", [])
+
+
+def _snap(**kw):
+    base = {"model_name": "m", "tree_steps": 3, "chain_steps": 1, "tree_requests": 4, "nodes_verified": 40,
+            "nodes_accepted": 6, "nodes_wasted": 34, "sibling_rounds": 1, "sibling_nodes": 1, "full_accepts": 0,
+            "zero_accepts": 1, "accept_depth_histogram": [1, 2, 0, 1], "fallback_steps": {"mixed batch": 1},
+            "fallback_requests": {"logprobs": 2}, "seconds": {"build": 0.5, "verify": 1.0, "walk": 0.25, "commit": 0.125}}
+    return {**base, **kw}
+
+
+def test_worker_files_become_vllm_style_series(tmp_path):
+    (tmp_path / "worker-1.json").write_text(json.dumps(_snap()))
+    (tmp_path / "worker-2.json").write_text(json.dumps(_snap(accept_depth_histogram=[0, 1],
+                                                             fallback_requests={"penalties": 1})))
+    (tmp_path / "worker-3.json.tmp").write_text("{half a fi")  # a writer mid-rename is skipped
+    reg = CollectorRegistry()
+    reg.register(prometheus.DDTreeCollector(str(tmp_path)))
+    text = generate_latest(reg).decode()
+    assert "# TYPE vllm:ddtree_nodes_verified_total counter" in text
+    assert 'vllm:ddtree_nodes_verified_total{model_name="m"} 80.0' in text
+    assert 'vllm:ddtree_rounds_total{model_name="m"} 8.0' in text
+    assert 'vllm:ddtree_fallbacks_total{model_name="m",reason="logprobs",scope="request"} 2.0' in text
+    assert 'vllm:ddtree_fallbacks_total{model_name="m",reason="penalties",scope="request"} 1.0' in text
+    assert 'vllm:ddtree_fallbacks_total{model_name="m",reason="mixed batch",scope="step"} 2.0' in text
+    assert 'vllm:ddtree_phase_seconds_total{model_name="m",phase="verify"} 2.0' in text
+    # depth counts [1, 3, 0, 1] -> cumulative buckets; count = rounds in it, sum = their depths
+    assert "# TYPE vllm:ddtree_accept_depth histogram" in text
+    for le, v in (("0.0", 1), ("1.0", 4), ("2.0", 4), ("3.0", 5), ("+Inf", 5)):
+        assert f'vllm:ddtree_accept_depth_bucket{{le="{le}",model_name="m"}} {float(v)}' in text, le
+    assert 'vllm:ddtree_accept_depth_count{model_name="m"} 5.0' in text
+    assert 'vllm:ddtree_accept_depth_sum{model_name="m"} 6.0' in text
+
+
+def test_no_series_before_any_worker(tmp_path):
+    reg = CollectorRegistry()
+    reg.register(prometheus.DDTreeCollector(str(tmp_path / "absent")))
+    assert "ddtree" not in generate_latest(reg).decode()
