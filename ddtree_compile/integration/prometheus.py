@@ -14,8 +14,10 @@ vLLM 0.32 carries no extensible per-step payload from the worker to its stat log
   in-process engines) and yields counters and the accept-depth histogram.
 
 A scrape is at most EXPORT_INTERVAL seconds behind. Not served when PROMETHEUS_MULTIPROC_DIR is
-set (vLLM's multi-API-server mode serves only the multiprocess collector there). Tensor-parallel
-workers each write a file; their counters are summed (each rank counts the same rounds).
+set (vLLM's multi-API-server mode serves only the multiprocess collector there). Under tensor
+parallelism only rank 0 exports: every rank runs the same rounds (tests/test_e2e_tp.py checks that
+their counters are identical), so summing the ranks would count each round TP times; separate
+engines (data parallel) each export and are summed.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ def start_exporter(runner) -> None:
     folder = os.environ.get(ENV)
     if not folder or os.environ.get(OWNER) == str(os.getpid()) or id(state.metrics) in _EXPORTERS:
         return  # no front collector, or the same process: the collector reads the live runner
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != 0:
+        return  # the same rounds as rank 0 (module docstring)
     t = threading.Thread(target=_export_loop, args=(state.metrics, folder), daemon=True, name="ddtree-metrics")
     _EXPORTERS[id(state.metrics)] = t
     t.start()
