@@ -52,8 +52,14 @@ _EXPORTERS: dict[int, threading.Thread] = {}
 
 def setup_front() -> None:
     """In the first process that loads the plugin (vLLM's front end): the folder and the collector.
-    Processes that inherit DDTREE_METRICS_DIR (engine core, workers) only write into it."""
-    if ENV in os.environ or os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    vLLM's own child processes (engine core, workers: multiprocessing children) that inherit
+    DDTREE_METRICS_DIR only write into it; any other process with the variable set (a server
+    started by a test or a script that loaded the plugin itself) is a front of its own."""
+    import multiprocessing
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    if ENV in os.environ and multiprocessing.parent_process() is not None:
         return
     from prometheus_client import REGISTRY
 
