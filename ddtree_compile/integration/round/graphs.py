@@ -27,17 +27,18 @@ import contextlib
 
 import torch
 
-from ...core.tree import ancestor_closure, pack_bits
 from ..tree_context import GdnVerify, TreeVerifyMetadata, tree_verify
 from .checks import check_reached
 from .step import RoundContext
 
 
 class GraphBuckets:
-    def __init__(self, ctx: RoundContext, records):
-        """records(rows) -> ({layer prefix: (rec_kv, rec_gb)}, {group: stacked}) of the first `rows` rows."""
+    def __init__(self, ctx: RoundContext, records, chain):
+        """records(rows) -> ({layer prefix: (rec_kv, rec_gb)}, {group: stacked}) of the first `rows` rows;
+        chain: (parents [N], depths [N], ancestor bits [N, W]) of the chain-shaped tree (verify_stage)."""
         self.ctx = ctx
         self._records = records
+        self._chain_row = chain
         self.captured: set[int] = set()  # R_pad whose FULL graph holds the tree ops
         self._metas: dict[int, TreeVerifyMetadata] = {}
         self._buf = None
@@ -49,13 +50,10 @@ class GraphBuckets:
     def _buffers(self):
         if self._buf is None:
             ctx = self.ctx
-            R, N, dev = ctx.view.max_num_reqs, ctx.N, ctx.device
-            parents = torch.arange(-1, N - 1, device=dev)
-            bits = pack_bits(ancestor_closure(parents.unsqueeze(0), N))[0]
+            R = ctx.view.max_num_reqs
             # Chain trees (the padded rows' contents) and the live buffers, same dtypes as core.tree.
-            self._chain = (parents.expand(R, N).contiguous(), torch.arange(N, device=dev).expand(R, N).contiguous(),
-                           bits.expand(R, *bits.shape).contiguous())
-            self._buf = tuple(t.clone() for t in self._chain) + (torch.zeros(R, dtype=torch.int32, device=dev),)
+            self._chain = tuple(t.expand(R, *t.shape).contiguous() for t in self._chain_row)
+            self._buf = tuple(t.clone() for t in self._chain) + (torch.zeros(R, dtype=torch.int32, device=ctx.device),)
         return self._buf
 
     def meta(self, rows: int) -> TreeVerifyMetadata:

@@ -20,10 +20,11 @@ class VerifyStage:
         self.ctx = ctx
         self.debug_gdn_records = False  # tests: record per-node GDN inputs (snapshots too) and pre-verify states
         self._records = None  # the GDN record buffers (records())
-        self.graphs = GraphBuckets(ctx, self.records)  # FULL CUDA graphs' static metadata (graphs.py)
+        self._record_views: dict = {}  # rows -> the views records(rows) returns (built once per batch size)
         N, dev = ctx.N, ctx.device
         parents = torch.arange(-1, N - 1, device=dev)
         self._chain = (parents, torch.arange(N, device=dev), pack_bits(ancestor_closure(parents.unsqueeze(0), N))[0])
+        self.graphs = GraphBuckets(ctx, self.records, self._chain)  # FULL CUDA graphs' static metadata (graphs.py)
 
     def prepare(self, pending: Pending | None, drafts: dict, num_scheduled_tokens) -> Step | None:
         """The tree step of this batch, or None (no drafts, or a whole-step chain fallback, counted)."""
@@ -155,11 +156,13 @@ class VerifyStage:
         One buffer per GDN KV cache group, sized for the largest batch and kept: every step's verify
         overwrites the rows it commits from and the commit of the same step reads them, so no step
         allocates and a CUDA graph's records sit at fixed addresses."""
-        if self._records is None:
-            self._records = self._alloc_gdn_records(self.ctx.view.max_num_reqs, self.ctx.N)
-        per_layer, per_group = self._records
-        return ({k: (kv[:rows], gb[:rows]) for k, (kv, gb) in per_layer.items()},
-                {g: (kv[:, :rows], gb[:, :rows]) for g, (kv, gb) in per_group.items()})
+        if rows not in self._record_views:
+            if self._records is None:
+                self._records = self._alloc_gdn_records(self.ctx.view.max_num_reqs, self.ctx.N)
+            per_layer, per_group = self._records
+            self._record_views[rows] = ({k: (kv[:rows], gb[:rows]) for k, (kv, gb) in per_layer.items()},
+                                        {g: (kv[:, :rows], gb[:, :rows]) for g, (kv, gb) in per_group.items()})
+        return self._record_views[rows]
 
     def _alloc_gdn_records(self, R, N):
         ctx = self.ctx
