@@ -27,10 +27,16 @@ import traceback
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: counters, harness
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("DDTREE_FULL_CUDA_GRAPHS", "1")  # the adapter's opt-in (FULL graphs not yet validated)
 
 BUDGET, TOP_K, DRAFT_LEN, MAX_TOKENS, NUM_PROMPTS = 16, 4, 7, 96, 4
 CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"
+# The hybrids' GDN state cache (vLLM's mamba_ssm_cache_dtype) in float32 for both engines: with
+# "auto" (the model's bf16) no speculation rounds the state to bf16 after every token while a verify
+# that accepts k tokens rounds once after k, and that alone moved one prompt's first divergence
+# past the regret gate (0.375 nat), DDTree's plain chain (top_k 1) exactly as much as its trees
+# (benchmarks/results/gpu_vllm026_h100.json, "probes").
+SSM_CACHE_DTYPE = "float32"
+SKIP_FLAT = False
 
 
 class _CaptureLog:
@@ -67,6 +73,8 @@ def _engine(target, drafter=None, hybrid=False, dtype="bfloat16", flat=False):
     cc = compilation_config("cuda")
     cc["cudagraph_mode"] = CUDAGRAPH_MODE
     kw = models.tiny_llm_kwargs(target, dtype=dtype, async_scheduling=False, compilation_config=cc)
+    if hybrid and SSM_CACHE_DTYPE != "auto":
+        kw["mamba_ssm_cache_dtype"] = SSM_CACHE_DTYPE
     extra = {"gdn_prefill_backend": "triton"} if hybrid else {}
     if flat:  # vLLM's own flat DFlash: the control for what speculation alone changes in bf16
         kw["speculative_config"] = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": DRAFT_LEN}
@@ -100,7 +108,8 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
     finally:
         engines.shutdown(llm)
     ref_tokens = [t for t, _ in ref]
-    if hybrid:
+    out["mamba_ssm_cache_dtype"] = SSM_CACHE_DTYPE
+    if hybrid and not SKIP_FLAT:
         llm, out["start_s_flat"] = _engine(target, drafter, hybrid=hybrid, dtype=dtype, flat=True)
         try:
             flat_out = harness.generate(llm, prompts, MAX_TOKENS)
@@ -175,7 +184,7 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
 
 
 def main(argv=None) -> int:
-    global BUDGET, TOP_K, DRAFT_LEN, CUDAGRAPH_MODE
+    global BUDGET, TOP_K, DRAFT_LEN, CUDAGRAPH_MODE, SSM_CACHE_DTYPE, SKIP_FLAT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--kinds", default="qwen3,qwen3_next_dense", help="kind[:dtype],...")
@@ -183,8 +192,12 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=TOP_K)
     ap.add_argument("--draft-len", type=int, default=DRAFT_LEN)
     ap.add_argument("--cudagraph-mode", default=CUDAGRAPH_MODE, help="FULL_AND_PIECEWISE, PIECEWISE, NONE, ...")
+    ap.add_argument("--ssm-cache-dtype", default=SSM_CACHE_DTYPE, help="the hybrids' mamba_ssm_cache_dtype "
+                    "(auto: the model's dtype)")
+    ap.add_argument("--skip-flat", action="store_true", help="no vLLM flat DFlash control engine")
     args = ap.parse_args(argv)
     BUDGET, TOP_K, DRAFT_LEN, CUDAGRAPH_MODE = args.budget, args.top_k, args.draft_len, args.cudagraph_mode
+    SSM_CACHE_DTYPE, SKIP_FLAT = args.ssm_cache_dtype, args.skip_flat
     import torch
     import vllm
 
@@ -194,7 +207,7 @@ def main(argv=None) -> int:
     result = {"command": " ".join(sys.argv), "vllm": vllm.__version__, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "budget": BUDGET, "top_k": TOP_K, "draft_len": DRAFT_LEN, "max_tokens": MAX_TOKENS,
-              "cudagraph_mode": CUDAGRAPH_MODE, "runs": []}
+              "cudagraph_mode": CUDAGRAPH_MODE, "mamba_ssm_cache_dtype": SSM_CACHE_DTYPE, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.kinds.split(","):
             try:

@@ -34,8 +34,6 @@ What differs from 0.32 (everything else is the same code, checked line by line):
 
 from __future__ import annotations
 
-import os as _os
-
 from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapter
     OPAQUE_ARG_TYPES,
     ROUND_HOOKS,
@@ -60,7 +58,6 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
 )
 
 LINE = "0.26"
-_FULL_GRAPHS_ENV = "DDTREE_FULL_CUDA_GRAPHS"  # opt-in until the FULL-graph tree verify has run on a GPU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,22 +160,27 @@ def _static_positions_forward(runner, original):
 def install_graph_capture(runner, capture) -> bool:
     """Make vLLM capture its FULL uniform-decode graphs with a tree verify active.
 
-    `capture(num_tokens)` returns a context manager (the tree context of that padded batch) or
-    None. It is entered around the target forward (`runner.model.runnable`, inside the FULL
-    `CUDAGraphWrapper`, `compilation/cuda_graph.py:263-345`) of the warm-up and capture runs that
-    `_warmup_and_capture` (`gpu_model_runner.py:6851-6893`) makes for a FULL uniform descriptor, so
-    the ops' tree branch is what the graph records (the warm-ups compile the Triton kernels and
-    allocate their workspaces outside the capture). The drafter's own dummy runs in the same
-    `_dummy_run` (`:6054-6120`) go through the drafter's model and see no tree context.
-    Returns False when the engine has no FULL graphs (nothing to patch)."""
+    `capture(num_tokens, capturing)` returns a context manager (the tree context of that padded
+    batch) or None. It is entered around the FULL `CUDAGraphWrapper`'s call
+    (`compilation/cuda_graph.py:233-345`), outside its `torch.cuda.graph` block, for the warm-up
+    forwards (`capturing` False: eager, mode NONE) and the capture forward (`capturing` True) that
+    `_warmup_and_capture` (`gpu_model_runner.py:6851-6893`) makes for a FULL uniform descriptor,
+    so the ops' tree branch is what the graph records while the context's own set-up (copies into
+    the bucket's metadata) stays out of the graph. The drafter's dummy runs in the same
+    `_dummy_run` (`:6054-6120`) call the drafter's model, not this wrapper: no tree context.
+    The wrapper's class is swapped for a subclass whose only change is that `__call__` (Python
+    looks special methods up on the type); the instance, its `runnable` and `unwrap()` stay
+    vLLM's, which `get_model()` and the kernel warm-ups read. Returns False when the engine has
+    no FULL graphs (nothing to patch)."""
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
     from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context
 
     model = runner.model  # wrapped in load_model (:5405-5411) when the mode has FULL graphs
     if not isinstance(model, CUDAGraphWrapper) or model.runtime_mode != CUDAGraphMode.FULL:
         return False
     tokens: list[int] = []  # the FULL uniform descriptor being warmed up / captured, if any
-    warmup_and_capture, runnable = runner._warmup_and_capture, model.runnable
+    warmup_and_capture = runner._warmup_and_capture
 
     def _warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kw):
         full = cudagraph_runtime_mode == CUDAGraphMode.FULL and desc.uniform
@@ -190,15 +192,18 @@ def install_graph_capture(runner, capture) -> bool:
             if full:
                 tokens.pop()
 
-    def tree_runnable(*args, **kw):
-        cm = capture(tokens[-1]) if tokens else None
+    def tree_call(self, *args, **kw):
+        cm = None
+        if tokens:
+            capturing = get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
+            cm = capture(tokens[-1], capturing)
         if cm is None:
-            return runnable(*args, **kw)
+            return CUDAGraphWrapper.__call__(self, *args, **kw)
         with cm:
-            return runnable(*args, **kw)
+            return CUDAGraphWrapper.__call__(self, *args, **kw)
 
     runner._warmup_and_capture = _warmup_and_capture
-    model.runnable = tree_runnable
+    model.__class__ = type("DDTreeCUDAGraphWrapper", (type(model),), {"__call__": tree_call})
     return True
 
 
@@ -245,11 +250,6 @@ class RunnerView(V1RunnerView):
             return (f"Mamba prefix caching (mamba_cache_mode={vc.cache_config.mamba_cache_mode!r}); "
                     f"run hybrids with enable_prefix_caching=False")
         mode = vc.compilation_config.cudagraph_mode  # resolved in initialize_attn_backend (:7042)
-        if mode is not None and mode.has_full_cudagraphs() and _os.environ.get(_FULL_GRAPHS_ENV) != "1":
-            # Implemented (install_graph_capture, round/graphs.py), not yet run on a GPU: opt-in.
-            return (f"FULL CUDA graphs (cudagraph_mode={mode.name}): the tree verify's FULL graphs are not "
-                    f"validated on a GPU yet; use compilation_config cudagraph_mode='PIECEWISE', or set "
-                    f"{_FULL_GRAPHS_ENV}=1 to try them")
         if mode is not None and mode.has_full_cudagraphs() and not mode.separate_routine():
             # Pure FULL also captures mixed batches as FULL graphs of their own descriptors; the
             # tree context is captured into uniform-decode graphs only (install_graph_capture).

@@ -264,12 +264,17 @@ def spec_counters(llm) -> dict:
     return out
 
 
+_DESCRIPTIVE = {"graph_sizes"}  # numeric lists that describe the engine, not counts
+
+
 def counters_delta(after: dict, before: dict) -> dict:
     """Numeric difference of two `DDTreeMetrics.snapshot()`s (histograms element-wise)."""
     out = {}
     for k, v in after.items():
         b = before.get(k)
-        if isinstance(v, (int, float)) and isinstance(b, (int, float)) and not isinstance(v, bool):
+        if k in _DESCRIPTIVE:
+            out[k] = v
+        elif isinstance(v, (int, float)) and isinstance(b, (int, float)) and not isinstance(v, bool):
             out[k] = v - b
         elif (isinstance(v, list) and isinstance(b, list) and len(v) == len(b)
               and all(isinstance(x, (int, float)) for x in v + b)):

@@ -81,8 +81,9 @@ class GraphBuckets:
             meta.gdn.tree_meta = meta.gdn.stack = None
 
     # -- capture -----------------------------------------------------------------------------------
-    def capture(self, num_tokens: int):
-        """The tree context of one of vLLM's FULL-graph warm-up / capture forwards, or None when
+    def capture(self, num_tokens: int, capturing: bool):
+        """The tree context of one of vLLM's FULL-graph warm-up (`capturing` False) or capture
+        forwards, entered outside the graph being captured, or None when
         `num_tokens` is not a batch of whole trees (that graph then holds the original ops, and
         a tree step never replays it: `replay_rows` refuses)."""
         N = self.ctx.N
@@ -94,13 +95,12 @@ class GraphBuckets:
             self.ctx.log_once(f"graph:{num_tokens}", "DDTree: FULL CUDA graph of %d tokens is not a batch of "
                               "trees of %d slots: captured without the tree verify", num_tokens, N)
             return None
-        return self._capturing(num_tokens // N)
+        return self._capturing(num_tokens // N, capturing)
 
     @contextlib.contextmanager
-    def _capturing(self, rows: int):
+    def _capturing(self, rows: int, capturing: bool):
         meta = self.meta(rows)
-        self._neutral(meta, 0)
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        self._neutral(meta, 0)  # outside the graph: a replay must not reset the step's trees
         if meta.gdn is not None:
             # vLLM's warm-up runs (eager, before each capture) build non-spec GDN metadata, so they
             # get the null state line (block 0, never a request's) and one accepted token; the
