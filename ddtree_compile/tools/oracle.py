@@ -1,0 +1,186 @@
+"""Oracle drafter for benchmarks: drafts built on the device from each request's known continuation.
+
+No trained DFlash drafter is reachable offline, so the end-to-end benchmark gets its acceptance
+from an oracle. It knows each request's reference continuation (the target's own output without
+speculation, computed beforehand) and, at every draft depth d, puts the true next token at rank r
+of a k-long candidate list, r drawn from a `Profile` (P(rank 0), P(rank 1), ...; the rest: the
+true token is absent). The logits it returns are the log of those same probabilities at ranks
+0..k-1 (a calibrated drafter), so DDTree's best-first build sees the odds the oracle draws from.
+
+Unlike tools/harness.py (tests; host-side Python per row), every per-round operation here is a
+device op on [R, L] tensors (table gather, rank draw, scatter): no device-to-host copy, so the
+round's timings stay real. Host work per round: the request -> table row list and one small
+host-to-device copy of it. It wraps the DFlash drafter's `compute_logits` (the drafter's forward
+still runs and costs what it costs), so it serves DDTree and vLLM's flat DFlash alike.
+
+`simulate(profile, budget, top_k, draft_len)` gives the acceptance the same profile yields through
+the real tree build (core.build_tree) without an engine: the benchmark calibrates its profiles
+with it and reports both the simulated and the measured acceptance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ddtree_compile.core.build import build_tree
+from ddtree_compile.core.spec import TreeSpec
+
+LOW = -30.0  # logit of tokens outside the candidate list (softmax mass ~ e^-30 each)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """rank_probs[r]: probability that the true token is the drafter's rank-r candidate, at every
+    depth, independently (1 - sum: absent). The candidate list has len(rank_probs) entries."""
+
+    name: str
+    rank_probs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        p = self.rank_probs
+        if not p or any(not (0.0 <= x <= 1.0) or not math.isfinite(x) for x in p) or sum(p) > 1.0 + 1e-9:
+            raise ValueError(f"Profile.rank_probs must be probabilities in [0, 1] summing to <= 1, got {p!r}")
+        if p[0] <= 0.0:
+            raise ValueError("Profile.rank_probs[0] must be > 0 (the drafter's top-1 is sometimes right)")
+
+    @classmethod
+    def geometric(cls, name: str, p0: float, miss_in_list: float, decay: float = 0.5, k: int = 8) -> "Profile":
+        """Rank 0 with p0; of the misses, a fraction `miss_in_list` sits at ranks 1..k-1 with
+        geometric weights decay^(r-1); the rest is absent."""
+        w = [decay ** (r - 1) for r in range(1, k)]
+        s = sum(w)
+        return cls(name, (p0,) + tuple((1.0 - p0) * miss_in_list * x / s for x in w))
+
+    @property
+    def k(self) -> int:
+        return len(self.rank_probs)
+
+    def chain_acceptance(self, draft_len: int) -> float:
+        """Expected tokens per round of the plain chain (flat DFlash): 1 (bonus) + sum_d p0^d."""
+        p0 = self.rank_probs[0]
+        return 1.0 + sum(p0 ** d for d in range(1, draft_len + 1))
+
+    def logits_row(self) -> torch.Tensor:
+        """The candidates' logits (log-probabilities of ranks 0..k-1; zero-probability ranks LOW)."""
+        return torch.tensor([math.log(p) if p > 0 else LOW for p in self.rank_probs], dtype=torch.float32)
+
+
+def _draw_ranks(profile: Profile, shape, generator, device) -> torch.Tensor:
+    """Ranks in [0, k] (k: absent) drawn independently per element."""
+    cdf = torch.tensor(profile.rank_probs, dtype=torch.float64).cumsum(0).to(torch.float32).to(device)
+    u = torch.rand(shape, generator=generator, device=device)
+    return torch.searchsorted(cdf, u.contiguous(), right=True)
+
+
+def simulate(profile: Profile, budget: int, top_k: int, draft_len: int, samples: int = 4096,
+             seed: int = 0) -> float:
+    """Expected tokens per round (accepted depth + 1 bonus) of DDTree with this profile, through
+    core.build_tree: candidates are tokens 0..k-1 by rank, the truth at depth d is the drawn rank
+    (k: absent), and a node is accepted when its whole path is the truth."""
+    g = torch.Generator().manual_seed(seed)
+    truth = _draw_ranks(profile, (samples, draft_len), g, "cpu")  # [S, L]
+    k = min(profile.k, top_k)
+    lp = profile.logits_row()[:k].expand(samples, draft_len, k).contiguous()
+    lp = lp - torch.logsumexp(profile.logits_row(), 0)  # log-probs over the whole list
+    ids = torch.arange(k).expand(samples, draft_len, k).contiguous()
+    tree = build_tree((lp, ids), TreeSpec(budget=budget, top_k=top_k), impl="torch")
+    ok = torch.zeros_like(tree.tokens, dtype=torch.bool)
+    ok[:, 0] = True
+    depth_truth = torch.cat([torch.full((samples, 1), -1), truth], 1)  # index by node depth
+    for i in range(1, tree.num_slots):  # parents come before children
+        par = tree.parents[:, i].clamp(min=0)
+        d = tree.depths[:, i]
+        hit = tree.tokens[:, i] == depth_truth.gather(1, d.unsqueeze(1)).squeeze(1)
+        ok[:, i] = ok.gather(1, par.unsqueeze(1)).squeeze(1) & hit & (i <= tree.num_nodes)
+    accepted = torch.where(ok, tree.depths, 0).amax(1)
+    return 1.0 + accepted.float().mean().item()
+
+
+class OracleDrafter:
+    """Replaces a live engine's DFlash drafter logits with oracle drafts (module docstring)."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], profile: Profile, seed: int = 0):
+        """reference: prompt token ids -> prompt + reference continuation."""
+        if not reference:
+            raise ValueError("reference must map at least one prompt to its continuation")
+        self.profile = profile
+        self.seed = seed
+        self._prompts = {tuple(p): i for i, p in enumerate(reference)}
+        width = max(len(v) for v in reference.values())
+        self._table_host = torch.full((len(reference), width), -1, dtype=torch.int64)
+        for i, seq in enumerate(reference.values()):
+            self._table_host[i, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
+        self._row_of: dict[str, int] = {}  # req_id -> table row (-1: not in the reference)
+        self._dev = None
+        self._view = None
+
+    def install(self, llm) -> "OracleDrafter":
+        from ddtree_compile.integration.engines import find_runner
+
+        runner = find_runner(llm)
+        if runner is None:
+            raise ValueError("OracleDrafter.install needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        return self.attach(runner)
+
+    def attach(self, runner) -> "OracleDrafter":
+        from ddtree_compile import adapters
+
+        if getattr(runner, "drafter", None) is None:
+            raise ValueError("the oracle drafter needs an engine with a DFlash drafter")
+        self._view = adapters.current().RunnerView(runner)
+        self._view.wrap_drafter_logits(self._compute_logits)
+        return self
+
+    def uninstall(self) -> None:
+        if self._view is not None:
+            self._view.unwrap_drafter_logits()
+            self._view = None
+
+    def _device_state(self, device):
+        if self._dev is None or self._dev[0].device != device:
+            g = torch.Generator(device=device).manual_seed(self.seed)
+            self._dev = (self._table_host.to(device), self.profile.logits_row().to(device), g)
+        return self._dev
+
+    def _rows(self, R: int) -> list[int]:
+        view, out = self._view, []
+        for req_id in view.req_ids(R):
+            row = self._row_of.get(req_id)
+            if row is None:
+                row = self._row_of[req_id] = self._prompts.get(tuple(view.prompt_token_ids(req_id)), -1)
+            out.append(row)
+        return out
+
+    def _compute_logits(self, original, hidden_states):
+        logits = original(hidden_states)
+        L = self._view.drafter_draft_len()
+        R, V = logits.shape[0] // L, logits.shape[-1]
+        table, cand_logits, gen = self._device_state(logits.device)
+        rows = torch.tensor(self._rows(R), dtype=torch.int64).to(logits.device, non_blocking=True)
+        return self.draft_logits(table, cand_logits, gen, rows, self._view.drafter_root_positions(R), L, V
+                                 ).view(R * L, V).to(logits.dtype)
+
+    def draft_logits(self, table, cand_logits, gen, rows, bonus_pos, L: int, V: int) -> torch.Tensor:
+        """[R, L, V] oracle logits on the device of `table` (no host sync: tests check it)."""
+        dev, k = table.device, self.profile.k
+        R = rows.shape[0]
+        depth = torch.arange(1, L + 1, device=dev)
+        pos = bonus_pos.to(torch.int64).unsqueeze(1) + depth  # [R, L] index of the true next token
+        known = (rows >= 0).unsqueeze(1) & (pos < table.shape[1])
+        truth = table[rows.clamp(min=0).unsqueeze(1), pos.clamp(max=table.shape[1] - 1)]
+        known &= truth >= 0
+        rank = _draw_ranks(self.profile, (R, L), gen, dev)
+        rank = torch.where(known, rank, k)  # past the reference: every candidate is a distractor
+        # k distinct distractors != truth, none the DFlash mask id (V - 1): truth + 1 + h + j (mod V - 1)
+        # with 0 <= h < V - k - 1, so the offsets 1 + h + j stay in [1, V - 2].
+        h = (rows.unsqueeze(1) * 1000003 + pos * 7919 + self.seed) % max(V - k - 1, 1)
+        base = truth.clamp(min=0) + 1 + h
+        cand = (base.unsqueeze(-1) + torch.arange(k, device=dev)) % (V - 1)  # [R, L, k]
+        slot = torch.arange(k, device=dev)
+        cand = torch.where(slot == rank.unsqueeze(-1), truth.clamp(min=0).unsqueeze(-1), cand)
+        out = torch.full((R, L, V), LOW, dtype=torch.float32, device=dev)
+        out.scatter_(2, cand, cand_logits.expand(R, L, k))
+        return out
