@@ -184,3 +184,47 @@ class OracleDrafter:
         out = torch.full((R, L, V), LOW, dtype=torch.float32, device=dev)
         out.scatter_(2, cand, cand_logits.expand(R, L, k))
         return out
+
+
+# -- calibration to published acceptance numbers --------------------------------------------------
+
+def p0_for_chain(tokens_per_round: float, draft_len: int) -> float:
+    """The rank-0 probability whose plain chain of `draft_len` drafts yields `tokens_per_round`."""
+    lo, hi = 0.0, 1.0
+    if not 1.0 < tokens_per_round < draft_len + 1:
+        raise ValueError(f"tokens_per_round must be in (1, {draft_len + 1}), got {tokens_per_round}")
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if Profile("p", (mid,)).chain_acceptance(draft_len) < tokens_per_round else (lo, mid)
+    return (lo + hi) / 2
+
+
+def calibrate(name: str, chain_tokens: float, gain: float, budget: int, top_k: int = 8, draft_len: int = 15,
+              decay: float = 0.25, samples: int = 4000, seed: int = 0) -> dict:
+    """A geometric Profile whose chain yields `chain_tokens` per round and whose DDTree tree at
+    `budget` yields `gain` times that (bisection on the share of misses held at ranks >= 1).
+    Returns its parameters and the simulated numbers; `reached` False when even every miss in the
+    list cannot give the gain (the closest profile is returned)."""
+    p0 = p0_for_chain(chain_tokens, draft_len)
+
+    def ratio(miss):
+        prof = Profile.geometric(name, p0, miss, decay, top_k)
+        return simulate(prof, budget, top_k, draft_len, samples, seed) / prof.chain_acceptance(draft_len)
+
+    lo, hi = 0.0, 1.0
+    reached = ratio(hi) >= gain
+    if reached:
+        for _ in range(12):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ratio(mid) < gain else (lo, mid)
+    miss = hi
+    prof = Profile.geometric(name, p0, miss, decay, top_k)
+    return {"name": name, "p0": p0, "miss_in_list": miss, "decay": decay, "top_k": top_k, "draft_len": draft_len,
+            "calibration_budget": budget, "target_gain": gain, "reached": reached,
+            "chain_tokens_per_round": prof.chain_acceptance(draft_len),
+            "simulated_gain": ratio(miss), "rank_probs": list(prof.rank_probs)}
+
+
+def profile_from(params: dict) -> Profile:
+    """The Profile of a `calibrate` result (or of its JSON)."""
+    return Profile(params["name"], tuple(params["rank_probs"]))

@@ -1,0 +1,298 @@
+"""DDTree vs flat DFlash vs no speculation, end to end in one vLLM, with the oracle drafter.
+
+    python benchmarks/bench_e2e_gpu.py --target qwen35_4b --out benchmarks/results/e2e_h100_qwen35_4b.json
+    python benchmarks/bench_e2e_gpu.py --target tiny --max-tokens 32 --concurrency 1,2 --out /tmp/e2e.json  # CPU smoke
+
+Per target: the no-speculation engine first (timed per concurrency, and its greedy outputs are the
+reference continuations the oracle drafts from), then one engine per speculative mode (vLLM's flat
+DFlash with --flat-len drafts; DDTree per budget), each timed per oracle profile
+(benchmarks/oracle_profiles.json, calibrated by calibrate_oracle.py) and concurrency. Timing walks
+`llm.llm_engine.step()` and stamps every step, so TPOT is per request and per step (p50/p90 over
+output tokens). Per run: output tok/s, TPOT p50/p90, tokens per round (acceptance length: DDTree's
+counters; flat DFlash: vLLM's spec-decode counters), DDTree's round split (its host-side phase
+timers), the share of output tokens equal to the reference (bf16 verify can leave the reference:
+the oracle then drafts the wrong continuation), and the break-even tree gain (flat DFlash rounds
+per second / DDTree rounds per second: the acceptance gain DDTree needs to match flat DFlash).
+
+Targets: "qwen35_4b" / "qwen36_27b" are Qwen3-Next-architecture dense hybrids (one expert, 3 GDN
+layers per full-attention layer) with the layer shapes of Qwen3.5-4B / Qwen3.6-27B (vLLM 0.26
+serves Qwen3.5 only as the multimodal model, whose M-RoPE DDTree does not run yet), vLLM dummy
+weights, and a DFlash-shaped drafter (5 layers, block 16) with dummy weights. "tiny" is the
+seeded tiny model of the test suite (CPU smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the round's hooks live in the V1 runner
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: counters, oracle
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Layer shapes (public configs of Qwen3.5-4B and Qwen3.6-27B as we know them; check against the
+# real config.json when one is reachable). Qwen3-Next architecture, one routed expert.
+SHAPES = {
+    "qwen35_4b": dict(hidden_size=2560, num_hidden_layers=32, moe_intermediate_size=9216, num_attention_heads=16,
+                      num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32),
+    "qwen36_27b": dict(hidden_size=5120, num_hidden_layers=64, moe_intermediate_size=17408, num_attention_heads=24,
+                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48),
+}
+VOCAB = 248320
+
+
+def write_shaped(shape: str, root: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """Config-only target and drafter folders (load_format="dummy" makes the weights)."""
+    from transformers import Qwen3Config, Qwen3NextConfig
+
+    s = SHAPES[shape]
+    target = root / shape
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, full_attention_interval=4, num_experts=1, num_experts_per_tok=1,
+                          shared_expert_intermediate_size=512, decoder_sparse_step=1, linear_conv_kernel_dim=4,
+                          linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768,
+                          tie_word_embeddings=False, torch_dtype="bfloat16", **s)
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    cfg.save_pretrained(target)
+    n = s["num_hidden_layers"]
+    drafter = root / f"{shape}_dflash"
+    d = Qwen3Config(vocab_size=VOCAB, hidden_size=s["hidden_size"], intermediate_size=s["moe_intermediate_size"],
+                    num_hidden_layers=5, num_attention_heads=s["num_attention_heads"],
+                    num_key_value_heads=s["num_key_value_heads"], head_dim=128, tie_word_embeddings=False,
+                    torch_dtype="bfloat16")
+    d.architectures = ["DFlashDraftModel"]
+    d.block_size = 16
+    d.num_target_layers = n
+    d.target_hidden_size = s["hidden_size"]
+    d.dflash_config = {"mask_token_id": VOCAB - 1, "target_layer_ids": [round(i * (n - 2) / 4) + 1 for i in range(5)]}
+    d.save_pretrained(drafter)
+    return target, drafter
+
+
+def _engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -> dict:
+    from ddtree_compile.tools import models
+
+    hybrid = args.target != "tiny" or args.tiny_kind != "qwen3"
+    kw = models.tiny_llm_kwargs(target, max_num_seqs=max_seqs, seed=0, disable_log_stats=False,
+                                max_model_len=args.prompt_len + args.max_tokens + 64,
+                                max_num_batched_tokens=max(2048, max_seqs * 80))
+    if args.device == "cuda":
+        from ddtree_compile.passes.entry import compilation_config
+
+        cc = compilation_config("cuda")
+        cc["cudagraph_mode"] = args.cudagraph_mode
+        kw.update(compilation_config=cc, gpu_memory_utilization=args.gpu_memory_utilization)
+        kw.pop("kv_cache_memory_bytes", None)
+        if hybrid:
+            extra = {"gdn_prefill_backend": "triton", **extra}
+    else:
+        kw["enforce_eager"] = True
+        if args.tiny_kind == "qwen3":
+            kw["dtype"] = "float32"
+    if args.target != "tiny":
+        kw["load_format"] = "dummy"
+    if spec is not None:
+        kw["speculative_config"] = spec
+    if extra:
+        kw["additional_config"] = extra
+    return kw
+
+
+def _timed(llm, prompts, max_tokens: int) -> dict:
+    """Run the prompts as one batch through the engine's steps; per-step stamps give TPOT."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    seen, last, gaps, outs = {}, {}, [], {}
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"b{i}-{t0}", p, params)
+    while eng.has_unfinished_requests():
+        step_out = eng.step()
+        t = time.perf_counter()
+        for o in step_out:
+            n = len(o.outputs[0].token_ids)
+            new = n - seen.get(o.request_id, 0)
+            if new > 0 and o.request_id in last:  # the first token is the prefill's (TTFT), not TPOT
+                gaps += [(t - last[o.request_id]) / new] * new
+            if new > 0:
+                last[o.request_id], seen[o.request_id] = t, n
+            outs[o.request_id] = list(o.outputs[0].token_ids)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(v) for v in outs.values())
+    q = statistics.quantiles(gaps, n=10) if len(gaps) >= 2 else [float("nan")] * 9
+    ordered = [outs[k] for k in sorted(outs, key=lambda k: int(k.split("-")[0][1:]))]
+    return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall, "tpot_p50_ms": 1e3 * q[4],
+            "tpot_p90_ms": 1e3 * q[8], "outputs": ordered}
+
+
+def _match(outputs, reference) -> float:
+    same = total = 0
+    for o, r in zip(outputs, reference):
+        total += len(o)
+        same += sum(a == b for a, b in zip(o, r))
+    return same / max(total, 1)
+
+
+def run(args) -> dict:
+    from vllm import LLM
+
+    from ddtree_compile.integration import config, engines, metrics, plugin
+    from ddtree_compile.tools import harness, models, oracle
+
+    plugin.register()
+    prof_json = json.loads(pathlib.Path(args.profiles).read_text())
+    profiles = [oracle.profile_from(p) for p in prof_json["profiles"] if p["name"] in args.profile_names]
+    conc = [int(c) for c in args.concurrency.split(",")]
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_e2e_"))
+    if args.target == "tiny":
+        target = models.write_tiny_model(args.tiny_kind, tmp / "t", dtype="bfloat16")
+        drafter = models.write_tiny_dflash_drafter(target, tmp / "d")
+        vocab = models.VOCAB
+    else:
+        target, drafter = write_shaped(args.target, tmp)
+        vocab = VOCAB
+    prompts = models.token_prompts(max(conc), args.prompt_len, vocab, seed=0)
+    result = {"args": vars(args), "profiles": prof_json, "runs": [], "starts": {}}
+
+    def engine(name, spec=None, extra=None):
+        t = time.perf_counter()
+        llm = LLM(**_engine_kwargs(target, args, max(conc), spec, extra or {}))
+        result["starts"][name] = time.perf_counter() - t
+        _timed(llm, prompts[:1], 8)  # warm-up outside the timings
+        return llm
+
+    llm = engine("nospec")
+    try:
+        ref = _timed(llm, prompts, args.max_tokens + 32)["outputs"]
+        for c in conc:
+            r = _timed(llm, prompts[:c], args.max_tokens)
+            result["runs"].append({"mode": "nospec", "concurrency": c, **_summary(r, ref[:c], args.max_tokens)})
+    finally:
+        engines.shutdown(llm)
+    reference = harness.reference_from_outputs(prompts, ref)
+    modes = [("flat", None)] + [(f"ddtree{b}", b) for b in args.budgets]
+    for mode, budget in modes:
+        if budget is None:
+            spec, extra = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.flat_len}, {}
+        else:
+            kw = config.vllm_kwargs(drafter, budget=budget, top_k=args.top_k, num_speculative_tokens=args.flat_len)
+            spec, extra = kw["speculative_config"], kw["additional_config"]
+        try:
+            llm = engine(mode, spec, extra)
+        except Exception as e:  # one mode failing to start must not lose the others
+            result["runs"].append({"mode": mode, "error": repr(e)[:500]})
+            continue
+        try:
+            state = engines.find_state(llm) if budget else None
+            if budget and state is None:
+                result["runs"].append({"mode": mode, "error": "DDTree did not attach",
+                                       "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS)})
+                continue
+            for prof in profiles:
+                od = oracle.OracleDrafter(reference, prof, seed=1).install(llm)
+                try:
+                    for c in conc:
+                        before = metrics.collect(llm)[0] if budget else harness.spec_counters(llm)
+                        r = _timed(llm, prompts[:c], args.max_tokens)
+                        after = metrics.collect(llm)[0] if budget else harness.spec_counters(llm)
+                        row = {"mode": mode, "budget": budget, "profile": prof.name, "concurrency": c,
+                               **_summary(r, ref[:c], args.max_tokens), **_rounds(budget, before, after)}
+                        row["simulated_tokens_per_round"] = oracle.simulate(
+                            prof, budget or args.flat_len, args.top_k if budget else 1, args.flat_len, samples=2000)
+                        result["runs"].append(row)
+                        print(_line(row), flush=True)
+                finally:
+                    od.uninstall()
+        finally:
+            engines.shutdown(llm)
+    _break_even(result["runs"])
+    return result
+
+
+def _summary(r, ref, max_tokens) -> dict:
+    return {k: r[k] for k in ("wall_s", "output_tokens", "tok_s", "tpot_p50_ms", "tpot_p90_ms")} | {
+        "reference_match": _match(r["outputs"], [x[:max_tokens] for x in ref])}
+
+
+def _rounds(budget, before, after) -> dict:
+    """Tokens per round and rounds (per request), and DDTree's round split."""
+    if budget:
+        from ddtree_compile.tools import harness
+
+        d = harness.counters_delta(after, before)
+        rounds = d["tree_requests"] + d.get("chain_steps", 0)
+        split = {k: after["seconds"].get(k, 0) - before["seconds"].get(k, 0) for k in after.get("seconds", {})}
+        return {"rounds": rounds, "tokens_per_round": 1 + d["nodes_accepted"] / max(d["tree_requests"], 1),
+                "round_split_s": split, "graph_steps": d.get("graph_steps"), "tree_steps": d.get("tree_steps"),
+                "fallback_total": d.get("fallback_total")}
+    drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
+    acc = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
+    return {"rounds": drafts, "tokens_per_round": 1 + acc / max(drafts, 1)}
+
+
+def _break_even(runs) -> None:
+    """Per DDTree row: flat rounds/s over DDTree rounds/s at the same profile and concurrency, i.e.
+    the tree acceptance gain over the chain at which DDTree's tok/s equals flat DFlash's."""
+    flat = {(r["profile"], r["concurrency"]): r for r in runs if r.get("mode") == "flat" and "rounds" in r}
+    for r in runs:
+        f = flat.get((r.get("profile"), r.get("concurrency")))
+        if r.get("budget") and f and r.get("rounds"):
+            r["break_even_gain"] = (f["rounds"] / f["wall_s"]) / (r["rounds"] / r["wall_s"])
+            r["tok_s_vs_flat"] = r["tok_s"] / f["tok_s"]
+            r["measured_gain"] = r["tokens_per_round"] / f["tokens_per_round"]
+
+
+def _line(r) -> str:
+    return (f"{r['mode']:<9} {r['profile']:<14} c={r['concurrency']:<3} {r['tok_s']:9.1f} tok/s  "
+            f"TPOT p50 {r['tpot_p50_ms']:7.2f} ms  tokens/round {r['tokens_per_round']:.2f} "
+            f"(sim {r['simulated_tokens_per_round']:.2f})  ref match {r['reference_match']:.2f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="qwen35_4b", choices=[*SHAPES, "tiny"])
+    ap.add_argument("--tiny-kind", default="qwen3", help="models.KINDS kind for --target tiny")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budgets", default="16,22,32,64", type=lambda s: [int(x) for x in s.split(",") if x])
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--flat-len", type=int, default=15, help="flat DFlash's draft tokens = DDTree's draft length L")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--profiles", default=str(ROOT / "benchmarks" / "oracle_profiles.json"))
+    ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35")
+    ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    args = ap.parse_args(argv)
+    import torch
+
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.profile_names = args.profile_names.split(",")
+    result = run(args)
+    result["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    import vllm
+
+    result["vllm"], result["torch"] = vllm.__version__, torch.__version__
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print("\nmode      profile        conc  tok/s   vs flat  tokens/round  break-even gain")
+    for r in result["runs"]:
+        if "error" in r:
+            print(f"{r['mode']:<9} ERROR {r['error'][:150]}")
+        elif r.get("budget"):
+            print(f"{r['mode']:<9} {r['profile']:<14} {r['concurrency']:<4} {r['tok_s']:7.1f} "
+                  f"{r.get('tok_s_vs_flat', float('nan')):7.3f}  {r['tokens_per_round']:6.2f}  "
+                  f"{r.get('break_even_gain', float('nan')):7.3f}")
+    return 0 if not any("error" in r for r in result["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

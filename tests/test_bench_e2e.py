@@ -1,0 +1,49 @@
+"""benchmarks/bench_e2e_gpu.py on CPU with the tiny float32 model: the benchmark the GPU session
+runs, end to end at toy size (no speculation, vLLM's flat DFlash, DDTree; oracle drafter; two
+concurrencies). Timings are not checked (CPU); what the JSON reports is: every mode ran, outputs
+equal the reference (float32: lossless), DDTree's rounds were tree rounds, and the derived fields
+(tokens per round, break-even gain, ratios) are there and consistent."""
+
+import importlib.util
+import json
+import math
+import pathlib
+
+import pytest
+
+from ddtree_compile.tools import oracle
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", ROOT / "benchmarks" / "bench_e2e_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_e2e_smoke(bench, tmp_path):
+    prof = oracle.calibrate("sglang_plus22", 5.6, 1.22, 32, samples=500)
+    profiles = tmp_path / "profiles.json"
+    profiles.write_text(json.dumps({"profiles": [prof]}))
+    out = tmp_path / "e2e.json"
+    rc = bench.main(["--target", "tiny", "--out", str(out), "--max-tokens", "24", "--concurrency", "1,2",
+                     "--budgets", "8", "--top-k", "4", "--flat-len", "7", "--profiles", str(profiles),
+                     "--profile-names", "sglang_plus22"])
+    res = json.loads(out.read_text())
+    assert rc == 0, [r for r in res["runs"] if "error" in r]
+    runs = {(r["mode"], r["concurrency"]): r for r in res["runs"]}
+    assert set(runs) == {(m, c) for m in ("nospec", "flat", "ddtree8") for c in (1, 2)}
+    for (mode, c), r in runs.items():
+        assert r["output_tokens"] == 24 * c and r["tok_s"] > 0 and r["reference_match"] == 1.0, r
+        assert r["tpot_p50_ms"] > 0 and r["tpot_p90_ms"] >= r["tpot_p50_ms"]
+        if mode != "nospec":
+            assert r["tokens_per_round"] > 1.5 and r["rounds"] > 0, r  # the oracle's drafts were accepted
+    for c in (1, 2):
+        d, f = runs[("ddtree8", c)], runs[("flat", c)]
+        assert d["tree_steps"] > 0 and d["fallback_total"] == 0 and set(d["round_split_s"]) >= {"build", "verify"}
+        assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
+        assert math.isclose(d["break_even_gain"], (f["rounds"] / f["wall_s"]) / (d["rounds"] / d["wall_s"]))
+    assert set(res["starts"]) == {"nospec", "flat", "ddtree8"}
