@@ -7,7 +7,7 @@ Per target: the no-speculation engine first (timed per concurrency, and its gree
 reference continuations the oracle drafts from), then one engine per speculative mode (vLLM's flat
 DFlash with --flat-len drafts; DDTree per budget), each timed per oracle profile
 (benchmarks/oracle_profiles.json, calibrated by calibrate_oracle.py) and concurrency. Timing walks
-`llm.llm_engine.step()` and stamps every step, so TPOT is per request and per step (p50/p90 over
+`llm.llm_engine.step()` and stamps every step (tools/timing.py), so TPOT is per request and per step (p50/p90 over
 output tokens). Per run: output tok/s, TPOT p50/p90, tokens per round (acceptance length: DDTree's
 counters; flat DFlash: vLLM's spec-decode counters), DDTree's round split (its host-side phase
 timers), the share of output tokens equal to the reference (bf16 verify can leave the reference:
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
@@ -104,35 +103,6 @@ def _engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) 
     return kw
 
 
-def _timed(llm, prompts, max_tokens: int) -> dict:
-    """Run the prompts as one batch through the engine's steps; per-step stamps give TPOT."""
-    from vllm import SamplingParams
-
-    eng = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    seen, last, gaps, outs = {}, {}, [], {}
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        eng.add_request(f"b{i}-{t0}", p, params)
-    while eng.has_unfinished_requests():
-        step_out = eng.step()
-        t = time.perf_counter()
-        for o in step_out:
-            n = len(o.outputs[0].token_ids)
-            new = n - seen.get(o.request_id, 0)
-            if new > 0 and o.request_id in last:  # the first token is the prefill's (TTFT), not TPOT
-                gaps += [(t - last[o.request_id]) / new] * new
-            if new > 0:
-                last[o.request_id], seen[o.request_id] = t, n
-            outs[o.request_id] = list(o.outputs[0].token_ids)
-    wall = time.perf_counter() - t0
-    tokens = sum(len(v) for v in outs.values())
-    q = statistics.quantiles(gaps, n=10) if len(gaps) >= 2 else [float("nan")] * 9
-    ordered = [outs[k] for k in sorted(outs, key=lambda k: int(k.split("-")[0][1:]))]
-    return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall, "tpot_p50_ms": 1e3 * q[4],
-            "tpot_p90_ms": 1e3 * q[8], "outputs": ordered}
-
-
 def _match(outputs, reference) -> float:
     same = total = 0
     for o, r in zip(outputs, reference):
@@ -146,6 +116,7 @@ def run(args) -> dict:
 
     from ddtree_compile.integration import config, engines, metrics, plugin
     from ddtree_compile.tools import harness, models, oracle
+    from ddtree_compile.tools.timing import timed_steps as _timed
 
     plugin.register()
     prof_json = json.loads(pathlib.Path(args.profiles).read_text())

@@ -1,4 +1,5 @@
-"""`ddtree-compile` command line: demo (vLLM + DDTree end to end), round (one toy round), dump."""
+"""`ddtree-compile` command line: demo (vLLM + DDTree end to end), round (one toy round), dump,
+precompile (compile cache and cost table per budget)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     rnd.add_argument("--top-k", type=int, default=3)
     rnd.add_argument("--seed", type=int, default=0)
 
+    from ddtree_compile.tools import precompile
+
+    precompile.add_arguments(sub.add_parser("precompile", help="warm vLLM's compile cache per budget and write "
+                                                              "the cost table of every (budget, batch) bucket"))
+
     try:
         from ddtree_compile.tools import dump
     except ImportError:  # dump needs vLLM; the core works without it
@@ -42,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
         run_round(budget=args.budget, top_k=args.top_k, seed=args.seed)
         return 0
+    if args.command == "precompile":
+        return precompile.main(args)
     return dump.run(args)
 
 

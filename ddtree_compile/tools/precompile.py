@@ -1,0 +1,133 @@
+"""`ddtree-compile precompile`: warm vLLM's compile cache per budget and time each (budget, batch) bucket.
+
+    ddtree-compile precompile --model T --draft D --budgets 8,16,22,32,48,64 --max-batch 16
+
+For every budget B one engine starts with the DDTree switch at B, exactly as `vllm serve` with the
+same settings would start it: vLLM compiles the target and the drafter into its compile cache
+(`additional_config` is part of the cache key, so each budget has its own entry) and, on CUDA,
+captures the FULL graphs of every batch bucket. Then, per batch size R in 1, 2, 4, ... up to
+--max-batch, it times DDTree rounds of R requests with a drafter that is never right (the oracle
+with an empty list: every round verifies the whole tree and commits one token), so a round's time
+is draft + build + verify + walk + commit of that bucket. The table goes to a JSON file (default:
+beside vLLM's compile cache, `$VLLM_CACHE_ROOT/ddtree/cost_<key>.json`); `start_s` per budget
+is the engine start of this run (cold unless the cache was warm already).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import time
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... and max_batch itself."""
+    if max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+    out, r = [], 1
+    while r < max_batch:
+        out.append(r)
+        r *= 2
+    return out + [max_batch]
+
+
+def default_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
+    key = json.dumps([str(pathlib.Path(model).resolve()), str(pathlib.Path(draft).resolve()), top_k, draft_len,
+                      max_batch])
+    root = pathlib.Path(os.environ.get("VLLM_CACHE_ROOT", pathlib.Path.home() / ".cache" / "vllm"))
+    return root / "ddtree" / f"cost_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_len: int = 15,
+        max_tokens: int = 32, out=None, llm_kwargs: dict | None = None, log=print) -> dict:
+    """Start one engine per budget, time every batch bucket, write and return the cost table."""
+    from vllm import LLM
+
+    from ddtree_compile.integration import config, engines, metrics
+    from ddtree_compile.tools import harness, models, oracle
+    from ddtree_compile.tools.timing import timed_steps
+
+    if not budgets:
+        raise ValueError("--budgets must name at least one budget, e.g. 8,16,32")
+    buckets = batch_buckets(max_batch)
+    prompts = models.token_prompts(max_batch, 16, _vocab(model), seed=0)
+    never = oracle.Profile("never", (1e-9,))  # the true token is (almost) never a candidate
+    table = {"model": str(model), "draft": str(draft), "top_k": top_k, "draft_len": draft_len,
+             "max_batch": max_batch, "max_tokens": max_tokens, "buckets": [], "starts": {}}
+    total, done = len(budgets) * len(buckets), 0
+    for budget in budgets:
+        kw = dict(llm_kwargs or {})
+        kw.update(model=str(model), max_num_seqs=max_batch, disable_log_stats=False)
+        switch = config.vllm_kwargs(draft, budget=budget, top_k=top_k, num_speculative_tokens=draft_len)
+        kw["speculative_config"] = switch["speculative_config"]
+        kw["additional_config"] = {**kw.get("additional_config", {}), **switch["additional_config"]}
+        t0 = time.perf_counter()
+        llm = LLM(**kw)
+        table["starts"][str(budget)] = time.perf_counter() - t0
+        try:
+            if engines.find_state(llm) is None:
+                raise RuntimeError(f"precompile: DDTree did not attach at budget {budget} "
+                                   f"({dict(metrics.PROCESS_STARTUP_FALLBACKS)}); see the log for the reason")
+            timed_steps(llm, prompts[:1], 4)  # warm-up (first-call kernel compiles) outside the table
+            reference = {tuple(p["prompt_token_ids"]): list(p["prompt_token_ids"]) for p in prompts}
+            od = oracle.OracleDrafter(reference, never).install(llm)
+            try:
+                for R in buckets:
+                    before = metrics.collect(llm)[0]
+                    r = timed_steps(llm, prompts[:R], max_tokens)
+                    after = metrics.collect(llm)[0]
+                    d = harness.counters_delta(after, before)
+                    steps = max(d["tree_steps"], 1)
+                    row = {"budget": budget, "batch": R, "round_ms": 1e3 * r["wall_s"] / r["steps"],
+                           "tree_steps": d["tree_steps"], "steps": r["steps"],
+                           "phase_ms": {k: 1e3 * (v - before["seconds"].get(k, 0.0)) / steps
+                                        for k, v in after["seconds"].items()}}
+                    table["buckets"].append(row)
+                    done += 1
+                    log(f"[{done}/{total}] budget {budget:>3} batch {R:>3}: {row['round_ms']:8.2f} ms per round")
+            finally:
+                od.uninstall()
+        finally:
+            engines.shutdown(llm)
+    path = pathlib.Path(out) if out else default_path(model, draft, top_k, draft_len, max_batch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table["path"] = str(path)
+    path.write_text(json.dumps(table, indent=1))
+    log(f"cost table: {path}")
+    return table
+
+
+def _vocab(model) -> int:
+    cfg = json.loads((pathlib.Path(model) / "config.json").read_text())
+    return cfg.get("text_config", cfg)["vocab_size"]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="target model folder")
+    p.add_argument("--draft", required=True, help="DFlash drafter folder")
+    p.add_argument("--budgets", required=True, help="comma-separated budgets, e.g. 8,16,22,32,48,64")
+    p.add_argument("--max-batch", type=int, required=True, help="largest batch (max_num_seqs)")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--draft-len", type=int, default=15)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per timed request")
+    p.add_argument("--out", default=None, help="cost table path (default: beside vLLM's compile cache)")
+    p.add_argument("--llm-kwargs", default="{}", help="JSON of further vllm.LLM arguments (dtype, "
+                                                       "compilation_config, max_model_len, ...)")
+
+
+def main(args) -> int:
+    try:
+        budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    except ValueError:
+        raise SystemExit(f"--budgets must be comma-separated ints, got {args.budgets!r}") from None
+    try:
+        extra = json.loads(args.llm_kwargs)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--llm-kwargs must be a JSON object: {e}") from None
+    if not isinstance(extra, dict):
+        raise SystemExit(f"--llm-kwargs must be a JSON object, got {type(extra).__name__}")
+    run(args.model, args.draft, budgets, args.max_batch, args.top_k, args.draft_len, args.max_tokens, args.out,
+        extra)
+    return 0
