@@ -2,6 +2,8 @@
 
     python benchmarks/bench_e2e_gpu.py --target qwen35_4b --out benchmarks/results/e2e_h100_qwen35_4b.json
     python benchmarks/bench_e2e_gpu.py --target tiny --max-tokens 32 --concurrency 1,2 --out /tmp/e2e.json  # CPU smoke
+    # over several 10-minute device commands: --modes nospec,flat / ddtree16,ddtree32 / ... with one
+    # --reference /tmp/ref.json, then: python benchmarks/bench_e2e_gpu.py --merge A.json B.json --out ALL.json
 
 Per target: the no-speculation engine first (timed per concurrency, and its greedy outputs are the
 reference continuations the oracle drafts from), then one engine per speculative mode (vLLM's flat
@@ -140,16 +142,23 @@ def run(args) -> dict:
         _timed(llm, prompts[:1], 8)  # warm-up outside the timings
         return llm
 
-    llm = engine("nospec")
-    try:
-        ref = _timed(llm, prompts, args.max_tokens + 32)["outputs"]
-        for c in conc:
-            r = _timed(llm, prompts[:c], args.max_tokens)
-            result["runs"].append({"mode": "nospec", "concurrency": c, **_summary(r, ref[:c], args.max_tokens)})
-    finally:
-        engines.shutdown(llm)
+    ref_path = pathlib.Path(args.reference) if args.reference else None
+    ref = json.loads(ref_path.read_text())["outputs"] if ref_path and ref_path.exists() else None
+    if ref is None or "nospec" in args.modes:
+        llm = engine("nospec")
+        try:
+            if ref is None:
+                ref = _timed(llm, prompts, args.max_tokens + 32)["outputs"]
+                if ref_path:
+                    ref_path.write_text(json.dumps({"target": args.target, "outputs": ref}))
+            for c in conc if "nospec" in args.modes else ():
+                r = _timed(llm, prompts[:c], args.max_tokens)
+                result["runs"].append({"mode": "nospec", "concurrency": c, **_summary(r, ref[:c], args.max_tokens)})
+        finally:
+            engines.shutdown(llm)
     reference = harness.reference_from_outputs(prompts, ref)
     modes = [("flat", None)] + [(f"ddtree{b}", b) for b in args.budgets]
+    modes = [(m, b) for m, b in modes if m in args.modes or (b and "ddtree" in args.modes)]
     for mode, budget in modes:
         if budget is None:
             spec, extra = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.flat_len}, {}
@@ -227,7 +236,25 @@ def _line(r) -> str:
             f"(sim {r['simulated_tokens_per_round']:.2f})  ref match {r['reference_match']:.2f}")
 
 
+def merge(paths, out) -> dict:
+    """One result from several commands' JSON files (runs concatenated, break-even recomputed)."""
+    parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    result = {**parts[0], "merged_from": [str(p) for p in paths], "runs": [], "starts": {}}
+    for p in parts:
+        result["runs"] += p["runs"]
+        result["starts"].update(p.get("starts", {}))
+    _break_even(result["runs"])
+    pathlib.Path(out).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--merge"]:  # --merge A.json B.json ... --out ALL.json
+        i = argv.index("--out")
+        merge(argv[1:i], argv[i + 1])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="qwen35_4b", choices=[*SHAPES, "tiny"])
     ap.add_argument("--tiny-kind", default="qwen3", help="models.KINDS kind for --target tiny")
@@ -240,6 +267,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--profiles", default=str(ROOT / "benchmarks" / "oracle_profiles.json"))
     ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35")
+    ap.add_argument("--modes", default="nospec,flat,ddtree", help="any of nospec, flat, ddtree (every budget) "
+                    "or ddtree<B>; split a long run over several commands")
+    ap.add_argument("--reference", default=None, help="JSON file of the reference outputs: read if it exists, "
+                    "else written (so later commands skip computing them)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     args = ap.parse_args(argv)
@@ -247,6 +278,7 @@ def main(argv=None) -> int:
 
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.profile_names = args.profile_names.split(",")
+    args.modes = args.modes.split(",")
     result = run(args)
     result["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     import vllm

@@ -47,3 +47,26 @@ def test_bench_e2e_smoke(bench, tmp_path):
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
         assert math.isclose(d["break_even_gain"], (f["rounds"] / f["wall_s"]) / (d["rounds"] / d["wall_s"]))
     assert set(res["starts"]) == {"nospec", "flat", "ddtree8"}
+
+
+def test_bench_e2e_split_over_commands_and_merged(bench, tmp_path):
+    """The GPU session runs the modes over several commands: the reference is computed once and
+    read back, and --merge recomputes the break-even across the parts."""
+    prof = {"name": "perfect", "rank_probs": [1.0]}
+    (tmp_path / "p.json").write_text(json.dumps({"profiles": [prof]}))
+    common = ["--target", "tiny", "--max-tokens", "16", "--concurrency", "1", "--budgets", "8", "--top-k", "4",
+              "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect",
+              "--reference", str(tmp_path / "ref.json")]
+    assert bench.main(common + ["--modes", "flat", "--out", str(tmp_path / "a.json")]) == 0
+    assert (tmp_path / "ref.json").exists()
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert set(a["starts"]) == {"nospec", "flat"} and [r["mode"] for r in a["runs"]] == ["flat"]
+    assert bench.main(common + ["--modes", "ddtree", "--out", str(tmp_path / "b.json")]) == 0
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert set(b["starts"]) == {"ddtree8"}  # the reference was read back: no second no-spec engine
+    assert "break_even_gain" not in b["runs"][0]  # no flat run in this part
+    assert bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m.json")]) == 0
+    m = json.loads((tmp_path / "m.json").read_text())
+    d = next(r for r in m["runs"] if r["mode"] == "ddtree8")
+    assert d["reference_match"] == 1.0 and d["tokens_per_round"] == pytest.approx(8.0, abs=1.0)
+    assert d["break_even_gain"] > 0 and d["tok_s_vs_flat"] > 0
