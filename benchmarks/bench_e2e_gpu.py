@@ -135,6 +135,10 @@ def run(args) -> dict:
     prompts = models.token_prompts(max(conc), args.prompt_len, vocab, seed=0)
     result = {"args": vars(args), "profiles": prof_json, "runs": [], "starts": {}}
 
+    def save():  # after every run: a command cut off by its time limit keeps what it measured
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+
     def engine(name, spec=None, extra=None):
         t = time.perf_counter()
         llm = LLM(**_engine_kwargs(target, args, max(conc), spec, extra or {}))
@@ -154,6 +158,7 @@ def run(args) -> dict:
             for c in conc if "nospec" in args.modes else ():
                 r = _timed(llm, prompts[:c], args.max_tokens)
                 result["runs"].append({"mode": "nospec", "concurrency": c, **_summary(r, ref[:c], args.max_tokens)})
+                save()
         finally:
             engines.shutdown(llm)
     reference = harness.reference_from_outputs(prompts, ref)
@@ -188,6 +193,7 @@ def run(args) -> dict:
                         row["simulated_tokens_per_round"] = oracle.simulate(
                             prof, budget or args.flat_len, args.top_k if budget else 1, args.flat_len, samples=2000)
                         result["runs"].append(row)
+                        save()
                         print(_line(row), flush=True)
                 finally:
                     od.uninstall()
