@@ -31,7 +31,46 @@ DEFAULT_PATTERNS = (("full",), ("sibling", 2, 1), ("cut", 4), ("sibling", 1, 2),
 SHARP, NEAR_TIE_STEP, LOW = 12.0, 0.05, -8.0
 
 
-class DraftHarness:
+class DrafterLogitsHook:
+    """Replaces a live engine's DFlash drafter logits with `self._compute_logits(original, hidden)`
+    (the drafter's forward still runs); shared by the test harness and the benchmark's oracle."""
+
+    label = "drafter hook"
+    install_hint = ""
+    _view = None
+
+    def install(self, llm):
+        """On an in-process engine's runner."""
+        from ddtree_compile.integration.engines import find_runner
+
+        runner = find_runner(llm)
+        if runner is None:
+            raise ValueError(f"{self.label}.install needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, "
+                             f"one worker){self.install_hint}")
+        return self.attach(runner)
+
+    def attach(self, runner):
+        from ddtree_compile import adapters
+
+        if getattr(runner, "drafter", None) is None:
+            raise ValueError(f"the {self.label} needs an engine with a DFlash drafter")
+        self._view = adapters.current().RunnerView(runner)
+        self._view.wrap_drafter_logits(self._compute_logits)
+        return self
+
+    def uninstall(self) -> None:
+        if self._view is not None:
+            self._view.unwrap_drafter_logits()
+            self._view = None
+
+    def _compute_logits(self, original, hidden_states):
+        raise NotImplementedError
+
+
+class DraftHarness(DrafterLogitsHook):
+    label = "DraftHarness"
+    install_hint = "; use harness.install_on_workers for tensor-parallel engines"
+
     def __init__(self, reference: dict[tuple[int, ...], list[int]], patterns=DEFAULT_PATTERNS, seed: int = 0):
         """reference: prompt token ids -> prompt + reference continuation (the no-speculation output)."""
         if not reference:
@@ -44,32 +83,6 @@ class DraftHarness:
         self.seed = seed
         self.rounds: dict[str, int] = {}
         self.used: list[tuple] = []  # (req_id, round, pattern) per drafted row, for tests
-        self._view = None
-
-    # -- install on a live engine ---------------------------------------------------------------
-    def install(self, llm) -> "DraftHarness":
-        """On an in-process engine's runner (multiprocess / tensor-parallel: `install_on_workers`)."""
-        from ddtree_compile.integration.engines import find_runner
-
-        runner = find_runner(llm)
-        if runner is None:
-            raise ValueError("DraftHarness.install needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, "
-                             "one worker); use harness.install_on_workers for tensor-parallel engines")
-        return self.attach(runner)
-
-    def attach(self, runner) -> "DraftHarness":
-        from ddtree_compile import adapters
-
-        if getattr(runner, "drafter", None) is None:
-            raise ValueError("the harness needs an engine with a DFlash drafter")
-        self._view = adapters.current().RunnerView(runner)
-        self._view.wrap_drafter_logits(self._compute_logits)
-        return self
-
-    def uninstall(self) -> None:
-        if self._view is not None:
-            self._view.unwrap_drafter_logits()
-            self._view = None
 
     # -- logits ---------------------------------------------------------------------------------
     def _compute_logits(self, original, hidden_states):

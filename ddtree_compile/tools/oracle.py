@@ -27,6 +27,7 @@ import torch
 
 from ddtree_compile.core.build import build_tree
 from ddtree_compile.core.spec import TreeSpec
+from ddtree_compile.tools.harness import DrafterLogitsHook
 
 LOW = -30.0  # logit of tokens outside the candidate list (softmax mass ~ e^-30 each)
 
@@ -99,8 +100,10 @@ def simulate(profile: Profile, budget: int, top_k: int, draft_len: int, samples:
     return 1.0 + accepted.float().mean().item()
 
 
-class OracleDrafter:
+class OracleDrafter(DrafterLogitsHook):
     """Replaces a live engine's DFlash drafter logits with oracle drafts (module docstring)."""
+
+    label = "oracle drafter"
 
     def __init__(self, reference: dict[tuple[int, ...], list[int]], profile: Profile, seed: int = 0):
         """reference: prompt token ids -> prompt + reference continuation."""
@@ -115,29 +118,6 @@ class OracleDrafter:
             self._table_host[i, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
         self._row_of: dict[str, int] = {}  # req_id -> table row (-1: not in the reference)
         self._dev = None
-        self._view = None
-
-    def install(self, llm) -> "OracleDrafter":
-        from ddtree_compile.integration.engines import find_runner
-
-        runner = find_runner(llm)
-        if runner is None:
-            raise ValueError("OracleDrafter.install needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-        return self.attach(runner)
-
-    def attach(self, runner) -> "OracleDrafter":
-        from ddtree_compile import adapters
-
-        if getattr(runner, "drafter", None) is None:
-            raise ValueError("the oracle drafter needs an engine with a DFlash drafter")
-        self._view = adapters.current().RunnerView(runner)
-        self._view.wrap_drafter_logits(self._compute_logits)
-        return self
-
-    def uninstall(self) -> None:
-        if self._view is not None:
-            self._view.unwrap_drafter_logits()
-            self._view = None
 
     def _device_state(self, device):
         if self._dev is None or self._dev[0].device != device:
