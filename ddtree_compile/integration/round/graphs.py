@@ -7,9 +7,9 @@ buckets are vLLM's capture sizes. The ddtree mirror ops choose tree vs original 
 a graph freezes at capture, so:
 
 - capture: the adapter runs vLLM's own warm-up and capture forwards of every FULL uniform size
-  inside `GraphBuckets.capture(num_tokens)`: a tree verify over this module's metadata tensors
-  (chain-shaped trees over no context), so the graph records the tree templates and their
-  reads of these addresses. A size whose capture did not reach every layer's tree op raises.
+  inside `GraphBuckets.capture(num_tokens, capturing)`, entered outside the graph: a tree verify
+  over this module's metadata tensors (chain-shaped trees over no context), so the graph records
+  the tree templates and their reads of these addresses. A size whose capture did not reach every layer's tree op raises.
 - replay: the step's trees are copied into the first R rows of its bucket's tensors and the
   padded rows R..R_pad get chain trees over no context (vLLM gives those rows NULL_BLOCK_ID state
   lines and skipped KV slots). A replayed graph runs none of the ops' Python, so an empty call
