@@ -55,12 +55,13 @@ def test_draft_logits_place_the_truth_at_the_drawn_rank_without_host_reads():
     V, k = 64, 4
     ref = {(1, 2): [1, 2] + list(range(10, 40)), (3,): [3] + list(range(40, 50))}
     od = oracle.OracleDrafter(ref, oracle.Profile("p", (0.4, 0.3, 0.2, 0.05)), seed=5)
-    table, cand, gen = od._device_state(torch.device("cpu"))
+    state = od._device_state(torch.device("cpu"))
+    table, cand = state[0], state[1]
     rows = torch.tensor([0, 1, -1])
     bonus = torch.tensor([5, 8, 0])  # row 1 runs past its reference at depth >= 3
     table_before = table.clone()
     with _SyncWatch() as w:
-        out = od.draft_logits(table, cand, gen, rows, bonus, L, V)
+        out = od.draft_logits(state, rows, bonus, L, V)
     assert w.seen == [], w.seen
     assert torch.equal(table, table_before)
     top = out.topk(k, dim=-1)
@@ -75,7 +76,7 @@ def test_draft_logits_place_the_truth_at_the_drawn_rank_without_host_reads():
                 assert top.indices[r, d - 1].tolist().count(truth) <= 1
     # The drawn ranks follow the profile (many rows, one depth position each).
     n = 4000
-    big = od.draft_logits(table, cand, gen, torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), 1, V)
+    big = od.draft_logits(state, torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), 1, V)
     truth = table[0, 1]
     idx = big[:, 0].topk(k).indices
     ranks = torch.where(idx == truth, torch.arange(k), k).amin(1)

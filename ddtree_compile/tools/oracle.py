@@ -69,11 +69,14 @@ class Profile:
         return torch.tensor([math.log(p) if p > 0 else LOW for p in self.rank_probs], dtype=torch.float32)
 
 
-def _draw_ranks(profile: Profile, shape, generator, device) -> torch.Tensor:
-    """Ranks in [0, k] (k: absent) drawn independently per element."""
-    cdf = torch.tensor(profile.rank_probs, dtype=torch.float64).cumsum(0).to(torch.float32).to(device)
-    u = torch.rand(shape, generator=generator, device=device)
-    return torch.searchsorted(cdf, u.contiguous(), right=True)
+def _cdf(profile: Profile) -> torch.Tensor:
+    return torch.tensor(profile.rank_probs, dtype=torch.float64).cumsum(0).to(torch.float32)
+
+
+def _draw_ranks(cdf: torch.Tensor, shape, generator) -> torch.Tensor:
+    """Ranks in [0, k] (k: absent) drawn independently per element, on cdf's device."""
+    u = torch.rand(shape, generator=generator, device=cdf.device)
+    return torch.searchsorted(cdf, u, right=True)
 
 
 def simulate(profile: Profile, budget: int, top_k: int, draft_len: int, samples: int = 4096,
@@ -82,7 +85,7 @@ def simulate(profile: Profile, budget: int, top_k: int, draft_len: int, samples:
     core.build_tree: candidates are tokens 0..k-1 by rank, the truth at depth d is the drawn rank
     (k: absent), and a node is accepted when its whole path is the truth."""
     g = torch.Generator().manual_seed(seed)
-    truth = _draw_ranks(profile, (samples, draft_len), g, "cpu")  # [S, L]
+    truth = _draw_ranks(_cdf(profile), (samples, draft_len), g)  # [S, L]
     k = min(profile.k, top_k)
     lp = profile.logits_row()[:k].expand(samples, draft_len, k).contiguous()
     lp = lp - torch.logsumexp(profile.logits_row(), 0)  # log-probs over the whole list
@@ -120,9 +123,12 @@ class OracleDrafter(DrafterLogitsHook):
         self._dev = None
 
     def _device_state(self, device):
+        """(reference table, candidate logits, rank cdf, generator) on `device`, made once: a
+        blocking host-to-device copy per round would be a host sync."""
         if self._dev is None or self._dev[0].device != device:
             g = torch.Generator(device=device).manual_seed(self.seed)
-            self._dev = (self._table_host.to(device), self.profile.logits_row().to(device), g)
+            self._dev = (self._table_host.to(device), self.profile.logits_row().to(device),
+                         _cdf(self.profile).to(device), g)
         return self._dev
 
     def _rows(self, R: int) -> list[int]:
@@ -138,13 +144,17 @@ class OracleDrafter(DrafterLogitsHook):
         logits = original(hidden_states)
         L = self._view.drafter_draft_len()
         R, V = logits.shape[0] // L, logits.shape[-1]
-        table, cand_logits, gen = self._device_state(logits.device)
-        rows = torch.tensor(self._rows(R), dtype=torch.int64).to(logits.device, non_blocking=True)
-        return self.draft_logits(table, cand_logits, gen, rows, self._view.drafter_root_positions(R), L, V
+        state = self._device_state(logits.device)
+        rows = torch.tensor(self._rows(R), dtype=torch.int64)
+        if logits.is_cuda:  # pinned + non_blocking: an async copy, the host does not wait for the GPU
+            rows = rows.pin_memory().to(logits.device, non_blocking=True)
+        return self.draft_logits(state, rows, self._view.drafter_root_positions(R), L, V
                                  ).view(R * L, V).to(logits.dtype)
 
-    def draft_logits(self, table, cand_logits, gen, rows, bonus_pos, L: int, V: int) -> torch.Tensor:
-        """[R, L, V] oracle logits on the device of `table` (no host sync: tests check it)."""
+    def draft_logits(self, state, rows, bonus_pos, L: int, V: int) -> torch.Tensor:
+        """[R, L, V] oracle logits on the device of `state` (`_device_state`); no host sync (tests
+        check that no op reads a device value on the host)."""
+        table, cand_logits, cdf, gen = state
         dev, k = table.device, self.profile.k
         R = rows.shape[0]
         depth = torch.arange(1, L + 1, device=dev)
@@ -152,7 +162,7 @@ class OracleDrafter(DrafterLogitsHook):
         known = (rows >= 0).unsqueeze(1) & (pos < table.shape[1])
         truth = table[rows.clamp(min=0).unsqueeze(1), pos.clamp(max=table.shape[1] - 1)]
         known &= truth >= 0
-        rank = _draw_ranks(self.profile, (R, L), gen, dev)
+        rank = _draw_ranks(cdf, (R, L), gen)
         rank = torch.where(known, rank, k)  # past the reference: every candidate is a distractor
         # k distinct distractors != truth, none the DFlash mask id (V - 1): truth + 1 + h + j (mod V - 1)
         # with 0 <= h < V - k - 1, so the offsets 1 + h + j stay in [1, V - 2].
