@@ -80,8 +80,9 @@ def _engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) 
     from ddtree_compile.tools import models
 
     hybrid = args.target != "tiny" or args.tiny_kind != "qwen3"
-    kw = models.tiny_llm_kwargs(target, max_num_seqs=max_seqs, seed=0, disable_log_stats=False,
-                                max_model_len=args.prompt_len + args.max_tokens + 64,
+    # the reference run's 32 extra tokens, and room for the deepest verify near the end
+    max_len = args.prompt_len + args.max_tokens + 32 + 2 * max(args.budgets + [args.flat_len]) + 64
+    kw = models.tiny_llm_kwargs(target, max_num_seqs=max_seqs, seed=0, disable_log_stats=False, max_model_len=max_len,
                                 max_num_batched_tokens=max(2048, max_seqs * 80))
     if args.device == "cuda":
         from ddtree_compile.passes.entry import compilation_config
