@@ -97,7 +97,8 @@ class V1RunnerView:
     """The runner state the round reads and writes, under names that do not depend on vLLM's.
 
     The V1 runner's members read here have the same names and meaning in 0.26 and 0.32 (checked in
-    both sources, docs/vllm_0_26.md); each adapter subclasses it with its own `unsupported_features`."""
+    both sources, docs/vllm_0_26.md); each adapter subclasses it and adds the engine features its
+    release has and the round does not serve to `unsupported_features`."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -106,6 +107,25 @@ class V1RunnerView:
         self.dtype = runner.model_config.dtype
         self.max_num_reqs = runner.max_num_reqs
         self.eager = runner.vllm_config.compilation_config.mode == 0  # NONE: no compiled graph to rewrite
+
+    def unsupported_features(self) -> str | None:
+        """An engine feature the round does not serve on either release, or None."""
+        r = self.runner
+        mc, cc = r.vllm_config.model_config, r.vllm_config.cache_config
+        if getattr(r, "use_async_scheduling", False):
+            return "async scheduling (the tree round runs in the synchronous V1 path)"
+        if getattr(r, "uses_mrope", False):
+            return "M-RoPE positions (multimodal rope) are not supported yet"
+        if getattr(r.drafter, "use_heterogeneous_vocab", False):
+            return "a drafter with a heterogeneous vocabulary"
+        if mc.logits_processors:
+            return "custom logits processors (the tree walk does not apply them)"
+        if mc.is_hybrid and getattr(cc, "mamba_cache_mode", "none") != "none":
+            # Prefix caching on a hybrid turns on "align" (models/config.py, 0.32: :686-687): GDN states
+            # are copied and addressed per block, and the tree commit assumes the lazy "none" layout.
+            return (f"Mamba prefix caching (mamba_cache_mode={cc.mamba_cache_mode!r}); "
+                    f"run hybrids with enable_prefix_caching=False")
+        return None
 
     # -- requests of the current step -----------------------------------------------------------
     def num_reqs(self) -> int:

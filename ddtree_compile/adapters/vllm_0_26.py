@@ -227,28 +227,20 @@ class RunnerView(V1RunnerView):
     """V1RunnerView plus the engine features this release's round does not serve."""
 
     def unsupported_features(self) -> str | None:
-        """An engine feature the round does not serve, or None."""
+        """An engine feature the round does not serve (the shared checks, then 0.26's own), or None."""
         r = self.runner
         vc = r.vllm_config
         if getattr(r, "use_async_scheduling", False):  # :541; default ON for dflash, config/vllm.py:1059-1107
             return ("async scheduling (the tree round runs in the synchronous V1 path; vLLM 0.26 turns it on "
                     "by default for DFlash: pass async_scheduling=False)")
-        if getattr(r, "uses_mrope", False):
-            return "M-RoPE positions (multimodal rope) are not supported yet"
+        shared = super().unsupported_features()  # M-RoPE, vocab, logits processors, Mamba prefix caching
+        if shared:
+            return shared
         if getattr(r, "uses_xdrope_dim", 0) > 0:  # :528
             return "XD-RoPE positions are not supported yet"
-        if getattr(r.drafter, "use_heterogeneous_vocab", False):  # llm_base_proposer.py:133
-            return "a drafter with a heterogeneous vocabulary"
-        if vc.model_config.logits_processors:
-            return "custom logits processors (the tree walk does not apply them)"
         sc = vc.speculative_config
         if sc is not None and sc.uses_dynamic_speculative_decoding():  # config/speculative.py:1336
             return "dynamic speculative decoding (the scheduler picks the draft count per batch)"
-        if vc.model_config.is_hybrid and vc.cache_config.mamba_cache_mode != "none":
-            # "align"/"all" copy and address GDN states per block (models/config.py:558-573,
-            # gpu_model_runner.py:1565-1601); the tree commit assumes the lazy "none" layout.
-            return (f"Mamba prefix caching (mamba_cache_mode={vc.cache_config.mamba_cache_mode!r}); "
-                    f"run hybrids with enable_prefix_caching=False")
         mode = vc.compilation_config.cudagraph_mode  # resolved in initialize_attn_backend (:7042)
         if mode is not None and mode.has_full_cudagraphs() and not mode.separate_routine():
             # Pure FULL also captures mixed batches as FULL graphs of their own descriptors; the

@@ -76,20 +76,7 @@ def full_graph_tokens() -> int | None:
 
 
 class RunnerView(V1RunnerView):
-    """V1RunnerView plus the engine features this release's round does not serve."""
-
-    def unsupported_features(self) -> str | None:
-        """An engine feature the round does not serve, or None."""
-        r = self.runner
-        if getattr(r, "use_async_scheduling", False):
-            return "async scheduling (the tree round runs in the synchronous V1 path)"
-        if getattr(r, "uses_mrope", False):
-            return "M-RoPE positions (multimodal rope) are not supported yet"
-        if getattr(r.drafter, "use_heterogeneous_vocab", False):
-            return "a drafter with a heterogeneous vocabulary"
-        if r.vllm_config.model_config.logits_processors:
-            return "custom logits processors (the tree walk does not apply them)"
-        return None
+    """V1RunnerView as it is: 0.32 has no engine feature the shared `unsupported_features` misses."""
 
 
 # ---------------------------------------------------------------------------------------------
