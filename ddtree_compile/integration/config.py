@@ -6,6 +6,10 @@ DDTree rides on vLLM's DFlash path. The switch is two pieces of vLLM's own confi
     additional_config  = {"ddtree": {"budget": B, "top_k": 8, "temperature": 1.0,
                                      "chain_seed": True, "draft_len": L}}
 
+`"budget": "auto"` lets the engine choose per step between its tree bucket (`auto_budget` nodes)
+and the drafter's plain chain (flat DFlash's L drafts), from the precompile cost table and the
+acceptance DDTree measures (round/auto_budget.py).
+
 `additional_config` is hashed into vLLM's config and compile-cache keys and reaches every process.
 L is the drafter's block (the flat DFlash chain length: the drafter proposes L positions per round);
 K sizes vLLM's draft slots and buffers, so it must hold the tree (K >= B) and the drafter's query
@@ -23,7 +27,10 @@ from ddtree_compile.core.spec import MAX_BUDGET, TreeSpec
 
 KEY = "ddtree"
 GDN_STATES = ("snapshots", "replay")
-_FIELDS = ("budget", "top_k", "temperature", "chain_seed", "draft_len", "gdn_state", "log_interval")
+_FIELDS = ("budget", "top_k", "temperature", "chain_seed", "draft_len", "gdn_state", "log_interval", "auto_budget",
+           "probe_interval", "cost_table")
+AUTO = "auto"
+_AUTO_FIELDS = ("auto_budget", "probe_interval", "cost_table")
 
 
 def _fail(field: str, msg: str) -> None:
@@ -42,7 +49,7 @@ def _int(field: str, value, low: int, high: int | None = None) -> int:
 class DDTreeConfig:
     """Validated DDTree settings (see module docstring).
 
-    budget        tree nodes B verified per round (the verify runs B+1 tokens per request)
+    budget        tree nodes B verified per round (the verify runs B+1 tokens per request), or "auto"
     top_k         candidates per depth
     temperature   draft temperature used to score tree nodes (not the sampling temperature)
     chain_seed    always include the drafter's top-1 chain (the tree contains flat DFlash)
@@ -51,18 +58,39 @@ class DDTreeConfig:
                   commit; state memory independent of the budget) or "snapshots" (every node's
                   state in vLLM's per-draft state slots; no replay at commit)
     log_interval  tree rounds between DDTree log lines (0: no periodic log line)
+    auto_budget   budget "auto" only: the tree bucket (nodes) the engine verifies when the tree wins
+    probe_interval budget "auto" only: while the chain wins, every this-many-th step verifies the
+                  tree anyway, so the tree's acceptance keeps being measured
+    cost_table    budget "auto" only: the precompile cost table (JSON); None: the default path
+                  beside vLLM's compile cache for this target/drafter (no table: costs measured online)
     """
 
-    budget: int
+    budget: int | str
     top_k: int = 8
     temperature: float = 1.0
     chain_seed: bool = True
     draft_len: int | None = None
     gdn_state: str = "replay"
     log_interval: int = 100
+    auto_budget: int | None = None
+    probe_interval: int | None = None
+    cost_table: str | None = None
 
     def __post_init__(self) -> None:
-        _int("budget", self.budget, 1, MAX_BUDGET)
+        if self.budget == AUTO:
+            object.__setattr__(self, "auto_budget", _int("auto_budget", 32 if self.auto_budget is None
+                                                         else self.auto_budget, 1, MAX_BUDGET))
+            object.__setattr__(self, "probe_interval", _int("probe_interval", 16 if self.probe_interval is None
+                                                            else self.probe_interval, 1))
+            if self.cost_table is not None and not isinstance(self.cost_table, str):
+                _fail("cost_table", f"must be a path (string) or null, got {self.cost_table!r}")
+        else:
+            if isinstance(self.budget, str):
+                _fail("budget", f"must be an int in [1, {MAX_BUDGET}] or \"auto\", got {self.budget!r}")
+            _int("budget", self.budget, 1, MAX_BUDGET)
+            given = [f for f in _AUTO_FIELDS if getattr(self, f) is not None]
+            if given:
+                _fail(given[0], f"is read only with budget \"auto\" (budget is {self.budget})")
         _int("top_k", self.top_k, 1)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
@@ -75,8 +103,17 @@ class DDTreeConfig:
             _fail("gdn_state", f"must be one of {', '.join(GDN_STATES)}, got {self.gdn_state!r}")
         _int("log_interval", self.log_interval, 0)
 
+    @property
+    def auto(self) -> bool:
+        return self.budget == AUTO
+
+    @property
+    def tree_budget(self) -> int:
+        """The tree's node count: the budget, or with "auto" the tree bucket it chooses besides the chain."""
+        return self.auto_budget if self.auto else self.budget
+
     def tree_spec(self, draft_len: int) -> TreeSpec:
-        return TreeSpec(budget=effective_budget(self.budget, self.top_k, draft_len), top_k=self.top_k,
+        return TreeSpec(budget=effective_budget(self.tree_budget, self.top_k, draft_len), top_k=self.top_k,
                         chain_seed=self.chain_seed, temperature=float(self.temperature))
 
     def to_dict(self) -> dict:
@@ -116,17 +153,18 @@ def parse(additional_config) -> DDTreeConfig | None:
     return DDTreeConfig(**raw)
 
 
-def vllm_kwargs(draft_model, budget: int, top_k: int = 8, temperature: float = 1.0, chain_seed: bool = True,
-                num_speculative_tokens: int = 15) -> dict:
+def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: float = 1.0, chain_seed: bool = True,
+                num_speculative_tokens: int = 15, **auto) -> dict:
     """Keyword arguments that switch DDTree on for `vllm.LLM(...)` (what `cli_args` passes to `vllm serve`).
 
     `num_speculative_tokens` is the draft length L (flat DFlash's chain length); vLLM's own
     num_speculative_tokens becomes max(effective budget, L) so its slots hold the tree. Merge the
-    returned `compilation_config` with your own if you pass one.
+    returned `compilation_config` with your own if you pass one. `auto`: auto_budget / probe_interval
+    / cost_table with budget="auto".
     """
     cfg = DDTreeConfig(budget=budget, top_k=top_k, temperature=temperature, chain_seed=chain_seed,
-                       draft_len=_int("draft_len", num_speculative_tokens, 1))
-    b_eff = effective_budget(budget, top_k, cfg.draft_len)
+                       draft_len=_int("draft_len", num_speculative_tokens, 1), **auto)
+    b_eff = effective_budget(cfg.tree_budget, top_k, cfg.draft_len)
     kwargs = {
         "speculative_config": {"method": "dflash", "model": str(draft_model),
                                "num_speculative_tokens": max(b_eff, cfg.draft_len)},
@@ -140,7 +178,7 @@ def vllm_kwargs(draft_model, budget: int, top_k: int = 8, temperature: float = 1
 PASS_NAME = "ddtree_compile.tree_verify_pass"
 
 
-def cli_args(draft_model, budget: int, **kw) -> list[str]:
+def cli_args(draft_model, budget: int | str, **kw) -> list[str]:
     """`vllm serve` arguments equivalent to `vllm_kwargs(...)` (one switch, two spellings)."""
     out = []
     for key, value in vllm_kwargs(draft_model, budget, **kw).items():

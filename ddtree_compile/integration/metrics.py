@@ -50,6 +50,7 @@ logger = _logger()
 # Accumulator columns (device, int64).
 _COLS = ("tree_requests", "nodes_verified", "nodes_accepted", "sibling_rounds", "sibling_nodes",
          "full_accepts", "zero_accepts")
+_ACCEPTANCE = [_COLS.index(c) for c in ("tree_requests", "nodes_accepted", "sibling_nodes")]
 PROCESS_STARTUP_FALLBACKS: collections.Counter = collections.Counter()  # reason -> engines, this process
 _REFUSED: set[str] = set()
 
@@ -75,6 +76,8 @@ class DDTreeMetrics:
         self._hist = torch.zeros(max_depth + 1, dtype=torch.int64, device=device)  # accept depth histogram
         self.tree_steps = 0  # steps verified as trees
         self.chain_steps = 0  # steps with drafts verified as a plain chain (whole-step fallback)
+        self.auto_chain_steps = 0  # budget "auto": steps it chose to verify as the drafter's chain
+        self.auto = None  # budget "auto": its policy (round/auto_budget.py), for the snapshot
         self.graph_steps = 0  # verifies (tree or chain-shaped) that replayed a FULL CUDA graph
         self.graph_sizes: list[int] = []  # batch sizes (requests) whose FULL graph holds the tree ops
         self.fallback_steps: collections.Counter = collections.Counter()  # reason -> steps
@@ -96,6 +99,10 @@ class DDTreeMetrics:
                            (full & tree_rows).sum(), ((accepted == 0) & tree_rows).sum()])
         self._acc += row
         self._hist.scatter_add_(0, acc.clamp(max=self.max_depth), t)
+
+    def acceptance_totals(self) -> torch.Tensor:
+        """Device [3] int64: tree rows, accepted nodes, accepted nodes off the drafter's top-1 chain."""
+        return self._acc[_ACCEPTANCE]
 
     def fallback(self, reason: str, requests: int = 0) -> None:
         if requests:
@@ -119,6 +126,8 @@ class DDTreeMetrics:
             "accept_depth_histogram": hist,
             "tree_steps": self.tree_steps,
             "chain_steps": self.chain_steps,
+            "auto_chain_steps": self.auto_chain_steps,
+            "auto": self.auto.snapshot() if self.auto is not None else None,
             "graph_steps": self.graph_steps,
             "graph_sizes": list(self.graph_sizes),
             "fallback_steps": dict(self.fallback_steps),
@@ -139,7 +148,8 @@ class DDTreeMetrics:
 
 
 def format_line(s: dict) -> str:
-    return (f"tree steps {s['tree_steps']}, chain steps {s['chain_steps']}, rounds {s['tree_requests']}, "
+    return (f"tree steps {s['tree_steps']}, chain steps {s['chain_steps']}"
+            f"{', auto chain steps ' + str(s['auto_chain_steps']) if s.get('auto') else ''}, rounds {s['tree_requests']}, "
             f"nodes verified {s['nodes_verified']} / accepted {s['nodes_accepted']} / wasted {s['nodes_wasted']}, "
             f"mean accept depth {s['mean_accept_depth']:.2f} (max {s['max_accept_depth']}), "
             f"sibling rounds {s['sibling_rounds']}, fallbacks {s['fallback_total']}")

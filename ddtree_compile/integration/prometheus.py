@@ -37,6 +37,7 @@ PREFIX = "vllm:ddtree_"
 COUNTERS = {
     "tree_steps": ("tree_steps", "Engine steps verified as DDTree trees."),
     "chain_steps": ("chain_steps", "Engine steps with drafts verified as a plain chain (whole-step fallback)."),
+    "auto_chain_steps": ("auto_chain_steps", "Budget \"auto\": steps it chose to verify as the drafter's chain."),
     "tree_requests": ("rounds", "Request rounds verified as trees."),
     "nodes_verified": ("nodes_verified", "Tree nodes verified by the target."),
     "nodes_accepted": ("nodes_accepted", "Tree nodes accepted (committed path length, bonus excluded)."),

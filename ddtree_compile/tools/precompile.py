@@ -11,13 +11,15 @@ with an empty list: every round verifies the whole tree and commits one token), 
 is draft + build + verify + walk + commit of that bucket. The table goes to a JSON file (default:
 beside vLLM's compile cache, `$VLLM_CACHE_ROOT/ddtree/cost_<key>.json`); `start_s` per budget
 is the engine start of this run (cold unless the cache was warm already).
+
+budget "auto" (integration/round/auto_budget.py) reads the table as its cost prior: the rows at its
+tree bucket (auto_budget) for the tree and at the draft length L for the chain, so precompile
+both, e.g. `--budgets 15,32` for auto_budget 32 with L = 15.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import pathlib
 import time
 
@@ -34,10 +36,10 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def default_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
-    key = json.dumps([str(pathlib.Path(model).resolve()), str(pathlib.Path(draft).resolve()), top_k, draft_len,
-                      max_batch])
-    root = pathlib.Path(os.environ.get("VLLM_CACHE_ROOT", pathlib.Path.home() / ".cache" / "vllm"))
-    return root / "ddtree" / f"cost_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    """Where budget "auto" looks for the table of this target, drafter and settings."""
+    from ddtree_compile.integration.round.auto_budget import cost_table_path
+
+    return cost_table_path(model, draft, top_k, draft_len, max_batch)
 
 
 def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_len: int = 15,

@@ -8,6 +8,7 @@ import time
 import torch
 
 from ...core.build import build_tree
+from .auto_budget import CHAIN, TREE
 from .step import Pending, RoundContext
 
 
@@ -23,18 +24,25 @@ class BuildStage:
         return logits.argmax(dim=-1), None
 
     def propose(self, original_propose, **kw) -> tuple[torch.Tensor, Pending]:
-        """Run the drafter for L positions, build the trees; returns (drafts [R, B], Pending)."""
+        """Run the drafter for L positions, build the trees; returns (drafts [R, B], Pending), or with
+        budget "auto" choosing the chain (drafts [R, L] = the drafter's top-1 chain, Pending)."""
         ctx = self.ctx
         t0 = time.perf_counter()
+        R = kw["next_token_ids"].shape[0]
+        kind = ctx.auto.choose(R) if ctx.auto is not None else TREE
+        if ctx.auto is not None:
+            ctx.auto.step_started(kind, R, t0)
         self._captured = None
         original_propose(num_speculative_tokens=ctx.L, **kw)
         logits, self._captured = self._captured, None
-        R = kw["next_token_ids"].shape[0]
         logits = logits.view(R, ctx.L, -1)
         tree = build_tree(logits, ctx.spec).with_root(kw["next_token_ids"])
         top1 = logits.argmax(-1)
         req_ids = ctx.view.req_ids(R)
         chain = [ctx.chain_reason(r) for r in req_ids]
+        if kind == CHAIN:  # flat DFlash's drafts; the tree stays unused (building it costs little)
+            ctx.metrics.add_time("build", time.perf_counter() - t0)
+            return top1, Pending(req_ids, tree, top1, chain, auto_chain=True)
         drafts = tree.tokens[:, 1:]
         if any(chain):
             rows = ctx.h2d([c is not None for c in chain], torch.bool)

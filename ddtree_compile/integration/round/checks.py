@@ -29,9 +29,10 @@ def validate(vllm_config, cfg: config_mod.DDTreeConfig) -> tuple[int, int]:
     if L > K:
         raise ValueError(f"additional_config['ddtree']['draft_len'] = {L} exceeds speculative_config."
                          f"num_speculative_tokens = {K} (vLLM sizes the drafter's query buffers from it)")
-    b_eff = config_mod.effective_budget(cfg.budget, cfg.top_k, L)
+    b_eff = config_mod.effective_budget(cfg.tree_budget, cfg.top_k, L)
     if K < b_eff:
-        raise ValueError(f"additional_config['ddtree']['budget'] = {cfg.budget} needs speculative_config."
+        field = "auto_budget" if cfg.auto else "budget"
+        raise ValueError(f"additional_config['ddtree']['{field}'] = {cfg.tree_budget} needs speculative_config."
                          f"num_speculative_tokens >= {b_eff} (vLLM sizes its draft slots from it), got {K}; "
                          f"ddtree_compile.vllm_kwargs sets it for you")
     if vllm_config.model_config.is_hybrid and K != b_eff:

@@ -30,6 +30,7 @@ from .. import config as config_mod
 from ..engines import set_state, state_of
 from ..metrics import PROCESS_STARTUP_FALLBACKS, DDTreeMetrics, logger
 from ..tree_ops import kv_layout, redirect_ops_for_eager, release_eager_redirects
+from .auto_budget import from_config as auto_policy
 from .build_stage import BuildStage
 from .checks import UnsupportedEngine, check_engine, classify_layers, validate
 from .commit_stage import CommitStage
@@ -68,6 +69,13 @@ class DDTreeRound:
         spec = cfg.tree_spec(draft_len)
         self.metrics = DDTreeMetrics(min(draft_len, spec.budget), view.device, cfg.log_interval)
         self.ctx = ctx = RoundContext(view, cfg, spec, draft_len, layers, self.metrics)
+        if cfg.auto and ctx.hybrid and not view.gdn_takes_short_drafts():
+            reason = ("budget 'auto' on a hybrid (GatedDeltaNet) target: its chain steps need vLLM's GDN verify to "
+                      "take fewer drafts than num_speculative_tokens, which this platform's kernels do not")
+            PROCESS_STARTUP_FALLBACKS[reason] += 1
+            logger.warning("DDTree: %s; verifying the tree of auto_budget=%d nodes every step.", reason, spec.budget)
+        elif cfg.auto:
+            ctx.auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.vllm_config, spec.budget, draft_len)
         self.build, self.verify = BuildStage(ctx), VerifyStage(ctx)
         self.walk, self.commit = WalkStage(ctx), CommitStage(ctx)
         self.pending: Pending | None = None
@@ -86,8 +94,8 @@ class DDTreeRound:
             from ...passes.rules import load_rules
 
             redirect_ops_for_eager(load_rules())
-        logger.info("DDTree on: budget %d (requested %d), top_k %d, draft length %d, %s target, KV layout %s%s",
-                    ctx.B, cfg.budget, cfg.top_k, ctx.L, "hybrid" if ctx.hybrid else "attention-only",
+        logger.info("DDTree on: budget %d (requested %s), top_k %d, draft length %d, %s target, KV layout %s%s",
+                    ctx.B, "auto: " + str(cfg.tree_budget) + " or the chain" if cfg.auto else cfg.budget, cfg.top_k, ctx.L, "hybrid" if ctx.hybrid else "attention-only",
                     "/".join(self.metrics.kv_layouts), f", GDN state: {cfg.gdn_state}" if ctx.hybrid else "")
 
     # tests and tools reach the stages' switches through the round

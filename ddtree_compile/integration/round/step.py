@@ -28,6 +28,7 @@ class Pending:
     tree: TreeBatch  # [R, N], slot 0 = the bonus token the drafter started from
     top1: torch.Tensor  # [R, L] the drafter's argmax per depth (flat DFlash's chain)
     chain: list[str | None]  # per row: fallback reason (verify as a chain) or None (tree)
+    auto_chain: bool = False  # budget "auto" chose the chain: the drafts are top1, vLLM verifies them
 
     def __post_init__(self):
         self.index = {r: i for i, r in enumerate(self.req_ids)}
@@ -74,6 +75,7 @@ class RoundContext:
         self.gdn_layers = layers["gdn"]
         self.hybrid = bool(self.gdn_layers)
         self.metrics = metrics
+        self.auto = None  # budget "auto": the per-step tree-or-chain policy (auto_budget.py), set by the round
         self.kv_groups = self._groups(self.attn_layers)
         self.gdn_groups = self._groups(self.gdn_layers)
         self._reasons: dict[str, str | None] = {}

@@ -31,10 +31,19 @@ class VerifyStage:
         ctx = self.ctx
         if not drafts:
             return None
+        if pending is not None and pending.auto_chain:  # budget "auto" chose the chain: vLLM verifies it
+            R = ctx.view.num_reqs()
+            if len(drafts) == R and all(int(n) == ctx.L + 1 for n in num_scheduled_tokens[:R]):
+                ctx.metrics.auto_chain_steps += 1
+            else:  # a prefill or truncated drafts joined: not a clean chain step to time
+                ctx.auto.step_was_mixed()
+            return None
         reason, uniform = self._step_fallback(pending, drafts, num_scheduled_tokens)
         if reason is not None:
             ctx.metrics.chain_steps += 1
             ctx.metrics.fallback(reason)
+            if ctx.auto is not None:
+                ctx.auto.step_was_mixed()
             ctx.log_once("step:" + reason, "DDTree: steps verified as a plain chain (lossless) because of: "
                          "%s (logged once, counted in metrics)", reason)
             # A uniform batch may replay a FULL graph, which holds the tree ops: verify it as

