@@ -49,20 +49,25 @@ def _policy(priors=None, probe=4):
     return m, ab.AutoBudget(m, BUDGET, L, probe, priors)
 
 
+def _step(p, kind, R, t, verify_s, draft_s=0.002):
+    """The host's view of one clean step: its proposal (draft_s), its start, the next proposal."""
+    p.proposed(kind, R, t, t + draft_s)
+    p.verify_began(t + draft_s + 0.5)  # (the gap before the step starts is no cost)
+    p.step_ended(t + draft_s + 0.5 + verify_s)
+
+
 def test_unknown_costs_are_explored_then_the_faster_kind_wins():
     m, p = _policy()
     assert p.choose(1) == ab.TREE  # nothing known: the tree (its acceptance is measured from tree steps)
-    p.step_started(ab.TREE, 1, 0.0)  # the proposal of a tree step of one request
+    _step(p, ab.TREE, 1, 0.0, 0.008)  # 8 ms verify + 2 ms drafting
     _round(m, [5, 3], [2, 0])  # its walk: tree 1 + 8/2 = 5 tokens per round; chain 1 + 6/2 = 4
-    p.step_started(None, 1, 0.010)  # the tree step took 10 ms
     kinds = []
     while p.tokens[ab.TREE] is None and len(kinds) < 16:  # the counters are copied back every few
         kinds.append(p.choose(1))  # decisions and read when the copy has completed
     assert p.tokens == {ab.TREE: 5.0, ab.CHAIN: 4.0}
     # the tree until its acceptance is known, then the chain, whose cost at this bucket is unknown
     assert kinds == [ab.TREE] * (len(kinds) - 1) + [ab.CHAIN] and len(kinds) <= 3, kinds
-    p.step_started(ab.CHAIN, 1, 1.0)
-    p.step_started(None, 1, 1.006)  # the chain step took 6 ms
+    _step(p, ab.CHAIN, 1, 1.0, 0.004)  # 4 ms verify + 2 ms drafting
     assert p.costs == {(ab.TREE, 1): pytest.approx(0.010), (ab.CHAIN, 1): pytest.approx(0.006)}
     kinds = [p.choose(1) for _ in range(8)]  # 4/6 > 5/10 tokens per ms: the chain wins, the tree is probed
     assert kinds.count(ab.CHAIN) == 6 and kinds.count(ab.TREE) == 2 and p.probes == 2, kinds
@@ -79,16 +84,17 @@ def test_buckets_priors_and_what_is_not_timed():
     priors = ab.table_priors(table, BUDGET, L)
     assert priors == {(ab.TREE, 1): 0.010, (ab.TREE, 4): 0.030, (ab.CHAIN, 1): 0.008}
     m, p = _policy(priors)
-    p.step_started(ab.TREE, 1, 0.0)
-    p.step_started(ab.TREE, 1, 0.020)  # measured 20 ms: the prior counts once, then the average moves
+    _step(p, ab.TREE, 1, 0.0, 0.018)  # measured 20 ms: the prior counts once, then the average moves
     assert p.costs[(ab.TREE, 1)] == pytest.approx(0.015)
-    p.step_started(ab.TREE, 1, 0.040)
-    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.015 + ab._EMA * (0.020 - 0.015))
-    p.step_started(ab.TREE, 2, 1.0)  # the batch changed: that step is not timed
-    assert (ab.TREE, 2) not in p.costs and p.costs[(ab.TREE, 1)] == pytest.approx(0.01625)
-    p.step_was_mixed()  # a prefill joined the step in flight: not timed either
-    p.step_started(ab.TREE, 2, 1.5)
-    assert (ab.TREE, 2) not in p.costs
+    _step(p, ab.TREE, 1, 1.0, 0.018)
+    want = 0.015 + ab._EMA * (0.020 - 0.015)
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(want)
+    _step(p, ab.TREE, 1, 2.0, 10.0)  # a 10 s stall moves the average by at most 4x its value
+    want += ab._EMA * (4 * want - want)
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(want)
+    p.proposed(ab.TREE, 2, 3.0, 3.002)  # a step that did not start clean (a prefill joined): not timed
+    p.step_ended(3.5)
+    assert (ab.TREE, 2) not in p.costs and p.snapshot()["draft_ms"] == pytest.approx(2.0)
 
 
 # -- real engines ----------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ more tokens per second at this batch size.
 - cost(R) is the wall time of one engine step of that kind at batch bucket R (1, 2, 4, ...): the
   precompile cost table gives the prior (tools/precompile.py: round_ms at budget B for the tree,
   at budget L for the chain, when those budgets were precompiled), then an average of the steps
-  this engine measures (the time between consecutive proposals: vLLM's step already waits for its
-  sampled tokens, so host time is device time).
+  this engine measures: the step's verify (its start to the next proposal; vLLM's step already
+  waits for its sampled tokens, so host time is device time) plus the drafting both kinds share.
 - A kind without a cost at this bucket is tried; while the chain wins, every `probe_interval`-th
   step verifies the tree anyway so its acceptance keeps being measured (a drafter can get better).
 
@@ -81,7 +81,9 @@ class AutoBudget:
         self.probes = 0
         self._since_tree = 0
         self._n = 0
-        self._last: tuple | None = None  # (kind, R, t) of the step in flight
+        self.draft_s: float | None = None  # seconds per proposal (drafter + tree build), both kinds
+        self._next: tuple | None = None  # (kind, R) proposed for the next step
+        self._began: tuple | None = None  # (kind, R, t) of the clean step in flight
         self._prev_totals = None
         self._readback = None  # (pinned host tensor, event or None)
 
@@ -117,27 +119,39 @@ class AutoBudget:
         return out
 
     # -- costs: the host's step times --------------------------------------------------------------
-    def step_started(self, kind: str | None, R: int, now: float) -> None:
-        """A proposal at `now` ends the step in flight; `kind`/`R` describe the step it proposes for."""
-        if self._last is not None:
-            k, r, t = self._last
-            if k is not None and r == R:  # same batch: no request joined or left, a clean step
-                self._observe(k, bucket(r), now - t)
-        self._last = (kind, R, now)
+    # A step of kind k costs its verify (the step's start, vLLM's prepare, to the next proposal:
+    # forward, sampling, commit) plus the drafting both kinds share (the proposal: drafter forward
+    # and tree build). The gap between a proposal and the next step's start (scheduler, output
+    # processing, an idle engine) is left out: it is no cost of either kind.
+    def proposed(self, kind: str, R: int, t_start: float, t_end: float) -> None:
+        """The proposal for the next step took t_start..t_end; that step will be of `kind`, R requests."""
+        d = t_end - t_start
+        self.draft_s = d if self.draft_s is None else self.draft_s + _EMA * (min(d, 4 * self.draft_s) - self.draft_s)
+        self._next = (kind, R)
 
-    def step_was_mixed(self) -> None:
-        """The step in flight was not a clean step of its kind (prefill, fallback): do not time it."""
-        if self._last is not None:
-            self._last = (None,) + self._last[1:]
+    def verify_began(self, now: float) -> None:
+        """The proposed step starts as a clean step of its kind (no prefill, no fallback)."""
+        if self._next is not None:
+            self._began = self._next + (now,)
+        self._next = None
+
+    def step_ended(self, now: float) -> None:
+        """The next proposal starts: the step that began (if clean) is timed."""
+        if self._began is not None and self.draft_s is not None:
+            kind, R, t = self._began
+            self._observe(kind, bucket(R), now - t + self.draft_s)
+        self._began = self._next = None
 
     def _observe(self, kind: str, b: int, seconds: float) -> None:
         key = (kind, b)
         old = self.costs.get(key)
-        if key not in self.measured or old is None:
-            self.costs[key] = seconds if old is None else 0.5 * (old + seconds)  # the prior counts once
-            self.measured.add(key)
-        else:
-            self.costs[key] = old + _EMA * (seconds - old)
+        if old is None:
+            self.costs[key] = seconds
+        elif key not in self.measured:
+            self.costs[key] = 0.5 * (old + seconds)  # the table's prior counts once
+        else:  # a stall (a first-call compile, a page fault storm) moves the average at most 4x its value
+            self.costs[key] = old + _EMA * (min(seconds, 4 * old) - old)
+        self.measured.add(key)
 
     # -- acceptance: DDTree's device counters, read back without a sync ---------------------------
     def _poll(self) -> None:
@@ -170,6 +184,7 @@ class AutoBudget:
     def snapshot(self) -> dict:
         return {"tree_budget": self.B, "chain_len": self.L, "decisions": dict(self.decisions), "probes": self.probes,
                 "tokens_per_round": dict(self.tokens), "table": self.table_path,
+                "draft_ms": None if self.draft_s is None else 1e3 * self.draft_s,
                 "step_ms": {f"{k}@{b}": 1e3 * c for (k, b), c in sorted(self.costs.items())}}
 
 

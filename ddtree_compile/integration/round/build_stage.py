@@ -29,9 +29,10 @@ class BuildStage:
         ctx = self.ctx
         t0 = time.perf_counter()
         R = kw["next_token_ids"].shape[0]
-        kind = ctx.auto.choose(R) if ctx.auto is not None else TREE
+        kind = TREE
         if ctx.auto is not None:
-            ctx.auto.step_started(kind, R, t0)
+            ctx.auto.step_ended(t0)
+            kind = ctx.auto.choose(R)
         self._captured = None
         original_propose(num_speculative_tokens=ctx.L, **kw)
         logits, self._captured = self._captured, None
@@ -41,7 +42,7 @@ class BuildStage:
         req_ids = ctx.view.req_ids(R)
         chain = [ctx.chain_reason(r) for r in req_ids]
         if kind == CHAIN:  # flat DFlash's drafts; the tree stays unused (building it costs little)
-            ctx.metrics.add_time("build", time.perf_counter() - t0)
+            self._done(kind, R, t0)
             return top1, Pending(req_ids, tree, top1, chain, auto_chain=True)
         drafts = tree.tokens[:, 1:]
         if any(chain):
@@ -50,5 +51,11 @@ class BuildStage:
             chained = torch.cat([top1, drafts], dim=1)[:, : ctx.B]
             drafts = torch.where(rows.unsqueeze(1), chained, drafts)
             tree.tokens[:, 1:] = drafts
-        ctx.metrics.add_time("build", time.perf_counter() - t0)
+        self._done(kind, R, t0)
         return drafts, Pending(req_ids, tree, top1, chain)
+
+    def _done(self, kind: str, R: int, t0: float) -> None:
+        t1 = time.perf_counter()
+        self.ctx.metrics.add_time("build", t1 - t0)
+        if self.ctx.auto is not None:
+            self.ctx.auto.proposed(kind, R, t0, t1)

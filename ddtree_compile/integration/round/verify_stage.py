@@ -35,21 +35,22 @@ class VerifyStage:
             R = ctx.view.num_reqs()
             if len(drafts) == R and all(int(n) == ctx.L + 1 for n in num_scheduled_tokens[:R]):
                 ctx.metrics.auto_chain_steps += 1
-            else:  # a prefill or truncated drafts joined: not a clean chain step to time
-                ctx.auto.step_was_mixed()
+                ctx.auto.verify_began(time.perf_counter())
+            # (else a prefill or truncated drafts joined: not a clean chain step, not timed)
             return None
         reason, uniform = self._step_fallback(pending, drafts, num_scheduled_tokens)
         if reason is not None:
             ctx.metrics.chain_steps += 1
             ctx.metrics.fallback(reason)
-            if ctx.auto is not None:
-                ctx.auto.step_was_mixed()
             ctx.log_once("step:" + reason, "DDTree: steps verified as a plain chain (lossless) because of: "
                          "%s (logged once, counted in metrics)", reason)
             # A uniform batch may replay a FULL graph, which holds the tree ops: verify it as
             # chain-shaped trees through them (every row a chain row, vLLM's sampler), not as None.
             return self._chain_step() if uniform and self.graphs.captured else None
-        return self._make_step(pending)
+        step = self._make_step(pending)
+        if ctx.auto is not None:
+            ctx.auto.verify_began(step.t0)
+        return step
 
     def _step_fallback(self, pending, drafts, num_scheduled_tokens) -> tuple[str | None, bool]:
         """(why this step is verified as a plain chain or None, whether its batch is uniform: B+1 tokens each)."""
