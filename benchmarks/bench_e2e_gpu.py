@@ -197,6 +197,7 @@ def run(args) -> dict:
     reference = harness.reference_from_outputs(prompts, ref)
     modes = [("flat", None)] + [(f"ddtree{b}", b) for b in args.budgets] + [("auto", "auto")]
     modes = [(m, b) for m, b in modes if m in args.modes or (isinstance(b, int) and "ddtree" in args.modes)]
+    modes.sort(key=lambda mb: args.modes.index(mb[0]) if mb[0] in args.modes else len(args.modes))  # as listed
     for mode, budget in modes:
         if budget is None:
             spec, extra = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.flat_len}, {}
