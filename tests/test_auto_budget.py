@@ -84,16 +84,16 @@ def test_buckets_priors_and_what_is_not_timed():
     priors = ab.table_priors(table, BUDGET, L)
     assert priors == {(ab.TREE, 1): 0.010, (ab.TREE, 4): 0.030, (ab.CHAIN, 1): 0.008}
     m, p = _policy(priors)
-    _step(p, ab.TREE, 1, 0.0, 0.018)  # measured 20 ms: the prior counts once, then the average moves
-    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.015)
-    _step(p, ab.TREE, 1, 1.0, 0.018)
-    want = 0.015 + ab._EMA * (0.020 - 0.015)
-    assert p.costs[(ab.TREE, 1)] == pytest.approx(want)
-    _step(p, ab.TREE, 1, 2.0, 10.0)  # a 10 s stall moves the average by at most 4x its value
-    want += ab._EMA * (4 * want - want)
-    assert p.costs[(ab.TREE, 1)] == pytest.approx(want)
-    p.proposed(ab.TREE, 2, 3.0, 3.002)  # a step that did not start clean (a prefill joined): not timed
-    p.step_ended(3.5)
+    _step(p, ab.TREE, 1, 0.0, 1.198)  # a first-call compile: 1.2 s; the prior is replaced by measurements
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(1.2)
+    for i in range(2):
+        _step(p, ab.TREE, 1, 1.0 + i, 0.018)  # then 20 ms steps: the median forgets the stall
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.020)
+    for i in range(ab._WINDOW):
+        _step(p, ab.TREE, 1, 3.0 + i, 0.008)
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.010)  # the last _WINDOW steps only
+    p.proposed(ab.TREE, 2, 30.0, 30.002)  # a step that did not start clean (a prefill joined): not timed
+    p.step_ended(30.5)
     assert (ab.TREE, 2) not in p.costs and p.snapshot()["draft_ms"] == pytest.approx(2.0)
 
 

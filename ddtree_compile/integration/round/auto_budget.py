@@ -13,8 +13,8 @@ more tokens per second at this batch size.
   that copy's event has completed: no host sync on the hot path, the statistics lag a few steps.
 - cost(R) is the wall time of one engine step of that kind at batch bucket R (1, 2, 4, ...): the
   precompile cost table gives the prior (tools/precompile.py: round_ms at budget B for the tree,
-  at budget L for the chain, when those budgets were precompiled), then an average of the steps
-  this engine measures: the step's verify (its start to the next proposal; vLLM's step already
+  at budget L for the chain, when those budgets were precompiled), then the median of the last
+  steps this engine measured: the step's verify (its start to the next proposal; vLLM's step already
   waits for its sampled tokens, so host time is device time) plus the drafting both kinds share.
 - A kind without a cost at this bucket is tried; while the chain wins, every `probe_interval`-th
   step verifies the tree anyway so its acceptance keeps being measured (a drafter can get better).
@@ -27,10 +27,12 @@ runs as a non-uniform batch (PIECEWISE graphs). Intermediate budgets would need 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import pathlib
+import statistics
 
 import torch
 
@@ -39,6 +41,7 @@ from ..metrics import logger
 TREE, CHAIN = "tree", "chain"
 _EMA = 0.25  # weight of a new measurement (costs: per step; acceptance: per read-back window)
 _READBACK = 8  # decisions between read-backs of the acceptance counters
+_WINDOW = 9  # measured steps per (kind, bucket) whose median is the cost
 
 
 def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
@@ -75,6 +78,7 @@ class AutoBudget:
         self.probe_interval = probe_interval
         self.costs: dict = dict(priors or {})  # (kind, bucket) -> seconds per step
         self.measured: set = set()  # (kind, bucket) with at least one measured step
+        self._samples: dict = {}  # (kind, bucket) -> the last _WINDOW measured step times
         self.table_path = table_path
         self.tokens = {TREE: None, CHAIN: None}  # committed tokens per request-round (EMA)
         self.decisions = {TREE: 0, CHAIN: 0}
@@ -143,14 +147,13 @@ class AutoBudget:
         self._began = self._next = None
 
     def _observe(self, kind: str, b: int, seconds: float) -> None:
+        """The cost is the median of the key's last _WINDOW measured steps: a first-call compile or
+        any stall (the H100 saw 1.2 s for a 14 ms step) cannot lock a kind out. The table's prior
+        stands until the first measurement."""
         key = (kind, b)
-        old = self.costs.get(key)
-        if old is None:
-            self.costs[key] = seconds
-        elif key not in self.measured:
-            self.costs[key] = 0.5 * (old + seconds)  # the table's prior counts once
-        else:  # a stall (a first-call compile, a page fault storm) moves the average at most 4x its value
-            self.costs[key] = old + _EMA * (min(seconds, 4 * old) - old)
+        window = self._samples.setdefault(key, collections.deque(maxlen=_WINDOW))
+        window.append(seconds)
+        self.costs[key] = statistics.median(window)
         self.measured.add(key)
 
     # -- acceptance: DDTree's device counters, read back without a sync ---------------------------
