@@ -1,0 +1,113 @@
+"""Summarise a bench_e2e_gpu.py result: validity flags, ratios to flat DFlash, a markdown table, a plot.
+
+    python benchmarks/summarize_e2e.py benchmarks/results/e2e_h100_qwen35_4b.json [--png out.png]
+
+- A run whose outputs left the reference (reference_match < 0.95) is flagged `invalid`: its
+  acceptance is not the profile's (the oracle drafts the reference), so its speed says nothing.
+- Flat DFlash's acceptance does not depend on the profile here: the three profiles share the
+  chain's per-depth acceptance p0 (calibrate_oracle.py), only the off-chain ranks differ. So the
+  flat baseline per concurrency is the mean of its valid runs over the profiles (one number less
+  noisy than any single 256-token run); `vs_flat` is each run's tok/s over it, `gain` its tokens
+  per round over flat's and `break_even` flat's rounds/s over the run's (the gain it needs).
+- The plot (matplotlib: `pip install -e .[bench]`): tok/s over flat DFlash per mode, one panel per
+  profile, x = concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+
+VALID = 0.95
+
+
+def summarize(result: dict) -> dict:
+    runs = result["runs"]
+    for r in runs:
+        if "error" not in r and r.get("reference_match", 1.0) < VALID:
+            r["invalid"] = f"outputs left the reference (match {r['reference_match']:.3f}); see mismatch_heads"
+    flat = {}
+    for c in sorted({r["concurrency"] for r in runs if r.get("mode") == "flat"}):
+        ok = [r for r in runs if r.get("mode") == "flat" and r["concurrency"] == c and "invalid" not in r]
+        if ok:
+            flat[c] = {"tok_s": statistics.mean(r["tok_s"] for r in ok),
+                       "tokens_per_round": statistics.mean(r["tokens_per_round"] for r in ok),
+                       "rounds_per_s": statistics.mean(r["rounds"] / r["wall_s"] for r in ok), "runs": len(ok)}
+    for r in runs:
+        f = flat.get(r.get("concurrency"))
+        if f and r.get("mode") not in ("flat", None) and "error" not in r and "invalid" not in r:
+            r["vs_flat"] = r["tok_s"] / f["tok_s"]
+            if r.get("rounds"):
+                r["gain"] = r["tokens_per_round"] / f["tokens_per_round"]
+                r["break_even"] = f["rounds_per_s"] / (r["rounds"] / r["wall_s"])
+    result["flat_baseline"] = {str(c): v for c, v in flat.items()}
+    return result
+
+
+def table(result: dict) -> str:
+    """Markdown: tok/s over the flat baseline per mode (rows) and profile x concurrency (columns)."""
+    runs = [r for r in result["runs"] if r.get("profile") and "error" not in r and r["mode"] != "flat"]
+    profiles = list(dict.fromkeys(r["profile"] for r in runs))
+    conc = sorted({r["concurrency"] for r in runs})
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
+    cell = {(r["mode"], r["profile"], r["concurrency"]): r for r in runs}
+    head = "| mode | " + " | ".join(f"{p} c={c}" for p in profiles for c in conc) + " |"
+    lines = [head, "|" + " --- |" * (1 + len(profiles) * len(conc))]
+    for m in modes:
+        vals = []
+        for p in profiles:
+            for c in conc:
+                r = cell.get((m, p, c))
+                vals.append("-" if r is None or "vs_flat" not in r else f"{r['vs_flat']:.2f}x ({r['gain']:.2f})")
+        lines.append(f"| {m} | " + " | ".join(vals) + " |")
+    fb = result.get("flat_baseline", {})
+    lines.append("| flat DFlash tok/s | " + " | ".join(
+        f"{fb[str(c)]['tok_s']:.0f}" if str(c) in fb else "-" for _ in profiles for c in conc) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, png: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result["runs"] if "vs_flat" in r]
+    profiles = list(dict.fromkeys(r["profile"] for r in runs if r.get("profile")))
+    runs = [r for r in runs if r.get("profile")] + [  # no speculation: the same line in every panel
+        dict(r, profile=p) for r in runs if not r.get("profile") for p in profiles]
+    fig, axes = plt.subplots(1, len(profiles), figsize=(4.2 * len(profiles), 3.6), sharey=True)
+    for ax, p in zip(axes if len(profiles) > 1 else [axes], profiles):
+        for m in dict.fromkeys(r["mode"] for r in runs):
+            pts = sorted((r["concurrency"], r["vs_flat"]) for r in runs if r["mode"] == m and r["profile"] == p)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(p)
+        ax.set_xlabel("concurrency")
+    (axes[0] if len(profiles) > 1 else axes).set_ylabel("tok/s over flat DFlash")
+    (axes[-1] if len(profiles) > 1 else axes).legend(fontsize=8)
+    fig.suptitle(f"{result.get('args', {}).get('target', '')} on {result.get('device', '')} "
+                 f"(vLLM {result.get('vllm', '')}, CUDA graphs)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("result")
+    ap.add_argument("--png", default=None)
+    args = ap.parse_args(argv)
+    path = pathlib.Path(args.result)
+    result = summarize(json.loads(path.read_text()))
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(table(result))
+    if args.png:
+        plot(result, pathlib.Path(args.png))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
