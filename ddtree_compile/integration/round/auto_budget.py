@@ -39,7 +39,7 @@ import torch
 from ..metrics import logger
 
 TREE, CHAIN = "tree", "chain"
-_EMA = 0.25  # weight of a new measurement (costs: per step; acceptance: per read-back window)
+_EMA = 0.25  # weight of a new measurement (drafting time: per proposal; acceptance: per read-back window)
 _READBACK = 8  # decisions between read-backs of the acceptance counters
 _WINDOW = 9  # measured steps per (kind, bucket) whose median is the cost
 
@@ -59,7 +59,7 @@ def bucket(R: int) -> int:
 
 def table_priors(table: dict, tree_budget: int, draft_len: int) -> dict:
     """{(kind, bucket): seconds per step} from a precompile cost table (rows at the tree's budget
-    and at the chain's length L; a bucket takes the table's largest batch <= it)."""
+    and at the chain's length L; a row's batch goes to its bucket, the larger batch wins a bucket)."""
     priors = {}
     for kind, budget in ((TREE, tree_budget), (CHAIN, draft_len)):
         for row in sorted((r for r in table.get("buckets", []) if r.get("budget") == budget),
@@ -77,7 +77,6 @@ class AutoBudget:
         self.B, self.L = tree_budget, draft_len
         self.probe_interval = probe_interval
         self.costs: dict = dict(priors or {})  # (kind, bucket) -> seconds per step
-        self.measured: set = set()  # (kind, bucket) with at least one measured step
         self._samples: dict = {}  # (kind, bucket) -> the last _WINDOW measured step times
         self.table_path = table_path
         self.tokens = {TREE: None, CHAIN: None}  # committed tokens per request-round (EMA)
@@ -154,7 +153,6 @@ class AutoBudget:
         window = self._samples.setdefault(key, collections.deque(maxlen=_WINDOW))
         window.append(seconds)
         self.costs[key] = statistics.median(window)
-        self.measured.add(key)
 
     # -- acceptance: DDTree's device counters, read back without a sync ---------------------------
     def _poll(self) -> None:
