@@ -43,8 +43,10 @@ _SM90 = {
     256: AttnTiles(128, 32, 8, 4, waves=1.0, min_chunk=96, page_group=64),
 }
 # GB10 (sm_121a): UNMEASURED. ~99 KB smem per block and mma.sync (no wgmma), so small tiles, 2 stages.
-# Compile-checked only (Triton 3.9, target sm_121): shared memory 51 / 37 / 25 KB for D = 256 / 128 / 64,
-# no register spills except 40 B of stack at D=256.
+# Compile-checked only (benchmarks/aot_compile.py, Triton 3.9 / ptxas 13.4, sm_121a; results in
+# benchmarks/results/aot_sm90_sm121a.json): shared memory 51 / 37 / 25 KB for D = 256 / 128 / 64 against
+# 99 KB; spills: D=256 40 B (split-KV path) and 188 B (one-split path), D=64 68 B (one-split), D=128 none.
+# Unmeasured alternative without spills at D=256: 32x32 tiles with 8 warps (same 51 KB, 228-234 regs).
 _SM121 = {
     64: AttnTiles(64, 64, 4, 2),
     128: AttnTiles(64, 32, 8, 2),

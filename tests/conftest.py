@@ -63,3 +63,29 @@ def compile_caches_off(tmp_path_factory):
     with inductor_config.patch(force_disable_caches=True):
         yield
     mp.undo()
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32_reference(tmp_path_factory, request):
+    """Tiny float32 Qwen3 + its DFlash drafter, an `llm(**kw)` factory (eager, float32, stats on)
+    and the no-speculation outputs of the module's PROMPTS x MAX_TOKENS: the reference the oracle
+    drafts from and that lossless runs must equal token for token."""
+    from vllm import LLM
+
+    from ddtree_compile.tools import harness, models
+
+    prompts, max_tokens = request.module.PROMPTS, request.module.MAX_TOKENS
+    root = tmp_path_factory.mktemp("tiny_fp32")
+    target = models.write_tiny_model("qwen3", root / "qwen3")
+    drafter = models.write_tiny_dflash_drafter(target, root / "dflash")
+
+    def llm(**kw):
+        return LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", disable_log_stats=False, **kw))
+
+    ref_llm = llm()
+    try:
+        outs = harness.generate(ref_llm, prompts, max_tokens)
+    finally:
+        harness.shutdown(ref_llm)
+    return {"root": root, "target": target, "drafter": drafter, "llm": llm, "ref": outs,
+            "reference": harness.reference_from_outputs(prompts, outs)}

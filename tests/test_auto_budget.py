@@ -104,24 +104,9 @@ def _ddtree_plugin():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """Tiny float32 Qwen3 + DFlash drafter and the no-speculation outputs (the reference)."""
-    from vllm import LLM
-
-    root = tmp_path_factory.mktemp("auto")
-    target = models.write_tiny_model("qwen3", root / "qwen3")
-    drafter = models.write_tiny_dflash_drafter(target, root / "dflash")
-
-    def llm(**kw):
-        return LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", disable_log_stats=False, **kw))
-
-    ref_llm = llm()
-    try:
-        outs = harness.generate(ref_llm, PROMPTS, MAX_TOKENS)
-    finally:
-        harness.shutdown(ref_llm)
-    return {"root": root, "target": target, "drafter": drafter, "llm": llm, "ref": outs,
-            "reference": harness.reference_from_outputs(PROMPTS, outs)}
+def tiny(tiny_fp32_reference):
+    """Tiny float32 Qwen3 + DFlash drafter and the no-speculation outputs (conftest)."""
+    return tiny_fp32_reference
 
 
 def _auto_run(tiny, **auto):

@@ -91,23 +91,9 @@ def _ddtree_plugin():
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    """No speculation (the reference), DDTree and vLLM's flat DFlash, float32, eager."""
-    from vllm import LLM
-
-    root = tmp_path_factory.mktemp("oracle")
-    target = models.write_tiny_model("qwen3", root / "qwen3")
-    drafter = models.write_tiny_dflash_drafter(target, root / "dflash")
-
-    def llm(**kw):
-        return LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", disable_log_stats=False, **kw))
-
-    ref_llm = llm()
-    try:
-        outs = harness.generate(ref_llm, PROMPTS, MAX_TOKENS)
-    finally:
-        harness.shutdown(ref_llm)
-    return {"ref": outs, "reference": harness.reference_from_outputs(PROMPTS, outs), "llm": llm, "drafter": drafter}
+def engines(tiny_fp32_reference):
+    """No speculation (the reference), DDTree and vLLM's flat DFlash, float32, eager (conftest)."""
+    return tiny_fp32_reference
 
 
 def _run(llm, reference, profile):
