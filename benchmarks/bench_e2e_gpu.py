@@ -152,7 +152,8 @@ def run(args) -> dict:
     prof_json = json.loads(pathlib.Path(args.profiles).read_text())
     profiles = [oracle.profile_from(p) for p in prof_json["profiles"] if p["name"] in args.profile_names]
     conc = [int(c) for c in args.concurrency.split(",")]
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_e2e_"))
+    # a fixed --models-dir keeps the model paths, so vLLM's compile cache of an earlier process applies
+    tmp = pathlib.Path(args.models_dir) if args.models_dir else pathlib.Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     if args.target == "tiny":
         target = models.write_tiny_model(args.tiny_kind, tmp / "t", dtype="bfloat16")
         drafter = models.write_tiny_dflash_drafter(target, tmp / "d")
@@ -341,6 +342,8 @@ def main(argv=None) -> int:
                     "else written (so later commands skip computing them)")
     ap.add_argument("--repeat-reference", action="store_true", help="shaped targets: take the reference as the "
                     "last prompt token repeated (what sharpen() makes the target say) instead of a no-spec engine")
+    ap.add_argument("--models-dir", default=None, help="where the config-only model folders are written "
+                    "(default: a new temporary folder)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     args = ap.parse_args(argv)

@@ -36,6 +36,33 @@ def test_vllm_kwargs_is_the_switch():
         "num_speculative_tokens"] == 7
     args = config.cli_args("/d", budget=8, num_speculative_tokens=7)
     assert args[0] == "--speculative-config" and args[2] == "--additional-config"
+    assert args[4] == "--compilation-config"
+
+
+def test_the_switch_keeps_the_graph_whole_for_the_pass_on_gpus():
+    """On CUDA vLLM's piecewise split hides the attention / GDN ops from every Inductor pass: the
+    switch must ask for the graph partition and list our ops as splitting ops (the first H100 run of
+    `precompile` without it got flat DFlash: "a compiled engine without the tree-verify pass")."""
+    cpu = config.vllm_kwargs("/d", budget=8, num_speculative_tokens=7, platform="cpu")["compilation_config"]
+    assert cpu == {"inductor_passes": {"post_grad_custom_post_pass": config.PASS_NAME}}
+    gpu = config.vllm_kwargs("/d", budget=8, num_speculative_tokens=7, platform="cuda")["compilation_config"]
+    assert gpu["inductor_passes"] == cpu["inductor_passes"] and gpu["use_inductor_graph_partition"] is True
+    assert any(op.startswith("ddtree::") for op in gpu["splitting_ops"]), gpu["splitting_ops"]
+
+
+def test_merge_llm_kwargs_keeps_yours_and_the_pass():
+    switch = config.vllm_kwargs("/d", budget=8, num_speculative_tokens=7, platform="cuda")
+    user = {"dtype": "bfloat16", "additional_config": {"gdn_prefill_backend": "triton"},
+            "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE", "use_inductor_graph_partition": True}}
+    kw = config.merge_llm_kwargs(user, switch)
+    assert kw["dtype"] == "bfloat16" and kw["speculative_config"] == switch["speculative_config"]
+    assert kw["additional_config"] == {"gdn_prefill_backend": "triton", **switch["additional_config"]}
+    cc = kw["compilation_config"]
+    assert cc["cudagraph_mode"] == "FULL_AND_PIECEWISE" and cc["splitting_ops"] == switch["compilation_config"][
+        "splitting_ops"] and cc["inductor_passes"] == {"post_grad_custom_post_pass": config.PASS_NAME}
+    with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
+        config.merge_llm_kwargs({"compilation_config": {"inductor_passes": {"post_grad_custom_post_pass": "x.y"}}},
+                                switch)
 
 
 def test_effective_budget():

@@ -154,13 +154,15 @@ def parse(additional_config) -> DDTreeConfig | None:
 
 
 def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: float = 1.0, chain_seed: bool = True,
-                num_speculative_tokens: int = 15, **auto) -> dict:
+                num_speculative_tokens: int = 15, platform: str | None = None, **auto) -> dict:
     """Keyword arguments that switch DDTree on for `vllm.LLM(...)` (what `cli_args` passes to `vllm serve`).
 
     `num_speculative_tokens` is the draft length L (flat DFlash's chain length); vLLM's own
-    num_speculative_tokens becomes max(effective budget, L) so its slots hold the tree. Merge the
-    returned `compilation_config` with your own if you pass one. `auto`: auto_budget / probe_interval
-    / cost_table with budget="auto".
+    num_speculative_tokens becomes max(effective budget, L) so its slots hold the tree. The
+    `compilation_config` installs the tree pass for `platform` ("cpu", "cuda", "rocm"; default: "cuda"
+    where torch sees a GPU): on GPUs it also keeps the graph whole for the pass
+    (passes/entry.compilation_config). Merge it with your own with `merge_llm_kwargs`. `auto`:
+    auto_budget / probe_interval / cost_table with budget="auto".
     """
     cfg = DDTreeConfig(budget=budget, top_k=top_k, temperature=temperature, chain_seed=chain_seed,
                        draft_len=_int("draft_len", num_speculative_tokens, 1), **auto)
@@ -171,8 +173,33 @@ def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: flo
         "additional_config": {KEY: cfg.to_dict()},
     }
     # vLLM resolves the pass as `__import__("ddtree_compile").__dict__["tree_verify_pass"]`.
-    kwargs["compilation_config"] = {"inductor_passes": {"post_grad_custom_post_pass": PASS_NAME}}
+    from ddtree_compile.passes.entry import compilation_config  # lazy: the pass package imports this module
+
+    kwargs["compilation_config"] = compilation_config(platform or _platform(), PASS_NAME)
     return kwargs
+
+
+def _platform() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def merge_llm_kwargs(user: dict, switch: dict) -> dict:
+    """`vllm.LLM` kwargs of your own plus the DDTree switch (`vllm_kwargs`): the switch's speculative
+    config; additional_config and compilation_config merged key by key (yours win, except the tree
+    pass, which must stay: another post-grad pass in its place is an error)."""
+    out = {**user, "speculative_config": switch["speculative_config"]}
+    out["additional_config"] = {**user.get("additional_config", {}), **switch["additional_config"]}
+    cc_user = dict(user.get("compilation_config") or {})
+    passes = {**cc_user.get("inductor_passes", {})}
+    theirs = passes.get("post_grad_custom_post_pass")
+    if theirs not in (None, PASS_NAME):
+        raise ValueError(f"compilation_config.inductor_passes['post_grad_custom_post_pass'] is {theirs!r}; "
+                         f"DDTree needs {PASS_NAME!r} there")
+    passes["post_grad_custom_post_pass"] = PASS_NAME
+    out["compilation_config"] = {**switch["compilation_config"], **cc_user, "inductor_passes": passes}
+    return out
 
 
 PASS_NAME = "ddtree_compile.tree_verify_pass"

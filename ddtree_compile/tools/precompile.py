@@ -45,6 +45,11 @@ def default_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pa
 def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_len: int = 15,
         max_tokens: int = 32, out=None, llm_kwargs: dict | None = None, log=print) -> dict:
     """Start one engine per budget, time every batch bucket, write and return the cost table."""
+    import os
+
+    # the timing drives the engine's runner in this process (oracle drafter, counters): without this a
+    # plain shell's engine core would be a child process and DDTree's state out of reach
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
     from ddtree_compile.integration import config, engines, metrics
@@ -60,11 +65,9 @@ def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_
              "max_batch": max_batch, "max_tokens": max_tokens, "buckets": [], "starts": {}}
     total, done = len(budgets) * len(buckets), 0
     for budget in budgets:
-        kw = dict(llm_kwargs or {})
-        kw.update(model=str(model), max_num_seqs=max_batch, disable_log_stats=False)
         switch = config.vllm_kwargs(draft, budget=budget, top_k=top_k, num_speculative_tokens=draft_len)
-        kw["speculative_config"] = switch["speculative_config"]
-        kw["additional_config"] = {**kw.get("additional_config", {}), **switch["additional_config"]}
+        kw = config.merge_llm_kwargs(dict(llm_kwargs or {}), switch)
+        kw.update(model=str(model), max_num_seqs=max_batch, disable_log_stats=False)
         t0 = time.perf_counter()
         llm = LLM(**kw)
         table["starts"][str(budget)] = time.perf_counter() - t0
