@@ -41,11 +41,11 @@ os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # later commands on a war
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Layer shapes (public configs of Qwen3.5-4B and Qwen3.6-27B as we know them; check against the
-# real config.json when one is reachable). Qwen3-Next architecture, one routed expert.
+# real config.json when one is reachable). Qwen3-Next architecture with plain MLPs (write_shaped).
 SHAPES = {
-    "qwen35_4b": dict(hidden_size=2560, num_hidden_layers=32, moe_intermediate_size=9216, num_attention_heads=16,
+    "qwen35_4b": dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, num_attention_heads=16,
                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32),
-    "qwen36_27b": dict(hidden_size=5120, num_hidden_layers=64, moe_intermediate_size=17408, num_attention_heads=24,
+    "qwen36_27b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
                        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48),
 }
 VOCAB = 248320
@@ -57,15 +57,20 @@ def write_shaped(shape: str, root: pathlib.Path) -> tuple[pathlib.Path, pathlib.
 
     s = SHAPES[shape]
     target = root / shape
+    n = s["num_hidden_layers"]
+    # Qwen3.5/3.6 dense models have plain MLPs; vLLM's Qwen3-Next needs one MoE layer, so the last layer
+    # is a one-expert MoE of the same width and the others are plain MLPs (`mlp_only_layers`). A
+    # one-expert MoE in every layer would time vLLM's fused_moe Triton kernel instead of the cuBLAS
+    # GEMMs of a dense model: on the H100 it cost 13.6 ms per round at 16 tokens and 24.1 ms at 33.
     cfg = Qwen3NextConfig(vocab_size=VOCAB, full_attention_interval=4, num_experts=1, num_experts_per_tok=1,
+                          moe_intermediate_size=s["intermediate_size"], mlp_only_layers=list(range(n - 1)),
                           shared_expert_intermediate_size=512, decoder_sparse_step=1, linear_conv_kernel_dim=4,
                           linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768,
                           tie_word_embeddings=False, torch_dtype="bfloat16", **s)
     cfg.architectures = ["Qwen3NextForCausalLM"]
     cfg.save_pretrained(target)
-    n = s["num_hidden_layers"]
     drafter = root / f"{shape}_dflash"
-    d = Qwen3Config(vocab_size=VOCAB, hidden_size=s["hidden_size"], intermediate_size=s["moe_intermediate_size"],
+    d = Qwen3Config(vocab_size=VOCAB, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
                     num_hidden_layers=5, num_attention_heads=s["num_attention_heads"],
                     num_key_value_heads=s["num_key_value_heads"], head_dim=128, tie_word_embeddings=False,
                     torch_dtype="bfloat16")
@@ -234,12 +239,45 @@ def run(args) -> dict:
                         result["runs"].append(row)
                         save()
                         print(_line(row), flush=True)
+                    if args.gpu_profile and prof is profiles[0]:
+                        result.setdefault("gpu_profiles", []).append(
+                            {"mode": mode, "profile": prof.name, "concurrency": conc[0],
+                             **_gpu_profile(llm, prompts[: conc[0]], args.max_tokens, budget)})
+                        save()
                 finally:
                     od.uninstall()
         finally:
             engines.shutdown(llm)
     _break_even(result["runs"])
     return result
+
+
+def _gpu_profile(llm, prompts, max_tokens, budget, top=30) -> dict:
+    """One more timed run under torch.profiler: the GPU's busy time per round (kernel and copy
+    durations, which host overhead does not change) next to the wall time per round, and the
+    kernels that fill it. Wall - busy is the time the GPU waited for the host."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from ddtree_compile.tools.timing import timed_steps
+
+    before = _counters(llm, budget)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        r = timed_steps(llm, prompts, max_tokens)
+    rounds = max(_rounds(budget, before, _counters(llm, budget))["rounds"], 1)
+    dev = [e for e in p.key_averages() if e.device_type == DeviceType.CUDA]
+    us = [(getattr(e, "self_device_time_total", 0) or 0, e.count, e.key) for e in dev]
+    busy_ms = sum(t for t, _, _ in us) / 1e3 / rounds
+    us.sort(reverse=True)
+    host = sorted(((e.count, e.self_cpu_time_total, e.key) for e in p.key_averages()
+                   if e.device_type == DeviceType.CPU and e.key.startswith("aten::")), reverse=True)
+    return {"rounds": rounds, "wall_ms_per_round_profiled": 1e3 * r["wall_s"] / rounds,
+            "gpu_busy_ms_per_round": busy_ms, "gpu_launches_per_round": sum(c for _, c, _ in us) / rounds,
+            "host_aten_ops_per_round": sum(c for c, _, _ in host) / rounds,
+            "kernels": [{"name": k[:120], "ms_per_round": t / 1e3 / rounds, "per_round": c / rounds}
+                        for t, c, k in us[:top]],
+            "host_ops": [{"name": k, "per_round": c / rounds, "self_cpu_ms_per_round": t / 1e3 / rounds}
+                         for c, t, k in host[:top]]}
 
 
 def _summary(r, ref, max_tokens) -> dict:
@@ -344,6 +382,8 @@ def main(argv=None) -> int:
                     "last prompt token repeated (what sharpen() makes the target say) instead of a no-spec engine")
     ap.add_argument("--models-dir", default=None, help="where the config-only model folders are written "
                     "(default: a new temporary folder)")
+    ap.add_argument("--gpu-profile", action="store_true", help="per mode, one more run at the first concurrency "
+                    "and profile under torch.profiler: GPU busy ms per round and the top kernels (gpu_profiles)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     args = ap.parse_args(argv)
