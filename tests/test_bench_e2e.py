@@ -75,3 +75,16 @@ def test_bench_e2e_split_over_commands_and_merged(bench, tmp_path):
     d = next(r for r in m["runs"] if r["mode"] == "ddtree8")
     assert d["reference_match"] == 1.0 and d["tokens_per_round"] == pytest.approx(8.0, abs=1.0)
     assert d["break_even_gain"] > 0 and d["tok_s_vs_flat"] > 0
+
+
+def test_shaped_target_is_dense_with_one_moe_layer(bench, tmp_path):
+    """The real-size targets are dense models: vLLM's Qwen3-Next needs one MoE layer, so only the last
+    layer is a one-expert MoE; a MoE in every layer would time fused_moe instead of cuBLAS GEMMs."""
+    target, drafter = bench.write_shaped("qwen36_27b", tmp_path)
+    cfg = json.loads((target / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    assert n == 64 and cfg["mlp_only_layers"] == list(range(n - 1))
+    assert cfg["num_experts"] == 1 and cfg["moe_intermediate_size"] == cfg["intermediate_size"] == 17408
+    d = json.loads((drafter / "config.json").read_text())
+    assert d["architectures"] == ["DFlashDraftModel"] and d["num_target_layers"] == n
+    assert all(0 < i < n for i in d["dflash_config"]["target_layer_ids"])
