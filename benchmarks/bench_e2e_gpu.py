@@ -343,12 +343,14 @@ def _line(r) -> str:
 
 
 def merge(paths, out) -> dict:
-    """One result from several commands' JSON files (runs concatenated, break-even recomputed)."""
+    """One result from several commands' JSON files (runs and GPU profiles concatenated, break-even
+    recomputed)."""
     parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
-    result = {**parts[0], "merged_from": [str(p) for p in paths], "runs": [], "starts": {}}
+    result = {**parts[0], "merged_from": [str(p) for p in paths], "runs": [], "starts": {}, "gpu_profiles": []}
     for p in parts:
         result["runs"] += p["runs"]
         result["starts"].update(p.get("starts", {}))
+        result["gpu_profiles"] += p.get("gpu_profiles", [])
     _break_even(result["runs"])
     pathlib.Path(out).write_text(json.dumps(result, indent=1, default=str))
     return result

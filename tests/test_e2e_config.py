@@ -36,7 +36,9 @@ def test_vllm_kwargs_is_the_switch():
         "num_speculative_tokens"] == 7
     args = config.cli_args("/d", budget=8, num_speculative_tokens=7)
     assert args[0] == "--speculative-config" and args[2] == "--additional-config"
-    assert args[4] == "--compilation-config"
+    assert args[4] == "--no-async-scheduling" and args[5] == "--compilation-config"
+    # vLLM 0.26 turns async scheduling on by default for DFlash on GPUs; the tree round needs it off.
+    assert kw["async_scheduling"] is False
 
 
 def test_the_switch_keeps_the_graph_whole_for_the_pass_on_gpus():
@@ -60,6 +62,9 @@ def test_merge_llm_kwargs_keeps_yours_and_the_pass():
     cc = kw["compilation_config"]
     assert cc["cudagraph_mode"] == "FULL_AND_PIECEWISE" and cc["splitting_ops"] == switch["compilation_config"][
         "splitting_ops"] and cc["inductor_passes"] == {"post_grad_custom_post_pass": config.PASS_NAME}
+    assert kw["async_scheduling"] is False
+    with pytest.raises(ValueError, match="async_scheduling"):
+        config.merge_llm_kwargs({"async_scheduling": True}, switch)
     with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
         config.merge_llm_kwargs({"compilation_config": {"inductor_passes": {"post_grad_custom_post_pass": "x.y"}}},
                                 switch)

@@ -31,13 +31,25 @@ ROUND_HOOKS = {
 def patch_after(cls, name: str, after) -> bool:
     """Wrap `cls.name` so `after(self, args, kwargs)` runs once the original returned (the one kind
     of class patch DDTree makes). Idempotent: False if already patched; `unpatch` undoes it."""
+    return _patch(cls, name, after=after)
+
+
+def patch_before(cls, name: str, before) -> bool:
+    """Like `patch_after`, with `before(self, args, kwargs)` running before the original."""
+    return _patch(cls, name, before=before)
+
+
+def _patch(cls, name: str, before=None, after=None) -> bool:
     original = getattr(cls, name)
     if getattr(original, _PATCHED, False):
         return False
 
     def patched(self, *args, **kwargs):
+        if before is not None:
+            before(self, args, kwargs)
         out = original(self, *args, **kwargs)
-        after(self, args, kwargs)
+        if after is not None:
+            after(self, args, kwargs)
         return out
 
     setattr(patched, _PATCHED, True)

@@ -50,6 +50,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     gdn_params,
     model_module_ids,
     patch_after,
+    patch_before,
     replace_round_members,
     sampler_output,
     sampling_unsupported_reason,
@@ -83,6 +84,16 @@ def install_kv_cache_hook(on_kv_caches_ready) -> bool:
     if runner_v2 is not None:
         patch_after(runner_v2, "initialize_kv_cache", _refuse_on_v2)
     return True
+
+
+def install_model_load_hook(on_model_load) -> bool:
+    """Patch `GPUModelRunner.load_model` once per process: `on_model_load(runner)` runs before the
+    original, so before vLLM compiles the model or loads its compiled graph from the compile cache
+    (a warm start: the AOT artifact calls the ddtree:: ops, and the pass that defines them does not
+    run). Returns False if already patched."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return patch_before(GPUModelRunner, "load_model", lambda runner, args, kwargs: on_model_load(runner))
 
 
 def _runner_v2():

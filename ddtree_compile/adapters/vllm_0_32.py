@@ -30,6 +30,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     gdn_params,
     model_module_ids,
     patch_after,
+    patch_before,
     replace_round_members,
     sampler_output,
     sampling_unsupported_reason,
@@ -50,6 +51,20 @@ def install_kv_cache_hook(on_kv_caches_ready) -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     return patch_after(GPUModelRunner, "initialize_kv_cache", lambda runner, args, kwargs: on_kv_caches_ready(runner))
+
+
+def install_model_load_hook(on_model_load) -> bool:
+    """Patch `load_model` of the V1 runner (and of `CPUModelRunner`, which overrides it) once per
+    process: `on_model_load(runner)` runs before the original, so before vLLM compiles the model or
+    loads a compiled graph from its cache. Returns False if already patched."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    done = patch_before(GPUModelRunner, "load_model", lambda runner, args, kwargs: on_model_load(runner))
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except Exception:  # a CUDA build of 0.32: no CPU runner
+        return done
+    return patch_before(CPUModelRunner, "load_model", lambda runner, args, kwargs: on_model_load(runner)) or done
 
 
 def uninstall_kv_cache_hook() -> None:

@@ -161,8 +161,10 @@ def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: flo
     num_speculative_tokens becomes max(effective budget, L) so its slots hold the tree. The
     `compilation_config` installs the tree pass for `platform` ("cpu", "cuda", "rocm"; default: "cuda"
     where torch sees a GPU): on GPUs it also keeps the graph whole for the pass
-    (passes/entry.compilation_config). Merge it with your own with `merge_llm_kwargs`. `auto`:
-    auto_budget / probe_interval / cost_table with budget="auto".
+    (passes/entry.compilation_config). `async_scheduling` is off: the tree round runs in vLLM's
+    synchronous path, and vLLM 0.26 turns async scheduling on by default for DFlash on GPUs (the
+    H100 precompile fell back to flat DFlash without it). Merge it with your own with
+    `merge_llm_kwargs`. `auto`: auto_budget / probe_interval / cost_table with budget="auto".
     """
     cfg = DDTreeConfig(budget=budget, top_k=top_k, temperature=temperature, chain_seed=chain_seed,
                        draft_len=_int("draft_len", num_speculative_tokens, 1), **auto)
@@ -171,6 +173,7 @@ def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: flo
         "speculative_config": {"method": "dflash", "model": str(draft_model),
                                "num_speculative_tokens": max(b_eff, cfg.draft_len)},
         "additional_config": {KEY: cfg.to_dict()},
+        "async_scheduling": False,
     }
     # vLLM resolves the pass as `__import__("ddtree_compile").__dict__["tree_verify_pass"]`.
     from ddtree_compile.passes.entry import compilation_config  # lazy: the pass package imports this module
@@ -188,8 +191,12 @@ def _platform() -> str:
 def merge_llm_kwargs(user: dict, switch: dict) -> dict:
     """`vllm.LLM` kwargs of your own plus the DDTree switch (`vllm_kwargs`): the switch's speculative
     config; additional_config and compilation_config merged key by key (yours win, except the tree
-    pass, which must stay: another post-grad pass in its place is an error)."""
-    out = {**user, "speculative_config": switch["speculative_config"]}
+    pass, which must stay: another post-grad pass in its place is an error; and async scheduling,
+    which the tree round cannot run under)."""
+    if user.get("async_scheduling"):
+        raise ValueError("async_scheduling=True: DDTree's round runs in vLLM's synchronous path; "
+                         "allowed: False or unset")
+    out = {**user, "speculative_config": switch["speculative_config"], "async_scheduling": False}
     out["additional_config"] = {**user.get("additional_config", {}), **switch["additional_config"]}
     cc_user = dict(user.get("compilation_config") or {})
     passes = {**cc_user.get("inductor_passes", {})}
@@ -209,5 +216,9 @@ def cli_args(draft_model, budget: int | str, **kw) -> list[str]:
     """`vllm serve` arguments equivalent to `vllm_kwargs(...)` (one switch, two spellings)."""
     out = []
     for key, value in vllm_kwargs(draft_model, budget, **kw).items():
-        out += ["--" + key.replace("_", "-"), json.dumps(value)]
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):  # vLLM's boolean flags come as --x / --no-x
+            out.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            out += ["--" + flag, json.dumps(value)]
     return out

@@ -3,8 +3,9 @@
 pyproject entry point (group `vllm.general_plugins`):  ddtree = "ddtree_compile.integration.plugin:register"
 
 vLLM runs `register()` once per process (front end, engine core, workers) before the runner
-classes are used. It only installs the adapter's runner hook (adapters/), which does nothing
-unless an engine's `additional_config` holds a "ddtree" entry. On a vLLM outside the adapters'
+classes are used. It only installs the adapter's runner hooks (adapters/: before the model loads,
+once the KV caches exist), which do nothing unless an engine's `additional_config` holds a
+"ddtree" entry. On a vLLM outside the adapters'
 window nothing is patched: an engine with DDTree switched on then runs as flat DFlash, and the
 reason is logged once per process and counted (metrics.PROCESS_STARTUP_FALLBACKS).
 """
@@ -30,7 +31,22 @@ def register() -> None:
     except adapters.UnsupportedVLLM as e:
         refuse_once(str(e), "engines with DDTree switched on (additional_config['ddtree']) run as flat DFlash")
         return
+    adapter.install_model_load_hook(_on_model_load)
     adapter.install_kv_cache_hook(_on_kv_caches_ready)
+
+
+def _on_model_load(runner) -> None:
+    """Before the model loads: a DDTree engine defines the `ddtree::` mirror ops now. The tree pass
+    defines them when it rewrites a graph, but a warm start loads the rewritten graph from vLLM's
+    compile cache without running the pass, and that graph calls them (the H100 warm start of
+    `precompile` failed with "'ddtree' object has no attribute 'qwen_gdn_attention_core'")."""
+    from ddtree_compile.integration import config
+
+    if config.parse(runner.vllm_config.additional_config) is None:
+        return
+    from ddtree_compile.passes.entry import tree_verify_pass
+
+    tree_verify_pass.engine()  # resolves the rule table, registering every active rule's mirror op
 
 
 def _on_kv_caches_ready(runner) -> None:
