@@ -29,8 +29,9 @@ ROUND_HOOKS = {
 
 
 def patch_after(cls, name: str, after) -> bool:
-    """Wrap `cls.name` so `after(self, args, kwargs)` runs once the original returned (the one kind
-    of class patch DDTree makes). Idempotent: False if already patched; `unpatch` undoes it."""
+    """Wrap `cls.name` so `after(self, args, kwargs)` runs once the original returned (with
+    `patch_before`, the only kind of class patch DDTree makes). Idempotent: False if already patched;
+    `unpatch` undoes it."""
     return _patch(cls, name, after=after)
 
 

