@@ -61,12 +61,15 @@ def install_model_load_hook(on_model_load) -> bool:
     loads a compiled graph from its cache. Returns False if already patched."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    done = patch_before(GPUModelRunner, "load_model", lambda runner, args, kwargs: on_model_load(runner))
+    classes = [GPUModelRunner]
     try:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    except Exception:  # a CUDA build of 0.32: no CPU runner
-        return done
-    return patch_before(CPUModelRunner, "load_model", lambda runner, args, kwargs: on_model_load(runner)) or done
+
+        classes.append(CPUModelRunner)
+    except ImportError:  # a CUDA build of 0.32: no CPU runner
+        pass
+    return any([patch_before(cls, "load_model", lambda runner, args, kwargs: on_model_load(runner))
+                for cls in classes])
 
 
 def uninstall_kv_cache_hook() -> None:
