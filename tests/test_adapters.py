@@ -52,6 +52,7 @@ def defined():
 assert mirrors and defined() == [], defined()
 plugin.register()
 assert getattr(GPUModelRunner.load_model, "_ddtree_patched") and getattr(CPUModelRunner.load_model, "_ddtree_patched")
+assert getattr(GPUModelRunner.profile_run, "_ddtree_patched") and CPUModelRunner.profile_run is GPUModelRunner.profile_run
 runner = lambda extra: types.SimpleNamespace(vllm_config=types.SimpleNamespace(additional_config=extra))
 plugin._on_model_load(runner({}))  # an engine without DDTree defines nothing
 assert defined() == [], defined()

@@ -18,6 +18,7 @@ import pytest
 
 from ddtree_compile import adapters
 from ddtree_compile.integration import config, engines, metrics, plugin
+from ddtree_compile.integration.round import workspace
 from ddtree_compile.tools import harness, models
 
 MAX_TOKENS = 96
@@ -51,6 +52,19 @@ def _force_bucket_path(llm, monkeypatch):
     return state, filled
 
 
+def _check_gdn_workspace(llm, state):
+    """Every bucket's GDN verify reads the engine's one depth stack (round/workspace.py): a stack the
+    op allocated inside each FULL graph's capture was held once per bucket (the H100 4B OOM). The
+    bytes vLLM's memory profile reserves (the plugin's hook) are exactly what attach allocates."""
+    ws, metas = state.verify.workspace, state.verify.graphs._metas
+    assert metas and all(m.gdn.stack.data_ptr() == ws.stack.data_ptr() and m.gdn.stack.shape[0] == rows
+                         for rows, m in metas.items())
+    runner = engines.find_runner(llm)
+    assert workspace.plan(runner, state.ctx.cfg) == ws.nbytes > ws.stack.numel() * 4
+    plugin._on_memory_profile(runner)
+    assert workspace.release(runner) == ws.nbytes and workspace.release(runner) == 0
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
     from vllm import LLM
@@ -79,6 +93,8 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
         out_harness = harness.generate(llm, PROMPTS, MAX_TOKENS)
         h.uninstall()
         m = metrics.collect(llm)[0]
+        if hybrid:
+            _check_gdn_workspace(llm, state)
     finally:
         harness.shutdown(llm)
     print(f"\n{kind}: buckets filled {sorted(set(filled))}, {m['tree_steps']} tree steps, {m['chain_steps']} "

@@ -96,6 +96,17 @@ def install_model_load_hook(on_model_load) -> bool:
     return patch_before(GPUModelRunner, "load_model", lambda runner, args, kwargs: on_model_load(runner))
 
 
+def install_memory_profile_hook(on_memory_profile) -> bool:
+    """Patch `GPUModelRunner.profile_run` (`gpu_model_runner.py:6364`) once per process:
+    `on_memory_profile(runner)` runs before the original. `Worker.determine_available_memory` calls
+    it inside `memory_profiling` (`gpu_worker.py:484-488`), whose torch peak becomes non-KV memory
+    (`:513-545`), so what the hook allocates and keeps is left out of the KV cache. Returns False
+    if already patched."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return patch_before(GPUModelRunner, "profile_run", lambda runner, args, kwargs: on_memory_profile(runner))
+
+
 def _runner_v2():
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2

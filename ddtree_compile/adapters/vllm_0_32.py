@@ -72,6 +72,16 @@ def install_model_load_hook(on_model_load) -> bool:
                 for cls in classes])
 
 
+def install_memory_profile_hook(on_memory_profile) -> bool:
+    """Patch `GPUModelRunner.profile_run` (`CPUModelRunner` inherits it) once per process:
+    `on_memory_profile(runner)` runs before the original, inside the GPU worker's memory profile
+    (its peak is non-KV memory). The CPU worker calls it only to warm up a compiled model, before
+    it reads the process RSS that sizes the KV cache. Returns False if already patched."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return patch_before(GPUModelRunner, "profile_run", lambda runner, args, kwargs: on_memory_profile(runner))
+
+
 def uninstall_kv_cache_hook() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

@@ -4,9 +4,9 @@ pyproject entry point (group `vllm.general_plugins`):  ddtree = "ddtree_compile.
 
 vLLM runs `register()` once per process (front end, engine core, workers) before the runner
 classes are used. It only installs the adapter's runner hooks (adapters/: before the model loads,
-once the KV caches exist), which do nothing unless an engine's `additional_config` holds a
-"ddtree" entry. On a vLLM outside the adapters'
-window nothing is patched: an engine with DDTree switched on then runs as flat DFlash, and the
+when vLLM profiles memory, once the KV caches exist), which do nothing unless an engine's
+`additional_config` holds a "ddtree" entry. On a vLLM outside the adapters' window nothing is
+patched: an engine with DDTree switched on then runs as flat DFlash, and the
 reason is logged once per process and counted (metrics.PROCESS_STARTUP_FALLBACKS).
 """
 
@@ -32,6 +32,7 @@ def register() -> None:
         refuse_once(str(e), "engines with DDTree switched on (additional_config['ddtree']) run as flat DFlash")
         return
     adapter.install_model_load_hook(_on_model_load)
+    adapter.install_memory_profile_hook(_on_memory_profile)
     adapter.install_kv_cache_hook(_on_kv_caches_ready)
 
 
@@ -47,6 +48,18 @@ def _on_model_load(runner) -> None:
     from ddtree_compile.passes.entry import tree_verify_pass
 
     tree_verify_pass.engine()  # resolves the rule table, registering every active rule's mirror op
+
+
+def _on_memory_profile(runner) -> None:
+    """vLLM measures the memory it must leave out of the KV cache: a DDTree engine reserves its
+    round's GDN buffers now (round/workspace.py); attach allocates them in that space."""
+    from ddtree_compile.integration import config
+
+    cfg = config.parse(runner.vllm_config.additional_config)
+    if cfg is not None:
+        from ddtree_compile.integration.round import workspace
+
+        workspace.reserve(runner, cfg)
 
 
 def _on_kv_caches_ready(runner) -> None:

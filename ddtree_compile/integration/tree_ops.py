@@ -92,8 +92,11 @@ def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest)
         g.tree_meta = gdn_step.make_gdn_meta(meta.parents, width)
     tm = g.tree_meta
     hv, v, k = ssm.shape[1:]
-    if g.stack is None or g.stack.shape[1] < tm.max_depth or g.stack.shape[2:] != (hv, v, k):
+    if g.stack is None:  # a caller outside the round (the round passes its workspace's, round/workspace.py)
         g.stack = torch.empty(R, max(tm.max_depth, 1), hv, v, k, dtype=torch.float32, device=mixed_qkv.device)
+    elif g.stack.shape[0] < R or g.stack.shape[1] < tm.max_depth or g.stack.shape[2:] != (hv, v, k):
+        raise ValueError(f"tree GDN: GdnVerify.stack {tuple(g.stack.shape)} does not hold {R} requests x "
+                         f"{tm.max_depth} depths x state {(hv, v, k)} of layer {name}")
     rec_kv, rec_gb = g.records.get(p.prefix, (None, None))
     T = R * N
     gdn_step.tree_gdn_verify(

@@ -16,9 +16,10 @@ a graph freezes at capture, so:
   count after the forward means a replay (counted as graph_steps).
 
 One buffer per tensor, sized for the largest batch; bucket R_pad uses its first R_pad rows, so
-every bucket's graph reads fixed addresses. The GDN records buffers (verify_stage) are shared the
-same way. Anything computed from the tree inside the ops (the GDN walk order, the depth stack)
-is built inside the graph and so recomputed at every replay.
+every bucket's graph reads fixed addresses. The GDN workspace (records and the depth stack,
+workspace.py) is shared the same way: allocated inside a capture, it would be held by the graph
+pool once per bucket. What the ops compute from the tree (the GDN walk order) is built inside the
+graph and so recomputed at every replay.
 """
 
 from __future__ import annotations
@@ -27,17 +28,18 @@ import contextlib
 
 import torch
 
-from ..tree_context import GdnVerify, TreeVerifyMetadata, tree_verify
+from ..tree_context import TreeVerifyMetadata, tree_verify
 from .checks import check_reached
 from .step import RoundContext
 
 
 class GraphBuckets:
-    def __init__(self, ctx: RoundContext, records, chain):
-        """records(rows) -> ({layer prefix: (rec_kv, rec_gb)}, {group: stacked}) of the first `rows` rows;
-        chain: (parents [N], depths [N], ancestor bits [N, W]) of the chain-shaped tree (verify_stage)."""
+    def __init__(self, ctx: RoundContext, gdn_verify, chain):
+        """gdn_verify(rows, records) -> the GdnVerify of a batch of `rows` (verify_stage: the
+        workspace's stack and records); chain: (parents [N], depths [N], ancestor bits [N, W]) of
+        the chain-shaped tree (verify_stage)."""
         self.ctx = ctx
-        self._records = records
+        self._gdn_verify = gdn_verify
         self._chain_row = chain
         self.captured: set[int] = set()  # R_pad whose FULL graph holds the tree ops
         self._metas: dict[int, TreeVerifyMetadata] = {}
@@ -62,7 +64,7 @@ class GraphBuckets:
             parents, depths, bits, lens = self._buffers()
             gdn = None
             if self.ctx.hybrid:  # records always: the graph writes them whether or not a test reads them
-                gdn = GdnVerify(write_snapshots=self.ctx.cfg.gdn_state == "snapshots", records=self._records(rows)[0])
+                gdn = self._gdn_verify(rows, records=True)
             self._metas[rows] = TreeVerifyMetadata(ancestor_bits=bits[:rows], depths=depths[:rows],
                                                    parents=parents[:rows], context_lens=lens[:rows], gdn=gdn)
         return self._metas[rows]
@@ -77,8 +79,8 @@ class GraphBuckets:
             meta.ancestor_bits[start:].copy_(bits[start:rows])
             meta.context_lens[start:].zero_()
         meta.calls.clear()
-        if meta.gdn is not None:  # the ops rebuild these from `parents` inside the graph being captured
-            meta.gdn.tree_meta = meta.gdn.stack = None
+        if meta.gdn is not None:  # the ops rebuild it from `parents` inside the graph being captured
+            meta.gdn.tree_meta = None
 
     # -- capture -----------------------------------------------------------------------------------
     def capture(self, num_tokens: int, capturing: bool):

@@ -13,18 +13,20 @@ from ..tree_context import GdnVerify, TreeVerifyMetadata, tree_verify
 from .checks import check_reached
 from .graphs import GraphBuckets
 from .step import Pending, RoundContext, Step
+from .workspace import GdnWorkspace
 
 
 class VerifyStage:
     def __init__(self, ctx: RoundContext):
         self.ctx = ctx
         self.debug_gdn_records = False  # tests: record per-node GDN inputs (snapshots too) and pre-verify states
-        self._records = None  # the GDN record buffers (records())
+        # the GDN buffers, allocated now in the space reserved during vLLM's memory profile (workspace.py)
+        self.workspace = GdnWorkspace(ctx) if ctx.hybrid else None
         self._record_views: dict = {}  # rows -> the views records(rows) returns (built once per batch size)
         N, dev = ctx.N, ctx.device
         parents = torch.arange(-1, N - 1, device=dev)
         self._chain = (parents, torch.arange(N, device=dev), pack_bits(ancestor_closure(parents.unsqueeze(0), N))[0])
-        self.graphs = GraphBuckets(ctx, self.records, self._chain)  # FULL CUDA graphs' static metadata (graphs.py)
+        self.graphs = GraphBuckets(ctx, self.gdn_verify, self._chain)  # FULL CUDA graphs' static metadata (graphs.py)
 
     def prepare(self, pending: Pending | None, drafts: dict, num_scheduled_tokens) -> Step | None:
         """The tree step of this batch, or None (no drafts, or a whole-step chain fallback, counted)."""
@@ -154,37 +156,23 @@ class VerifyStage:
         if graph_rows is not None:  # the bucket's GdnVerify and records, as captured in its graph
             step.gdn_records = self.records(graph_rows)[1]
             return
-        gdn = GdnVerify(write_snapshots=ctx.cfg.gdn_state == "snapshots")
-        if ctx.cfg.gdn_state == "replay" or self.debug_gdn_records:
-            gdn.records, step.gdn_records = self.records(step.R)
-        meta.gdn = gdn
+        records = ctx.cfg.gdn_state == "replay" or self.debug_gdn_records
+        meta.gdn = self.gdn_verify(step.R, records)
+        if records:
+            step.gdn_records = self.records(step.R)[1]
 
     def records(self, rows: int):
         """Per-node k/v and g/beta buffers of the first `rows` requests: ({layer prefix: (rec_kv,
-        rec_gb)}, {group: stacked [layers, rows, N, ...]}).
-
-        One buffer per GDN KV cache group, sized for the largest batch and kept: every step's verify
-        overwrites the rows it commits from and the commit of the same step reads them, so no step
-        allocates and a CUDA graph's records sit at fixed addresses."""
+        rec_gb)}, {group: stacked [layers, rows, N, ...]}), views of the engine's GdnWorkspace
+        (workspace.py): every step's verify overwrites the rows it commits from and the commit of
+        the same step reads them, so no step allocates and a CUDA graph's records sit at fixed
+        addresses."""
         if rows not in self._record_views:
-            if self._records is None:
-                self._records = self._alloc_gdn_records(self.ctx.view.max_num_reqs, self.ctx.N)
-            per_layer, per_group = self._records
-            self._record_views[rows] = ({k: (kv[:rows], gb[:rows]) for k, (kv, gb) in per_layer.items()},
-                                        {g: (kv[:, :rows], gb[:, :rows]) for g, (kv, gb) in per_group.items()})
+            self._record_views[rows] = self.workspace.records(rows)
         return self._record_views[rows]
 
-    def _alloc_gdn_records(self, R, N):
-        ctx = self.ctx
-        A = adapters.current()
-        p = A.gdn_params(ctx.layer(ctx.gdn_layers[0]))
-        per_layer, per_group = {}, {}
-        for gid, names in ctx.gdn_groups.items():
-            nl = len(names)
-            rec_kv = torch.empty(nl, R, N, p.num_k_heads * p.head_k_dim + p.num_v_heads * p.head_v_dim,
-                                 dtype=ctx.view.dtype, device=ctx.device)
-            rec_gb = torch.empty(nl, R, N, 2, p.num_v_heads, dtype=torch.float32, device=ctx.device)
-            per_group[gid] = (rec_kv, rec_gb)
-            for i, n in enumerate(names):
-                per_layer[A.gdn_params(ctx.layer(n)).prefix] = (rec_kv[i], rec_gb[i])
-        return per_layer, per_group
+    def gdn_verify(self, rows: int, records: bool) -> GdnVerify:
+        """The GDN addressing of a verify of `rows` requests: the workspace's depth stack (and its
+        records when the commit replays, or a graph or a test reads them)."""
+        return GdnVerify(write_snapshots=self.ctx.cfg.gdn_state == "snapshots", stack=self.workspace.stack[:rows],
+                         records=self.records(rows)[0] if records else {})
