@@ -89,6 +89,10 @@ class DDTreeRound:
             "update_states": self._on_update_states, "propose_draft_token_ids": self._on_propose_draft_token_ids,
         })
         adapters.current().install_graph_capture(runner, self.verify.graphs.capture)
+        ws = self.verify.workspace
+        if ws is not None:
+            logger.info("DDTree: GDN workspace %.2f GiB (%s during vLLM's memory profile)", ws.nbytes / 2**30,
+                        "reserved" if ws.reserved == ws.nbytes else f"{ws.reserved / 2**30:.2f} GiB reserved")
         self._redirected = view.eager
         if self._redirected:
             from ...passes.rules import load_rules
