@@ -14,6 +14,8 @@ The capture and the padded rows of a bucket larger than the batch run on the GPU
 (tests/test_gpu_vllm026.py).
 """
 
+import weakref
+
 import pytest
 
 from ddtree_compile import adapters
@@ -95,8 +97,10 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
         m = metrics.collect(llm)[0]
         if hybrid:
             _check_gdn_workspace(llm, state)
+        freed = weakref.ref(state.verify.workspace.stack) if hybrid else None
     finally:
         harness.shutdown(llm)
+    assert freed is None or freed() is None  # shut down: nothing holds the engine's GDN workspace
     print(f"\n{kind}: buckets filled {sorted(set(filled))}, {m['tree_steps']} tree steps, {m['chain_steps']} "
           f"chain steps ({m['fallback_steps']}), accepted {m['nodes_accepted']}, state check {check and check.paths}")
     assert m["tree_steps"] > 0 and len(filled) >= m["tree_steps"] and set(filled) <= set(range(1, 5))

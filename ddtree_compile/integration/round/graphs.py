@@ -82,6 +82,12 @@ class GraphBuckets:
         if meta.gdn is not None:  # the ops rebuild it from `parents` inside the graph being captured
             meta.gdn.tree_meta = None
 
+    def close(self) -> None:
+        """Drop the buckets' tensors (the engine shut down; its graphs are gone with it)."""
+        self._metas.clear()
+        self._buf = self._chain = None
+        self.captured.clear()
+
     # -- capture -----------------------------------------------------------------------------------
     def capture(self, num_tokens: int, capturing: bool):
         """The tree context of one of vLLM's FULL-graph warm-up (`capturing` False) or capture

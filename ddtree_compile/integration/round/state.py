@@ -116,8 +116,12 @@ class DDTreeRound:
         self.verify.debug_gdn_records = on
 
     def close(self) -> None:
-        """The engine shuts down: drop the metrics and this engine's claim on the eager op redirect."""
+        """The engine shuts down: drop the metrics, the device buffers (whoever still holds this round
+        or the runner, e.g. vLLM's graph wrappers through the round's hooks, keeps no GPU memory
+        alive through them) and this engine's claim on the eager op redirect."""
         self.metrics.close()
+        self.verify.close()
+        self.pending = self.step = None
         if self._redirected:
             self._redirected = False
             release_eager_redirects()

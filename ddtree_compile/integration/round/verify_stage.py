@@ -161,6 +161,16 @@ class VerifyStage:
         if records:
             step.gdn_records = self.records(step.R)[1]
 
+    def close(self) -> None:
+        """Free the GDN workspace and every bucket's metadata (the engine shut down)."""
+        self.graphs.close()
+        self._record_views.clear()
+        self.workspace = None
+        if self.ctx.hybrid:
+            from .workspace import release
+
+            release(self.ctx.view.runner)
+
     def records(self, rows: int):
         """Per-node k/v and g/beta buffers of the first `rows` requests: ({layer prefix: (rec_kv,
         rec_gb)}, {group: stacked [layers, rows, N, ...]}), views of the engine's GdnWorkspace
