@@ -23,6 +23,12 @@ import statistics
 VALID = 0.95
 
 
+def rounds_per_s(r: dict) -> float:
+    """A row's rounds over the wall time they took: all of its cell's timed runs (--repeats), whose
+    round counters span them all; parts from before --repeats have one run."""
+    return r["rounds"] / r.get("wall_s_total", r["wall_s"])
+
+
 def summarize(result: dict) -> dict:
     runs = result["runs"]
     for r in runs:
@@ -34,14 +40,14 @@ def summarize(result: dict) -> dict:
         if ok:
             flat[c] = {"tok_s": statistics.mean(r["tok_s"] for r in ok),
                        "tokens_per_round": statistics.mean(r["tokens_per_round"] for r in ok),
-                       "rounds_per_s": statistics.mean(r["rounds"] / r["wall_s"] for r in ok), "runs": len(ok)}
+                       "rounds_per_s": statistics.mean(rounds_per_s(r) for r in ok), "runs": len(ok)}
     for r in runs:
         f = flat.get(r.get("concurrency"))
         if f and r.get("mode") not in ("flat", None) and "error" not in r and "invalid" not in r:
             r["vs_flat"] = r["tok_s"] / f["tok_s"]
             if r.get("rounds"):
                 r["gain"] = r["tokens_per_round"] / f["tokens_per_round"]
-                r["break_even"] = f["rounds_per_s"] / (r["rounds"] / r["wall_s"])
+                r["break_even"] = f["rounds_per_s"] / rounds_per_s(r)
     result["flat_baseline"] = {str(c): v for c, v in flat.items()}
     return result
 
