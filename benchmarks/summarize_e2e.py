@@ -71,6 +71,10 @@ def table(result: dict) -> str:
     fb = result.get("flat_baseline", {})
     lines.append("| flat DFlash tok/s | " + " | ".join(
         f"{fb[str(c)]['tok_s']:.0f}" if str(c) in fb else "-" for _ in profiles for c in conc) + " |")
+    nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
+    if nospec:
+        lines.append("| no speculation tok/s | " + " | ".join(
+            f"{nospec[c]:.0f}" if c in nospec else "-" for _ in profiles for c in conc) + " |")
     return "\n".join(lines)
 
 

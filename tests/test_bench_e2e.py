@@ -4,6 +4,7 @@ concurrencies). Timings are not checked (CPU); what the JSON reports is: every m
 equal the reference (float32: lossless), DDTree's rounds were tree rounds, and the derived fields
 (tokens per round, break-even gain, ratios) are there and consistent."""
 
+import importlib
 import importlib.util
 import json
 import math
@@ -100,3 +101,23 @@ def test_merge_keeps_every_parts_gpu_profiles(bench, tmp_path):
     m = bench.merge(parts, tmp_path / "m.json")
     assert [g["mode"] for g in m["gpu_profiles"]] == ["flat", "ddtree32"] and m["starts"] == {"flat": 1.0,
                                                                                               "ddtree32": 2.0}
+
+
+def test_summary_table_ratios_and_no_speculation_row(bench):
+    """summarize_e2e: ratios over the mean of flat's valid runs (an invalid flat run, which left the
+    reference, is not a baseline), break-even over all of a cell's timed runs, and the no-speculation row."""
+    summ = importlib.import_module("summarize_e2e")  # bench put benchmarks/ on sys.path
+    cell = dict(concurrency=1, tpot_p50_ms=1.0, reference_match=1.0)
+    runs = [dict(cell, mode="flat", profile=p, tok_s=t, tokens_per_round=5.0, rounds=100, wall_s=1.0, wall_s_total=2.0)
+            for p, t in (("a", 100.0), ("b", 140.0))]
+    runs.append(dict(cell, mode="flat", profile="c", tok_s=10.0, tokens_per_round=1.0, rounds=100, wall_s=1.0,
+                     reference_match=0.01))
+    runs.append(dict(cell, mode="ddtree32", budget=32, profile="a", tok_s=150.0, tokens_per_round=6.0, rounds=80,
+                     wall_s=0.5, wall_s_total=1.0))
+    runs.append({"mode": "nospec", "concurrency": 1, "tok_s": 40.0})
+    res = summ.summarize({"runs": runs})
+    d = runs[3]
+    assert res["flat_baseline"]["1"]["runs"] == 2 and math.isclose(d["vs_flat"], 150.0 / 120.0)
+    assert math.isclose(d["gain"], 6.0 / 5.0) and math.isclose(d["break_even"], (100 / 2.0) / (80 / 1.0))
+    lines = summ.table(res).splitlines()
+    assert lines[2].startswith("| ddtree32 | 1.25x (1.20) |") and lines[-1].startswith("| no speculation tok/s | 40 |")
