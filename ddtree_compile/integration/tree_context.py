@@ -36,7 +36,9 @@ class GdnVerify:
     records         {layer prefix: (rec_kv, rec_gb)}: per-node k/v and g/beta for the replay commit
     conv_state      {layer: [lines, dim, W-2+N]}: conv buffers instead of the layer's cache (an engine
                     without a speculative config has W-1 columns only)
-    tree_meta, stack: per-step workspaces the op builds on first use (GdnTreeMeta; fp32 depth stack)
+    tree_meta       the per-step GdnTreeMeta the op builds from `parents` on first use
+    stack           fp32 depth stack [R, >= max depth, HV, V, K]: the round passes its engine's
+                    (round/workspace.py); built on first use otherwise
     """
 
     state_indices: torch.Tensor | dict | None = None

@@ -13,7 +13,7 @@ from ..tree_context import GdnVerify, TreeVerifyMetadata, tree_verify
 from .checks import check_reached
 from .graphs import GraphBuckets
 from .step import Pending, RoundContext, Step
-from .workspace import GdnWorkspace
+from .workspace import GdnWorkspace, release
 
 
 class VerifyStage:
@@ -167,8 +167,6 @@ class VerifyStage:
         self._record_views.clear()
         self.workspace = None
         if self.ctx.hybrid:
-            from .workspace import release
-
             release(self.ctx.view.runner)
 
     def records(self, rows: int):
