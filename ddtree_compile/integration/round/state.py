@@ -30,7 +30,6 @@ from .. import config as config_mod
 from ..engines import set_state, state_of
 from ..metrics import PROCESS_STARTUP_FALLBACKS, DDTreeMetrics, logger
 from ..tree_ops import kv_layout, redirect_ops_for_eager, release_eager_redirects
-from . import workspace
 from .auto_budget import from_config as auto_policy
 from .build_stage import BuildStage
 from .checks import UnsupportedEngine, check_engine, classify_layers, validate
@@ -38,6 +37,7 @@ from .commit_stage import CommitStage
 from .step import Pending, RoundContext, Step
 from .verify_stage import VerifyStage
 from .walk_stage import TreeSampler, WalkStage
+from .workspace import release as release_workspace
 
 
 def attach(runner, cfg: config_mod.DDTreeConfig) -> "DDTreeRound | None":
@@ -54,7 +54,7 @@ def attach(runner, cfg: config_mod.DDTreeConfig) -> "DDTreeRound | None":
         layers = classify_layers(view)
         check_engine(view, layers["attention"])
     except UnsupportedEngine as e:
-        workspace.release(runner)  # what vLLM's memory profile reserved for the round goes back
+        release_workspace(runner)  # what vLLM's memory profile reserved for the round goes back
         PROCESS_STARTUP_FALLBACKS[str(e)] += 1
         logger.warning("DDTree is switched on but cannot run here: %s. Starting as flat DFlash "
                        "(num_speculative_tokens=%d).", e, num_spec)
