@@ -1,8 +1,8 @@
 """Ahead-of-time compile of every Triton template configuration for sm_90 (H100) and sm_121a (GB10).
 
 No GPU is needed: Triton compiles for a target the machine does not have. Each case below calls a
-template's own launcher (tree attention, KV compaction, draft top-k, tree build, tree conv, tree GDN,
-GDN commit) on meta tensors of realistic shapes (Qwen3.5-4B / Qwen3.6-27B), with the device taken to be
+template's own launcher (tree attention, KV compaction, draft top-k, tree build, tree walk, tree conv,
+tree GDN, GDN commit) on meta tensors of realistic shapes (Qwen3.5-4B / Qwen3.6-27B), with the device taken to be
 the target architecture (`tuning.arch_of` answers (arch, SMs)), so the launch plan comes from the
 templates' own tables (tuning.py, draft_topk.CONFIGS, tree_build's warp rule, the launchers' defaults).
 The kernel launches are recorded instead of run, bound exactly as Triton's JIT binds them (signature,
@@ -40,6 +40,7 @@ from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 from triton.runtime import jit as triton_jit
 
+from ddtree_compile.core.tree import TreeBatch
 from ddtree_compile.templates import draft_topk, tree_attention, tuning
 from ddtree_compile.templates.gdn_commit import gdn_commit_triton
 from ddtree_compile.templates.kv_compact import launch_kv_compact
@@ -47,6 +48,7 @@ from ddtree_compile.templates.tree_attention import launch_tree_attention
 from ddtree_compile.templates.tree_build import build_tree_triton
 from ddtree_compile.templates.tree_conv import tree_conv1d_triton
 from ddtree_compile.templates.tree_gdn import tree_gdn_triton
+from ddtree_compile.templates.tree_walk import walk_tree_triton
 
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
@@ -118,6 +120,13 @@ def tree_build_case(arch, B):
                       True)
 
 
+def tree_walk_case(arch, B):
+    N, i64 = B + 1, dict(dtype=torch.int64)
+    tree = TreeBatch(_t(4, N, **i64), _t(4, N, **i64), _t(4, N, **i64), _t(4, N, dtype=torch.float32), _t(4, **i64),
+                     _t(4, N, -(-N // 32), dtype=torch.int32), max_depth=max(DRAFT_LEN, B))  # the round's depth
+    walk_tree_triton(tree, _t(4, N, **i64))
+
+
 def _gdn_io(R, B, H, HV):
     N, K = B + 1, GDN_K
     dim = 2 * H * K + HV * K
@@ -168,6 +177,7 @@ def cases(quick: bool, probe: bool):
         out.append(("draft_topk", f"R={R} L={DRAFT_LEN} V={VOCAB} k={TOP_K}", lambda a, R=R: topk_case(a, R)))
     for B in ((64,) if quick else BUDGETS):
         out.append(("tree_build", f"B={B} L={DRAFT_LEN} K={TOP_K}", lambda a, B=B: tree_build_case(a, B)))
+        out.append(("tree_walk", f"B={B} L={DRAFT_LEN}", lambda a, B=B: tree_walk_case(a, B)))
     for model, heads in (list(GDN_SHAPES.items())[:1] if quick else GDN_SHAPES.items()):
         for B in ((64,) if quick else (16, 64)):
             lab = f"{model} R=4 B={B}"

@@ -3,9 +3,9 @@
     python benchmarks/bench_round.py --device cpu   [--out benchmarks/results/round_cpu.json]
     python benchmarks/bench_round.py --device cuda  [--impl torch triton] [--tune] [--sweep] [--out ...]
 
---impl picks the build implementation(s) timed side by side (build_tree(..., impl=...)); CUDA
+--impl picks the build and walk implementation(s) timed side by side (build_tree / walk_tree(..., impl=...)); CUDA
 defaults to both, CPU to torch. On CUDA the script first checks on random shapes that the Triton
-build equals the torch build bit for bit and that the Triton top-k gives the torch ids (log-probs to
+build and walk equal the torch ones bit for bit and that the Triton top-k gives the torch ids (log-probs to
 1e-5), then times each (R, B, impl): build, walk and round eagerly, the round replayed as a CUDA
 graph (how the runner executes it), and for Triton the two kernels alone as graphs; it also checks
 that a round raises nothing under torch.cuda.set_sync_debug_mode("error") (no host sync).
@@ -107,8 +107,13 @@ def check_triton(device: str, cases: list[tuple]) -> list[dict]:
             depth = spec.depth_limit(Ld)  # build_tree runs the top-k on these rows only
             ref = dd.build_tree(draft_topk_triton(logits[:, :depth], spec.temperature, k), spec, impl="torch")
             row["end_to_end_equal"] = all(torch.equal(getattr(e2e, f), getattr(ref, f)) for f in FIELDS)
+            target = want.tokens.roll(-1, dims=1)  # along the first child of every node: deep paths
+            target[:, ::3] = torch.randint(0, Vd, target[:, ::3].shape, device=device, generator=gen)  # and astray
+            walks = [dd.walk_tree(want, target, impl=i) for i in ("torch", "triton")]
+            row["walk_equal"] = all(torch.equal(getattr(walks[0], f), getattr(walks[1], f))
+                                    for f in ("accepted", "num_accepted", "bonus", "tokens"))
             row["ok"] = row["topk_ids_equal"] and row["topk_lq_max_abs_err"] < 1e-4 and row["build_equal"] \
-                and row["end_to_end_equal"]
+                and row["end_to_end_equal"] and row["walk_equal"]
         except Exception:  # report and keep going: the timings are still useful
             row["ok"], row["error"] = False, traceback.format_exc()[-2000:]
         print(json.dumps(row), flush=True)
@@ -140,10 +145,10 @@ def _bench_one(row, device, logits, spec, impl, reps):
     target = tree.tokens.roll(-1, dims=1)  # agrees along the main chain: deep paths
 
     def round_():
-        return dd.walk_tree(dd.build_tree(logits, spec, impl=impl), target)
+        return dd.walk_tree(dd.build_tree(logits, spec, impl=impl), target, impl=impl)
 
     row["build_ms"] = _time(lambda: dd.build_tree(logits, spec, impl=impl), device, reps)
-    row["walk_ms"] = _time(lambda: dd.walk_tree(tree, target), device, reps)
+    row["walk_ms"] = _time(lambda: dd.walk_tree(tree, target, impl=impl), device, reps)
     row["round_ms"] = _time(round_, device, reps)
     if device != "cuda":
         return
@@ -154,7 +159,7 @@ def _bench_one(row, device, logits, spec, impl, reps):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     row["round_graph_ms"] = _time(_graphed(round_), device, reps)
-    row["walk_graph_ms"] = _time(_graphed(lambda: dd.walk_tree(tree, target)), device, reps)
+    row["walk_graph_ms"] = _time(_graphed(lambda: dd.walk_tree(tree, target, impl=impl)), device, reps)
     if impl == "triton":
         from ddtree_compile.templates.draft_topk import draft_topk_triton
         from ddtree_compile.templates.tree_build import build_tree_triton

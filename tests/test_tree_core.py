@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import ddtree_compile as dd
 from ddtree_compile.core.tree import ancestor_closure, pack_bits, unpack_bits
+from ddtree_compile.core.walk import accepted_off_chain
 
 # ---------------------------------------------------------------- oracles (plain Python)
 
@@ -228,6 +229,8 @@ def test_walk_matches_python_walk(case, seed):
     walk = dd.walk_tree(tree, target)
     L1 = tree.max_depth + 1
     assert walk.accepted.shape == walk.tokens.shape == (tree.num_requests, L1)
+    top1 = logits.argmax(-1)  # the drafter's chain, as the round keeps it
+    off = accepted_off_chain(walk, top1)
     for r in range(tree.num_requests):
         path, bonus = python_walk(tree, target, r)
         n = len(path)
@@ -235,6 +238,9 @@ def test_walk_matches_python_walk(case, seed):
         assert int(walk.num_accepted[r]) == n and int(walk.bonus[r]) == bonus
         assert walk.tokens[r, :n].tolist() == [int(tree.tokens[r, j]) for j in path[1:]] + [bonus]
         assert (walk.tokens[r, n:] == -1).all()
+        # off the chain: a path node below the first node that is not the drafter's argmax of its depth
+        ranks0 = [int(tree.tokens[r, j]) == int(top1[r, d]) for d, j in enumerate(path[1:])]
+        assert int(off[r]) == sum(not all(ranks0[: d + 1]) for d in range(n - 1))
 
 
 def test_walk_takes_sibling_branch_and_commit_plan_moves_it():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ddtree_compile.core.dispatch import check_impl, use_triton
 from ddtree_compile.core.spec import TreeSpec
 from ddtree_compile.core.tree import PAD_TOKEN, TreeBatch, ancestor_closure, pack_bits
 
@@ -59,9 +60,6 @@ def _packed_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     return (V - 1) - (key.topk(k, dim=-1).values & 0xFFFFFFFF)
 
 
-IMPLS = ("auto", "torch", "triton")
-
-
 def build_tree(draft, spec: TreeSpec, impl: str = "auto") -> TreeBatch:
     """Build R trees from draft logits [R, L, V] or a precomputed (log_probs, token_ids) [R, L, K].
 
@@ -70,8 +68,7 @@ def build_tree(draft, spec: TreeSpec, impl: str = "auto") -> TreeBatch:
     """
     if not isinstance(spec, TreeSpec):
         raise ValueError(f"spec must be a ddtree_compile.TreeSpec, got {type(spec).__name__}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_impl(impl)
     if isinstance(draft, (tuple, list)):
         if len(draft) != 2:
             raise ValueError("draft top-k must be a pair (log_probs [R, L, K], token_ids [R, L, K])")
@@ -89,7 +86,7 @@ def build_tree(draft, spec: TreeSpec, impl: str = "auto") -> TreeBatch:
         log_probs, token_ids = draft_topk(draft, spec)
     depth = spec.depth_limit(log_probs.shape[1])
     lq, ids = log_probs[:, :depth], token_ids[:, :depth]
-    if _use_triton(lq, impl, "tree_build", (spec.budget, lq.shape[2], depth)):
+    if use_triton(lq, impl, "tree_build", (spec.budget, lq.shape[2], depth)):
         from ddtree_compile.templates.tree_build import build_tree_triton
 
         return build_tree_triton(lq, ids, spec.budget, spec.chain_seed)
@@ -98,22 +95,7 @@ def build_tree(draft, spec: TreeSpec, impl: str = "auto") -> TreeBatch:
 
 def _triton_topk(draft, spec: TreeSpec, impl: str) -> bool:
     _check_logits(draft)
-    return _use_triton(draft, impl, "draft_topk", (min(spec.top_k, draft.shape[-1], spec.budget),))
-
-
-def _use_triton(x: torch.Tensor, impl: str, template: str, shape: tuple) -> bool:
-    """Dispatch: torch on request or off CUDA ("auto"); "triton" insists (and errors if it can't)."""
-    if impl == "torch" or (impl == "auto" and x.device.type != "cuda"):
-        return False
-    import importlib
-
-    mod = importlib.import_module(f"ddtree_compile.templates.{template}")
-    if mod.supports(*shape):
-        return True
-    if impl == "triton":
-        raise ValueError(f"impl='triton': templates/{template}.py does not support shape {shape} "
-                         "(or triton is missing); use impl='auto' or 'torch'")
-    return False
+    return use_triton(draft, impl, "draft_topk", (min(spec.top_k, draft.shape[-1], spec.budget),))
 
 
 def _check_logits(x) -> None:

@@ -2,7 +2,8 @@
 
 Node j is on the accepted path iff, for j and each of its in-tree ancestors a, the target's
 token at a's parent equals a's token (and a is the first such sibling). That is one masked
-reduction over the ancestor mask: no loop over depths, no host sync.
+reduction over the ancestor mask: no loop over depths, no host sync. On CUDA the same walk is one
+Triton program per request (templates/tree_walk.py) instead of ~40 small ops.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree_compile.core.dispatch import check_impl, use_triton
 from ddtree_compile.core.tree import TreeBatch
 
 
@@ -27,14 +29,23 @@ class WalkResult:
         return self.accepted.gather(1, (self.num_accepted - 1).unsqueeze(1)).squeeze(1)
 
 
-def walk_tree(tree: TreeBatch, target_tokens: torch.Tensor) -> WalkResult:
-    """Accept the longest root path the target agrees with, plus one bonus token."""
+def walk_tree(tree: TreeBatch, target_tokens: torch.Tensor, impl: str = "auto") -> WalkResult:
+    """Accept the longest root path the target agrees with, plus one bonus token.
+
+    impl: "torch" (the reference below), "triton" (templates/tree_walk.py), or "auto" (Triton for
+    CUDA tensors, else torch).
+    """
+    check_impl(impl)
     R, N = tree.tokens.shape
     if not isinstance(target_tokens, torch.Tensor) or target_tokens.shape != (R, N):
         shape = tuple(target_tokens.shape) if isinstance(target_tokens, torch.Tensor) else type(target_tokens)
         raise ValueError(f"target_tokens must be a tensor of shape [R, B+1] = {(R, N)}, got {shape}")
     if target_tokens.dtype.is_floating_point:
         raise ValueError(f"target_tokens must hold token ids (integer dtype), got {target_tokens.dtype}")
+    if use_triton(tree.tokens, impl, "tree_walk", (N,)):
+        from ddtree_compile.templates.tree_walk import walk_tree_triton
+
+        return walk_tree_triton(tree, target_tokens)
     target = target_tokens.long()
     live = tree.live()
     idx = torch.arange(N, device=tree.tokens.device)
@@ -62,3 +73,14 @@ def walk_tree(tree: TreeBatch, target_tokens: torch.Tensor) -> WalkResult:
     n1 = (num_accepted - 1).unsqueeze(1)
     tokens = torch.where(pos < n1, path_tokens, torch.where(pos == n1, bonus.unsqueeze(1), -1))
     return WalkResult(accepted, num_accepted, bonus, tokens)
+
+
+def accepted_off_chain(walk: WalkResult, top1: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: accepted nodes off the drafter's top-1 chain (the nodes flat DFlash could not have
+    accepted from the same drafts). A path node is on the chain iff it and every node above it
+    carries the drafter's argmax of its depth, so only the path's own tokens are read: the path at
+    depth d is walk.tokens[:, d - 1], and paths are at most L deep (the drafter's positions)."""
+    W = min(walk.tokens.shape[1], top1.shape[1])
+    on_chain = (walk.tokens[:, :W] == top1[:, :W]).cumprod(1)
+    depth = torch.arange(W, device=top1.device)
+    return ((depth < (walk.num_accepted - 1).unsqueeze(1)) & (on_chain == 0)).sum(1)

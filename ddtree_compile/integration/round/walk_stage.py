@@ -10,7 +10,7 @@ import torch
 from ... import adapters
 from ...core.sampling import sample_target_tokens
 from ...core.tree import TreeBatch, ancestor_closure, pack_bits
-from ...core.walk import WalkResult, walk_tree
+from ...core.walk import WalkResult, accepted_off_chain, walk_tree
 from .step import RoundContext, Step
 
 
@@ -108,16 +108,10 @@ class WalkStage:
         return out
 
     def _record_metrics(self, step: Step) -> None:
-        tree, walk = step.tree, step.walk
-        # A node is on the drafter's top-1 chain iff it and all its ancestors are rank-0 tokens.
-        d = (tree.depths - 1).clamp(min=0, max=step.top1.shape[1] - 1)
-        rank0 = (tree.tokens == step.top1.gather(1, d)) | (tree.depths == 0)
-        on_chain = ~(tree.ancestor_mask() & ~rank0.unsqueeze(1)).any(-1)
-        path = walk.accepted
-        off = (~on_chain.gather(1, path.clamp(min=0)) & (path > 0)).sum(1)
+        walk = step.walk
         accepted = walk.num_accepted - 1
-        self.ctx.metrics.record_round(step.tree_rows, tree.num_nodes, accepted, off,
-                                      accepted >= min(self.ctx.L, self.ctx.B))
+        self.ctx.metrics.record_round(step.tree_rows, step.tree.num_nodes, accepted,
+                                      accepted_off_chain(walk, step.top1), accepted >= min(self.ctx.L, self.ctx.B))
 
 
 class TreeSampler:
