@@ -60,6 +60,8 @@ def test_unknown_costs_are_explored_then_the_faster_kind_wins():
     m, p = _policy()
     assert p.choose(1) == ab.TREE  # nothing known: the tree (its acceptance is measured from tree steps)
     _step(p, ab.TREE, 1, 0.0, 0.008)  # 8 ms verify + 2 ms drafting
+    assert (ab.TREE, 1) not in p.costs and p.choose(1) == ab.TREE  # one step is no cost yet: tried again
+    _step(p, ab.TREE, 1, 0.1, 0.009)
     _round(m, [5, 3], [2, 0])  # its walk: tree 1 + 8/2 = 5 tokens per round; chain 1 + 6/2 = 4
     kinds = []
     while p.tokens[ab.TREE] is None and len(kinds) < 16:  # the counters are copied back every few
@@ -68,6 +70,9 @@ def test_unknown_costs_are_explored_then_the_faster_kind_wins():
     # the tree until its acceptance is known, then the chain, whose cost at this bucket is unknown
     assert kinds == [ab.TREE] * (len(kinds) - 1) + [ab.CHAIN] and len(kinds) <= 3, kinds
     _step(p, ab.CHAIN, 1, 1.0, 0.004)  # 4 ms verify + 2 ms drafting
+    assert p.choose(1) == ab.CHAIN
+    _step(p, ab.CHAIN, 1, 1.1, 0.005)
+    # the lower quartile of each window (here: its faster step)
     assert p.costs == {(ab.TREE, 1): pytest.approx(0.010), (ab.CHAIN, 1): pytest.approx(0.006)}
     kinds = [p.choose(1) for _ in range(8)]  # 4/6 > 5/10 tokens per ms: the chain wins, the tree is probed
     assert kinds.count(ab.CHAIN) == 6 and kinds.count(ab.TREE) == 2 and p.probes == 2, kinds
@@ -84,14 +89,16 @@ def test_buckets_priors_and_what_is_not_timed():
     priors = ab.table_priors(table, BUDGET, L)
     assert priors == {(ab.TREE, 1): 0.010, (ab.TREE, 4): 0.030, (ab.CHAIN, 1): 0.008}
     m, p = _policy(priors)
-    _step(p, ab.TREE, 1, 0.0, 1.198)  # a first-call compile: 1.2 s; the prior is replaced by measurements
-    assert p.costs[(ab.TREE, 1)] == pytest.approx(1.2)
-    for i in range(2):
-        _step(p, ab.TREE, 1, 1.0 + i, 0.018)  # then 20 ms steps: the median forgets the stall
+    _step(p, ab.TREE, 1, 0.0, 1.198)  # a first-call compile: 1.2 s; the prior stands until _MIN_SAMPLES steps
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.010)
+    _step(p, ab.TREE, 1, 1.0, 0.018)  # then a 20 ms step: the lower quartile forgets the stall
     assert p.costs[(ab.TREE, 1)] == pytest.approx(0.020)
     for i in range(ab._WINDOW):
-        _step(p, ab.TREE, 1, 3.0 + i, 0.008)
-    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.010)  # the last _WINDOW steps only
+        _step(p, ab.TREE, 1, 3.0 + i, 0.006 + 0.001 * i)  # 8 .. 16 ms
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.010)  # the last _WINDOW steps only: their lower quartile
+    for i in range(6):  # stalls in two thirds of the window still leave the steady cost
+        _step(p, ab.TREE, 1, 20.0 + i, 0.698)
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.016)
     p.proposed(ab.TREE, 2, 30.0, 30.002)  # a step that did not start clean (a prefill joined): not timed
     p.step_ended(30.5)
     assert (ab.TREE, 2) not in p.costs and p.snapshot()["draft_ms"] == pytest.approx(2.0)

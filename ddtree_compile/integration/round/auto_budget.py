@@ -13,11 +13,15 @@ more tokens per second at this batch size.
   that copy's event has completed: no host sync on the hot path, the statistics lag a few steps.
 - cost(R) is the wall time of one engine step of that kind at batch bucket R (1, 2, 4, ...): the
   precompile cost table gives the prior (tools/precompile.py: round_ms at budget B for the tree,
-  at budget L for the chain, when those budgets were precompiled), then the median of the last
-  steps this engine measured: the step's verify (its start to the next proposal; vLLM's step already
-  waits for its sampled tokens, so host time is device time) plus the drafting both kinds share.
-- A kind without a cost at this bucket is tried; while the chain wins, every `probe_interval`-th
-  step verifies the tree anyway so its acceptance keeps being measured (a drafter can get better).
+  at budget L for the chain, when those budgets were precompiled), then, from _MIN_SAMPLES steps on,
+  the lower quartile of the last steps this engine measured: the step's verify (its start to the
+  next proposal; vLLM's step already waits for its sampled tokens, so host time is device time) plus
+  the drafting both kinds share. A lower quantile because interference only ever adds time: the
+  H100 saw a first call at a new batch bucket take 1151 ms for a 24 ms step, and with a median one
+  such stall among few samples kept the tree out of a whole benchmark cell.
+- A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried;
+  while the chain wins, every `probe_interval`-th step verifies the tree anyway so its acceptance
+  keeps being measured (a drafter can get better).
 
 Only two buckets: vLLM 0.26 captures FULL CUDA graphs for one uniform decode length (1 + K tokens
 per request) per engine, and K = B on hybrids, so the tree runs in those graphs and the chain
@@ -32,7 +36,6 @@ import hashlib
 import json
 import os
 import pathlib
-import statistics
 
 import torch
 
@@ -41,7 +44,8 @@ from ..metrics import logger
 TREE, CHAIN = "tree", "chain"
 _EMA = 0.25  # weight of a new measurement (drafting time: per proposal; acceptance: per read-back window)
 _READBACK = 8  # decisions between read-backs of the acceptance counters
-_WINDOW = 9  # measured steps per (kind, bucket) whose median is the cost
+_WINDOW = 9  # measured steps per (kind, bucket) whose lower quartile is the cost
+_MIN_SAMPLES = 2  # measured steps before they replace the table's prior (or make the cost known)
 
 
 def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
@@ -146,13 +150,14 @@ class AutoBudget:
         self._began = self._next = None
 
     def _observe(self, kind: str, b: int, seconds: float) -> None:
-        """The cost is the median of the key's last _WINDOW measured steps: a first-call compile or
-        any stall (the H100 saw 1.2 s for a 14 ms step) cannot lock a kind out. The table's prior
-        stands until the first measurement."""
+        """The cost is the lower quartile of the key's last _WINDOW measured steps, once there are
+        _MIN_SAMPLES of them: a first-call compile or any stall cannot lock a kind out unless it hits
+        three quarters of the window. The table's prior stands until then."""
         key = (kind, b)
         window = self._samples.setdefault(key, collections.deque(maxlen=_WINDOW))
         window.append(seconds)
-        self.costs[key] = statistics.median(window)
+        if len(window) >= _MIN_SAMPLES:
+            self.costs[key] = sorted(window)[(len(window) - 1) // 4]
 
     # -- acceptance: DDTree's device counters, read back without a sync ---------------------------
     def _poll(self) -> None:
