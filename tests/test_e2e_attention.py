@@ -11,7 +11,7 @@ DFlash's accepted counts exactly.
 
 import pytest
 
-from ddtree_compile.integration import config, metrics, plugin
+from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.tools import harness, models
 
 DRAFT_LEN, TOP_K, MAX_TOKENS = 7, 4, 200
@@ -63,6 +63,7 @@ def budget_run(request, dirs, reference):
         out = {"budget": budget}
         out["random"] = {"b4": harness.generate(llm, PROMPTS, MAX_TOKENS),
                          "b1": harness.generate(llm, PROMPTS[:1], MAX_TOKENS)}
+        out["staggered"] = _staggered(llm)
         out["random_counters"] = metrics.collect(llm)[0]
         ref = harness.reference_from_outputs(PROMPTS, reference["b4"])
         h = harness.DraftHarness(ref).install(llm)
@@ -79,12 +80,43 @@ def budget_run(request, dirs, reference):
         harness.shutdown(llm)
 
 
+def _staggered(llm):
+    """The requests finish one after another (max_tokens MAX_TOKENS - 45 i): the rows of a step's
+    trees then differ from the rows they were proposed in, which the verify must gather by request.
+    Returns the outputs and how many tree steps took their trees as proposed / gathered."""
+    from vllm import SamplingParams
+
+    verify = engines.find_state(llm).verify
+    make_step, seen = verify._make_step, {"as_proposed": 0, "gathered": 0}
+
+    def counting(pending):
+        R = verify.ctx.view.num_reqs()
+        same = [pending.index[q] for q in verify.ctx.view.req_ids(R)] == list(range(len(pending.req_ids)))
+        seen["as_proposed" if same else "gathered"] += 1
+        return make_step(pending)
+
+    verify._make_step = counting
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS - 45 * i, ignore_eos=True)
+                  for i in range(len(PROMPTS))]
+        outs = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        verify._make_step = make_step
+    return outs, seen
+
+
 def test_random_drafter_equals_no_speculation(budget_run, reference):
     assert budget_run["random"] == reference
     c = budget_run["random_counters"]
     assert c["tree_steps"] > 0 and c["chain_steps"] == 0 and c["fallback_total"] == 0
     # Every round verified the whole budget (a tree never has padding slots).
     assert c["nodes_verified"] == c["tree_requests"] * budget_run["budget"]
+
+
+def test_requests_finishing_at_different_steps_equal_no_speculation(budget_run, reference):
+    outs, seen = budget_run["staggered"]
+    assert outs == [o[: MAX_TOKENS - 45 * i] for i, o in enumerate(reference["b4"])]  # greedy: prefixes
+    assert seen["as_proposed"] > 0 and seen["gathered"] > 0, seen
 
 
 def test_harness_drafter_equals_no_speculation(budget_run, reference):

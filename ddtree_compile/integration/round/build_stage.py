@@ -15,13 +15,14 @@ from .step import Pending, RoundContext
 class BuildStage:
     def __init__(self, ctx: RoundContext):
         self.ctx = ctx
-        self._captured: torch.Tensor | None = None
+        self._captured: tuple | None = None  # (drafter logits [R*L, V], their argmax [R*L])
 
     def sample_draft_tokens(self, hidden_states, sampling_metadata):
         """Stands in for the drafter's own sampling: keep the logits, hand back the argmax."""
         logits = self.ctx.view.drafter_compute_logits(hidden_states)
-        self._captured = logits
-        return logits.argmax(dim=-1), None
+        top1 = logits.argmax(dim=-1)
+        self._captured = (logits, top1)  # propose reuses the argmax (one read of [R*L, V] logits, not two)
+        return top1, None
 
     def propose(self, original_propose, **kw) -> tuple[torch.Tensor, Pending]:
         """Run the drafter for L positions, build the trees; returns (drafts [R, B], Pending), or with
@@ -35,10 +36,9 @@ class BuildStage:
             kind = ctx.auto.choose(R)
         self._captured = None
         original_propose(num_speculative_tokens=ctx.L, **kw)
-        logits, self._captured = self._captured, None
-        logits = logits.view(R, ctx.L, -1)
+        (logits, top1), self._captured = self._captured, None
+        logits, top1 = logits.view(R, ctx.L, -1), top1.view(R, ctx.L)
         tree = build_tree(logits, ctx.spec).with_root(kw["next_token_ids"])
-        top1 = logits.argmax(-1)
         req_ids = ctx.view.req_ids(R)
         chain = [ctx.chain_reason(r) for r in req_ids]
         if kind == CHAIN:  # flat DFlash's drafts; the tree stays unused (building it costs little)

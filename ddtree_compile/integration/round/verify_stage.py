@@ -88,10 +88,15 @@ class VerifyStage:
         ctx = self.ctx
         R, N = ctx.view.num_reqs(), ctx.N
         rows_host = [pending.index[q] for q in ctx.view.req_ids(R)]
-        rows = ctx.h2d(rows_host, torch.int64)
         t = pending.tree
-        tree = TreeBatch(t.tokens[rows], t.parents[rows], t.depths[rows], t.scores[rows], t.num_nodes[rows],
-                         t.ancestor_bits[rows], max_depth=ctx.max_depth)
+        if rows_host == list(range(len(pending.req_ids))):  # the usual step: same requests, same order
+            rows = slice(None)
+            tree = TreeBatch(t.tokens, t.parents, t.depths, t.scores, t.num_nodes, t.ancestor_bits,
+                             max_depth=ctx.max_depth)
+        else:
+            rows = ctx.h2d(rows_host, torch.int64)
+            tree = TreeBatch(t.tokens[rows], t.parents[rows], t.depths[rows], t.scores[rows], t.num_nodes[rows],
+                             t.ancestor_bits[rows], max_depth=ctx.max_depth)
         chain_rows = [pending.chain[i] is not None for i in rows_host]
         reasons = [pending.chain[i] for i in rows_host if pending.chain[i] is not None]
         for reason in set(reasons):
