@@ -36,6 +36,7 @@ test-serve: $(STAMP)
 
 bench-cpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_round.py --device cpu
+	$(BIN)/python benchmarks/bench_round_ops.py --out benchmarks/results/round_ops_cpu.json
 
 clean:
 	rm -rf $(VENV) *.egg-info
