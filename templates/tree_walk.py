@@ -2,7 +2,7 @@
 
 Same result as the torch reference `ddtree_compile.core.walk.walk_tree` (core/walk.py calls this
 kernel instead on CUDA), computed the other way round: the reference marks every node whose
-ancestors all match (one masked reduction over the ancestor mask, ~40 small ops), the kernel walks
+ancestors all match (one masked reduction over the ancestor mask, ~70 small ops), the kernel walks
 down from the root, at each depth taking the lowest-numbered live child of the current node whose
 token is the target's token at the current node (the reference's "a parent's first matching child
 wins"). The tree's nodes stay in registers; one launch replaces the reference's ops, which on the

@@ -16,9 +16,9 @@ more tokens per second at this batch size.
   at budget L for the chain, when those budgets were precompiled), then, from _MIN_SAMPLES steps on,
   the lower quartile of the last steps this engine measured: the step's verify (its start to the
   next proposal; vLLM's step already waits for its sampled tokens, so host time is device time) plus
-  the drafting both kinds share. A lower quantile because interference only ever adds time: the
-  H100 saw a first call at a new batch bucket take 1151 ms for a 24 ms step, and with a median one
-  such stall among few samples kept the tree out of a whole benchmark cell.
+  the drafting both kinds share. A lower quantile because interference only ever adds time: with a
+  median, a few first-call stalls among few samples held a kind's cost up for many steps (the H100's
+  dense 4B auto run still read tree@4 = 1151 ms after its first cell; a tree step there takes ~24 ms).
 - A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried;
   while the chain wins, every `probe_interval`-th step verifies the tree anyway so its acceptance
   keeps being measured (a drafter can get better).
