@@ -8,8 +8,9 @@ token is the target's token at the current node (the reference's "a parent's fir
 wins"). The tree's nodes stay in registers; one launch replaces the reference's ops, which on the
 GPU are each a kernel launch plus host dispatch in every round.
 
-Rows are accumulated in registers and stored once at the end (no store-then-overwrite ordering
-between threads).
+The tree's tokens, parents and the target row are read once; the walk loop then runs in registers
+(each depth: two masked reductions over the B + 1 slots, no memory access), and the output rows are
+accumulated in registers and stored once at the end (no store-then-overwrite ordering between threads).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ if triton is not None:
         inb = offs < N
         tok = tl.load(TOK + r * s_tok + offs, mask=inb, other=0)
         par = tl.load(PAR + r * s_par + offs, mask=inb, other=-1)
+        tgt = tl.load(TGT + r * s_tgt + offs, mask=inb, other=0)  # read once: the loop stays in registers
         nn = tl.load(NN + r)
         # a node can be accepted: live (slot <= num_nodes) and not the root (its parent is >= 0 anyway)
         cand_ok = inb & (offs > 0) & (offs.to(tl.int64) <= nn)
@@ -49,9 +51,8 @@ if triton is not None:
         cur = tl.zeros((), tl.int64)  # slot of the last accepted node
         n_acc = tl.full((), 1, tl.int64)
         alive = tl.full((), 1, tl.int1)
-        tgt_row = TGT + r * s_tgt
         for d in range(1, L1):
-            want = tl.load(tgt_row + cur)
+            want = tl.sum(tl.where(offs == cur, tgt, 0), axis=0)  # the target's token at the current node
             hit = cand_ok & (par == cur) & (tok == want)
             j = tl.min(tl.where(hit, offs, NP), axis=0)
             found = alive & (j < NP)
@@ -61,7 +62,7 @@ if triton is not None:
             cur = tl.where(found, j.to(tl.int64), cur)
             n_acc += found.to(tl.int64)
             alive = found
-        bonus = tl.load(tgt_row + cur)
+        bonus = tl.sum(tl.where(offs == cur, tgt, 0), axis=0)
         # committed tokens: the path after the root, then the bonus, then -1
         out = tl.where(cols == n_acc - 1, bonus, path_tok)
         cmask = cols < L1
