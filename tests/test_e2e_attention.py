@@ -137,6 +137,30 @@ def test_harness_drives_deep_sibling_full_and_zero_accepts(budget_run):
         assert c["sibling_rounds"] == 0  # chain-seeded tree == the chain
 
 
+def test_round_with_the_triton_walk_equals_no_speculation(dirs, reference, monkeypatch):
+    """The walk as CUDA runs it (templates/tree_walk.py, interpreted here) inside the real round:
+    every tree step's walk is the kernel's, and the outputs equal no speculation."""
+    from ddtree_compile.core import walk
+    from ddtree_compile.integration.round import walk_stage
+
+    calls = []
+
+    def triton_walk(tree, target):
+        calls.append(tree.num_requests)
+        return walk.walk_tree(tree, target, impl="triton")
+
+    monkeypatch.setattr(walk_stage, "walk_tree", triton_walk)
+    llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=22, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN))
+    try:
+        h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, reference["b4"])).install(llm)
+        assert harness.generate(llm, PROMPTS, MAX_TOKENS) == reference["b4"]
+        h.uninstall()
+        c = metrics.collect(llm)[0]
+    finally:
+        harness.shutdown(llm)
+    assert c["tree_steps"] > 0 and len(calls) == c["tree_steps"] and c["sibling_rounds"] > 0, (len(calls), c)
+
+
 def test_flat_dflash_parity_with_budget_equal_draft_len_top_k_1(dirs, reference):
     """budget == num_speculative_tokens, top_k = 1: vLLM's own accepted counts, round for round."""
     counters = {}
