@@ -10,6 +10,7 @@ DFlash's accepted counts exactly.
 """
 
 import pytest
+import torch
 
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.tools import harness, models
@@ -137,9 +138,32 @@ def test_harness_drives_deep_sibling_full_and_zero_accepts(budget_run):
         assert c["sibling_rounds"] == 0  # chain-seeded tree == the chain
 
 
+def _checking_reorder(commit, seen):
+    """Wraps the round's drafter-input reorder: after it, each request's rows must hold the accepted
+    path's verify rows first (in depth order), then its other rows in slot order (ids and aux)."""
+    original = commit.reorder_drafter_inputs
+
+    def checking(step, aux_hidden_states):
+        T = step.R * step.N
+        before = [commit.ctx.view.input_ids()[:T].clone()] + [h[:T].clone() for h in aux_hidden_states or ()]
+        original(step, aux_hidden_states)
+        after = [commit.ctx.view.input_ids()[:T]] + list(aux_hidden_states or ())
+        for r in range(step.R):
+            path = step.walk.accepted[r, : int(step.walk.num_accepted[r])].tolist()
+            order = [r * step.N + j for j in path + [j for j in range(step.N) if j not in path]]
+            for b, a in zip(before, after):
+                assert torch.equal(a[r * step.N:(r + 1) * step.N], b[order]), (r, path)
+            seen["rows"] += 1
+            seen["moved"] += path != list(range(len(path)))  # a sibling path: the rows really moved
+        seen["aux"] = len(after) - 1
+
+    commit.reorder_drafter_inputs = checking
+
+
 def test_round_with_the_triton_walk_equals_no_speculation(dirs, reference, monkeypatch):
     """The walk as CUDA runs it (templates/tree_walk.py, interpreted here) inside the real round:
-    every tree step's walk is the kernel's, and the outputs equal no speculation."""
+    every tree step's walk is the kernel's, and the outputs equal no speculation. The same run checks
+    the drafter-input reorder that follows each walk (the drafter's context must be the path)."""
     from ddtree_compile.core import walk
     from ddtree_compile.integration.round import walk_stage
 
@@ -151,7 +175,9 @@ def test_round_with_the_triton_walk_equals_no_speculation(dirs, reference, monke
 
     monkeypatch.setattr(walk_stage, "walk_tree", triton_walk)
     llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=22, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN))
+    seen = {"rows": 0, "moved": 0}
     try:
+        _checking_reorder(engines.find_state(llm).commit, seen)
         h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, reference["b4"])).install(llm)
         assert harness.generate(llm, PROMPTS, MAX_TOKENS) == reference["b4"]
         h.uninstall()
@@ -159,6 +185,7 @@ def test_round_with_the_triton_walk_equals_no_speculation(dirs, reference, monke
     finally:
         harness.shutdown(llm)
     assert c["tree_steps"] > 0 and len(calls) == c["tree_steps"] and c["sibling_rounds"] > 0, (len(calls), c)
+    assert seen["rows"] == c["tree_requests"] and seen["moved"] > 0 and seen["aux"] > 0, seen
 
 
 def test_flat_dflash_parity_with_budget_equal_draft_len_top_k_1(dirs, reference):
