@@ -77,10 +77,6 @@ def supports(num_slots: int) -> bool:
     return triton is not None and num_slots <= MAX_SLOTS
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def walk_tree_triton(tree: TreeBatch, target_tokens: torch.Tensor, out: WalkResult | None = None) -> WalkResult:
     """`walk.walk_tree` on the device. target_tokens: integer [R, N] (the target's token at each slot).
 
@@ -113,5 +109,5 @@ def walk_tree_triton(tree: TreeBatch, target_tokens: torch.Tensor, out: WalkResu
         _tree_walk_kernel[(R,)](
             tok, par, nn, target, out.accepted, out.num_accepted, out.bonus, out.tokens,
             tok.stride(0), par.stride(0), target.stride(0), out.accepted.stride(0), out.tokens.stride(0),
-            N=N, L1=L1, NP=_next_pow2(N), LP=_next_pow2(L1), num_warps=1 if N <= 64 else 2)
+            N=N, L1=L1, NP=triton.next_power_of_2(N), LP=triton.next_power_of_2(L1), num_warps=1 if N <= 64 else 2)
     return out

@@ -3,6 +3,7 @@ tree metadata the attention and GDN templates read, and the target forward with 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -91,8 +92,7 @@ class VerifyStage:
         t = pending.tree
         if rows_host == list(range(len(pending.req_ids))):  # the usual step: same requests, same order
             rows = slice(None)
-            tree = TreeBatch(t.tokens, t.parents, t.depths, t.scores, t.num_nodes, t.ancestor_bits,
-                             max_depth=ctx.max_depth)
+            tree = dataclasses.replace(t, max_depth=ctx.max_depth)  # the same tensors, no gather
         else:
             rows = ctx.h2d(rows_host, torch.int64)
             tree = TreeBatch(t.tokens[rows], t.parents[rows], t.depths[rows], t.scores[rows], t.num_nodes[rows],

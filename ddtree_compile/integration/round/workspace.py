@@ -22,6 +22,8 @@ frees that reservation and allocates the same shapes in its place.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ... import adapters
@@ -40,13 +42,7 @@ def gdn_shapes(p, n_layers: int, R: int, N: int, dtype) -> dict:
 
 
 def nbytes(shapes: dict) -> int:
-    total = 0
-    for shape, dtype in shapes.values():
-        n = torch.empty((), dtype=dtype).element_size()
-        for d in shape:
-            n *= d
-        total += n
-    return total
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
 
 
 def plan(runner, cfg) -> int:
