@@ -153,7 +153,7 @@ def _match(outputs, reference) -> float:
 def run(args) -> dict:
     from vllm import LLM
 
-    from ddtree_compile.integration import config, engines, metrics, plugin
+    from ddtree_compile.integration import engines, plugin
     from ddtree_compile.tools import harness, models, oracle
     from ddtree_compile.tools.timing import timed_steps as _timed
 
@@ -177,9 +177,12 @@ def run(args) -> dict:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str))
 
-    def engine(name, spec=None, extra=None):
+    def engine(name, spec=None, extra=None, share=1):
         t = time.perf_counter()
-        llm = LLM(**_engine_kwargs(target, args, max(conc), spec, extra or {}))
+        kw = _engine_kwargs(target, args, max(conc), spec, extra or {})
+        if share > 1 and "gpu_memory_utilization" in kw:  # --side-by-side: the engines split the GPU
+            kw["gpu_memory_utilization"] = args.gpu_memory_utilization / share
+        llm = LLM(**kw)
         result["starts"][name] = time.perf_counter() - t
         if args.target != "tiny":
             sharpen(llm)
@@ -208,24 +211,20 @@ def run(args) -> dict:
     modes = [("flat", None)] + [(f"ddtree{b}", b) for b in args.budgets] + [("auto", "auto")]
     modes = [(m, b) for m, b in modes if m in args.modes or (isinstance(b, int) and "ddtree" in args.modes)]
     modes.sort(key=lambda mb: args.modes.index(mb[0]) if mb[0] in args.modes else len(args.modes))  # as listed
+    cell = {"args": args, "profiles": profiles, "conc": conc, "prompts": prompts, "ref": ref,
+            "reference": reference, "result": result, "save": save, "timed": _timed}
+    if args.side_by_side:
+        _side_by_side(engine, [(m, b, *_spec(b, args, drafter)) for m, b in modes], **cell)
+        _break_even(result["runs"])
+        return result
     for mode, budget in modes:
-        if budget is None:
-            spec, extra = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.flat_len}, {}
-        else:
-            auto = {"auto_budget": args.auto_budget} if budget == "auto" else {}
-            kw = config.vllm_kwargs(drafter, budget=budget, top_k=args.top_k, num_speculative_tokens=args.flat_len,
-                                    **auto)
-            spec, extra = kw["speculative_config"], kw["additional_config"]
         try:
-            llm = engine(mode, spec, extra)
+            llm = engine(mode, *_spec(budget, args, drafter))
         except Exception as e:  # one mode failing to start must not lose the others
             result["runs"].append({"mode": mode, "error": repr(e)[:500]})
             continue
         try:
-            state = engines.find_state(llm) if budget else None
-            if budget and state is None:
-                result["runs"].append({"mode": mode, "error": "DDTree did not attach",
-                                       "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS)})
+            if not _attached(llm, mode, budget, result):
                 continue
             for prof in profiles:
                 od = oracle.OracleDrafter(reference, prof, seed=1).install(llm)
@@ -236,13 +235,8 @@ def run(args) -> dict:
                         before = _counters(llm, budget)
                         r = _cell(_timed, llm, prompts[:c], args.max_tokens, args.repeats)
                         after = _counters(llm, budget)
-                        row = {"mode": mode, "budget": budget, "profile": prof.name, "concurrency": c,
-                               **_summary(r, ref[:c], args.max_tokens), **_rounds(budget, before, after)}
-                        row["simulated_tokens_per_round"] = None if budget == "auto" else oracle.simulate(
-                            prof, budget or args.flat_len, args.top_k if budget else 1, args.flat_len, samples=2000)
-                        result["runs"].append(row)
+                        _add_row(result, args, mode, budget, prof, c, r, ref, _rounds(budget, before, after))
                         save()
-                        print(_line(row), flush=True)
                     if args.gpu_profile and prof is profiles[0]:
                         result.setdefault("gpu_profiles", []).append(
                             {"mode": mode, "profile": prof.name, "concurrency": conc[0],
@@ -254,6 +248,87 @@ def run(args) -> dict:
             engines.shutdown(llm)
     _break_even(result["runs"])
     return result
+
+
+def _spec(budget, args, drafter) -> tuple[dict, dict]:
+    """(speculative_config, additional_config) of a mode: flat DFlash (budget None) or DDTree."""
+    from ddtree_compile.integration import config
+
+    if budget is None:
+        return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.flat_len}, {}
+    auto = {"auto_budget": args.auto_budget} if budget == "auto" else {}
+    kw = config.vllm_kwargs(drafter, budget=budget, top_k=args.top_k, num_speculative_tokens=args.flat_len, **auto)
+    return kw["speculative_config"], kw["additional_config"]
+
+
+def _attached(llm, mode, budget, result) -> bool:
+    """A DDTree mode whose round did not attach is reported as an error row, not timed as flat."""
+    from ddtree_compile.integration import engines, metrics
+
+    if budget and engines.find_state(llm) is None:
+        result["runs"].append({"mode": mode, "error": "DDTree did not attach",
+                               "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS)})
+        return False
+    return True
+
+
+def _add_row(result, args, mode, budget, prof, c, r, ref, rounds) -> None:
+    from ddtree_compile.tools import oracle
+
+    row = {"mode": mode, "budget": budget, "profile": prof.name, "concurrency": c,
+           **_summary(r, ref[:c], args.max_tokens), **rounds}
+    row["simulated_tokens_per_round"] = None if budget == "auto" else oracle.simulate(
+        prof, budget or args.flat_len, args.top_k if budget else 1, args.flat_len, samples=2000)
+    result["runs"].append(row)
+    print(_line(row), flush=True)
+
+
+def _side_by_side(engine, modes, args, profiles, conc, prompts, ref, reference, result, save, timed) -> None:
+    """--side-by-side: every speculative mode's engine is up at once (the GPU's memory split evenly
+    between them), and in each (profile, concurrency) cell their timed runs alternate, the order
+    rotated per repeat. A drift of the host's speed hits every mode alike; on the H100 (session 11)
+    flat DFlash's three identical c=1 cells, measured minutes apart, took 13.9, 17.4 and 14.8 ms per
+    round, a spread larger than the gains being measured. Rounds and tokens per round come from the
+    timed steps (timing.py: decode_rounds), because vLLM's Prometheus counters belong to the last
+    engine created in a process; DDTree's own counters (round split, tree steps) are per engine."""
+    from ddtree_compile.integration import engines
+    from ddtree_compile.tools import oracle
+
+    llms = {}
+    try:
+        for mode, budget, spec, extra in modes:
+            try:
+                llm = engine(mode, spec, extra, share=len(modes))
+            except Exception as e:
+                result["runs"].append({"mode": mode, "error": repr(e)[:500]})
+                continue
+            llms[mode] = (budget, llm)
+            if not _attached(llm, mode, budget, result):
+                return
+        names = list(llms)
+        for prof in profiles:
+            ods = [oracle.OracleDrafter(reference, prof, seed=1).install(llm) for _, llm in llms.values()]
+            try:
+                for _, llm in llms.values():
+                    for c in conc:
+                        timed(llm, prompts[:c], 16)
+                for c in conc:
+                    before = {m: _counters(llm, b, vllm=False) for m, (b, llm) in llms.items()}
+                    runs = {m: [] for m in names}
+                    for i in range(max(args.repeats, 1)):
+                        for m in names[i % len(names):] + names[:i % len(names)]:
+                            runs[m].append(timed(llms[m][1], prompts[:c], args.max_tokens))
+                    for m, (b, llm) in llms.items():
+                        rounds = _rounds(b, before[m], _counters(llm, b, vllm=False), timed_runs=runs[m])
+                        rounds["run_started_s"] = [r["started_s"] for r in runs[m]]  # the interleaving, on record
+                        _add_row(result, args, m, b, prof, c, _median(runs[m]), ref, rounds)
+                    save()
+            finally:
+                for od in ods:
+                    od.uninstall()
+    finally:
+        for _, llm in llms.values():
+            engines.shutdown(llm)
 
 
 def _gpu_profile(llm, prompts, max_tokens, budget, top=30) -> dict:
@@ -288,7 +363,11 @@ def _cell(timed, llm, prompts, max_tokens, repeats) -> dict:
     """One (mode, profile, concurrency) cell: `repeats` timed runs, reported by the run of median
     tok/s. A run is c requests of max_tokens: at c=1 on the 4B shape well under a second, and
     single runs of the same engine varied by up to 25% (a log line, a GC pause, a clock step)."""
-    runs = [timed(llm, prompts, max_tokens) for _ in range(max(repeats, 1))]
+    return _median([timed(llm, prompts, max_tokens) for _ in range(max(repeats, 1))])
+
+
+def _median(runs) -> dict:
+    """The run of median tok/s, with every run's tok/s and outputs and their summed wall time."""
     median = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
     return median | {"tok_s_runs": [r["tok_s"] for r in runs], "runs_outputs": [r["outputs"] for r in runs],
                      "wall_s_total": sum(r["wall_s"] for r in runs)}  # the span of the cell's round counters
@@ -306,24 +385,31 @@ def _summary(r, ref, max_tokens) -> dict:
     return out
 
 
-def _counters(llm, budget) -> dict:
-    """vLLM's spec-decode counters, and DDTree's for a DDTree engine."""
+def _counters(llm, budget, vllm: bool = True) -> dict:
+    """vLLM's spec-decode counters (unless vllm=False), and DDTree's for a DDTree engine."""
     from ddtree_compile.integration import metrics
     from ddtree_compile.tools import harness
 
-    return {"vllm": harness.spec_counters(llm), "ddtree": metrics.collect(llm)[0] if budget else None}
+    return {"vllm": harness.spec_counters(llm) if vllm else None,
+            "ddtree": metrics.collect(llm)[0] if budget else None}
 
 
-def _rounds(budget, before, after) -> dict:
+def _rounds(budget, before, after, timed_runs=None) -> dict:
     """Tokens per round and rounds (per request), and DDTree's round split.
 
-    Fixed budgets: DDTree's counters (tree rounds). Flat DFlash and budget "auto" (whose chain steps
-    vLLM verifies): vLLM's spec-decode counters, which count every verify (tree or chain) as a draft
-    and its committed tokens but the bonus as accepted."""
-    va, vb = after["vllm"], before["vllm"]
-    drafts = va["vllm:spec_decode_num_drafts"] - vb.get("vllm:spec_decode_num_drafts", 0)
-    acc = va["vllm:spec_decode_num_accepted_tokens"] - vb.get("vllm:spec_decode_num_accepted_tokens", 0)
-    out = {"rounds": drafts, "tokens_per_round": 1 + acc / max(drafts, 1)}
+    With timed_runs (--side-by-side), every mode alike: the runs' decode rounds and their tokens
+    after each request's first. Else fixed budgets: DDTree's counters (tree rounds); flat DFlash
+    and budget "auto" (whose chain steps vLLM verifies): vLLM's spec-decode counters, which count
+    every verify (tree or chain) as a draft and its committed tokens but the bonus as accepted."""
+    if timed_runs is not None:
+        n = sum(r["decode_rounds"] for r in timed_runs)
+        decoded = sum(r["output_tokens"] - sum(1 for o in r["outputs"] if o) for r in timed_runs)
+        out = {"rounds": n, "tokens_per_round": decoded / max(n, 1)}
+    else:
+        va, vb = after["vllm"], before["vllm"]
+        drafts = va["vllm:spec_decode_num_drafts"] - vb.get("vllm:spec_decode_num_drafts", 0)
+        acc = va["vllm:spec_decode_num_accepted_tokens"] - vb.get("vllm:spec_decode_num_accepted_tokens", 0)
+        out = {"rounds": drafts, "tokens_per_round": 1 + acc / max(drafts, 1)}
     if budget:
         from ddtree_compile.tools import harness
 
@@ -333,7 +419,7 @@ def _rounds(budget, before, after) -> dict:
         out.update(round_split_s=split, graph_steps=d.get("graph_steps"), tree_steps=d.get("tree_steps"),
                    fallback_total=d.get("fallback_total"),
                    tree_tokens_per_round=1 + d["nodes_accepted"] / max(d["tree_requests"], 1))
-        if budget != "auto":
+        if budget != "auto" and timed_runs is None:
             out.update(rounds=d["tree_requests"] + d.get("chain_steps", 0),
                        tokens_per_round=out["tree_tokens_per_round"])
         else:
@@ -404,6 +490,9 @@ def main(argv=None) -> int:
                     "(default: a new temporary folder)")
     ap.add_argument("--gpu-profile", action="store_true", help="per mode, one more run at the first concurrency "
                     "and profile under torch.profiler: GPU busy ms per round and the top kernels (gpu_profiles)")
+    ap.add_argument("--side-by-side", action="store_true", help="all speculative modes' engines up at once "
+                    "(GPU memory split evenly), their runs alternating within each cell: ratios immune to a drift of "
+                    "the host's speed between engines (see _side_by_side)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     args = ap.parse_args(argv)
@@ -412,6 +501,8 @@ def main(argv=None) -> int:
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.profile_names = args.profile_names.split(",")
     args.modes = args.modes.split(",")
+    if args.side_by_side and args.gpu_profile:
+        ap.error("--gpu-profile: not with --side-by-side (profile the modes one engine at a time)")
     result = run(args)
     result["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     import vllm

@@ -7,7 +7,8 @@
 - Flat DFlash's acceptance does not depend on the profile here: the three profiles share the
   chain's per-depth acceptance p0 (calibrate_oracle.py), only the off-chain ranks differ. So the
   flat baseline per concurrency is the mean of its valid runs over the profiles (one number less
-  noisy than any single 256-token run); `vs_flat` is each run's tok/s over it, `gain` its tokens
+  noisy than any single 256-token run); with --side-by-side, the flat run of the same cell (it ran
+  interleaved with the others); `vs_flat` is each run's tok/s over it, `gain` its tokens
   per round over flat's and `break_even` flat's rounds/s over the run's (the gain it needs).
 - The plot (matplotlib: `pip install -e .[bench]`): tok/s over flat DFlash per mode, one panel per
   profile, x = concurrency.
@@ -34,21 +35,28 @@ def summarize(result: dict) -> dict:
     for r in runs:
         if "error" not in r and r.get("reference_match", 1.0) < VALID:
             r["invalid"] = f"outputs left the reference (match {r['reference_match']:.3f}); see mismatch_heads"
+    # --side-by-side: flat DFlash ran interleaved with the others in each (profile, concurrency) cell,
+    # so each cell's own flat run is the baseline; else the mean over profiles (see the docstring)
+    paired = bool(result.get("args", {}).get("side_by_side"))
+
+    def key(r):
+        return (r.get("profile"), r["concurrency"]) if paired else r["concurrency"]
+
     flat = {}
-    for c in sorted({r["concurrency"] for r in runs if r.get("mode") == "flat"}):
-        ok = [r for r in runs if r.get("mode") == "flat" and r["concurrency"] == c and "invalid" not in r]
+    for k in sorted({key(r) for r in runs if r.get("mode") == "flat" and "error" not in r}, key=str):
+        ok = [r for r in runs if r.get("mode") == "flat" and "error" not in r and key(r) == k and "invalid" not in r]
         if ok:
-            flat[c] = {"tok_s": statistics.mean(r["tok_s"] for r in ok),
+            flat[k] = {"tok_s": statistics.mean(r["tok_s"] for r in ok),
                        "tokens_per_round": statistics.mean(r["tokens_per_round"] for r in ok),
                        "rounds_per_s": statistics.mean(rounds_per_s(r) for r in ok), "runs": len(ok)}
     for r in runs:
-        f = flat.get(r.get("concurrency"))
+        f = flat.get(key(r)) if "concurrency" in r else None
         if f and r.get("mode") not in ("flat", None) and "error" not in r and "invalid" not in r:
             r["vs_flat"] = r["tok_s"] / f["tok_s"]
             if r.get("rounds"):
                 r["gain"] = r["tokens_per_round"] / f["tokens_per_round"]
                 r["break_even"] = f["rounds_per_s"] / rounds_per_s(r)
-    result["flat_baseline"] = {str(c): v for c, v in flat.items()}
+    result["flat_baseline"] = {(f"{k[0]} c={k[1]}" if paired else str(k)): v for k, v in flat.items()}
     return result
 
 
@@ -69,8 +77,9 @@ def table(result: dict) -> str:
                 vals.append("-" if r is None or "vs_flat" not in r else f"{r['vs_flat']:.2f}x ({r['gain']:.2f})")
         lines.append(f"| {m} | " + " | ".join(vals) + " |")
     fb = result.get("flat_baseline", {})
-    lines.append("| flat DFlash tok/s | " + " | ".join(
-        f"{fb[str(c)]['tok_s']:.0f}" if str(c) in fb else "-" for _ in profiles for c in conc) + " |")
+    paired = bool(result.get("args", {}).get("side_by_side"))
+    keys = [f"{p} c={c}" if paired else str(c) for p in profiles for c in conc]
+    lines.append("| flat DFlash tok/s | " + " | ".join(f"{fb[k]['tok_s']:.0f}" if k in fb else "-" for k in keys) + " |")
     nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
     if nospec:
         lines.append("| no speculation tok/s | " + " | ".join(

@@ -121,3 +121,39 @@ def test_summary_table_ratios_and_no_speculation_row(bench):
     assert math.isclose(d["gain"], 6.0 / 5.0) and math.isclose(d["break_even"], (100 / 2.0) / (80 / 1.0))
     lines = summ.table(res).splitlines()
     assert lines[2].startswith("| ddtree32 | 1.25x (1.20) |") and lines[-1].startswith("| no speculation tok/s | 40 |")
+    for r in runs:  # --side-by-side: each cell's own flat run is the baseline (no mean over profiles)
+        r.pop("vs_flat", None)
+    res = summ.summarize({"args": {"side_by_side": True}, "runs": runs})
+    assert set(res["flat_baseline"]) == {"a c=1", "b c=1"} and math.isclose(d["vs_flat"], 150.0 / 100.0)
+    assert math.isclose(d["break_even"], (100 / 2.0) / (80 / 1.0))
+    assert "| flat DFlash tok/s | 100 |" in summ.table(res)
+
+
+def test_bench_e2e_side_by_side(bench, tmp_path):
+    """--side-by-side: the speculative engines are up together and their runs alternate within each
+    cell (the order rotated per repeat); rounds come from the timed steps, the same count for every
+    mode, and for DDTree they agree with its own round counters."""
+    prof = {"name": "perfect", "rank_probs": [1.0]}
+    (tmp_path / "p.json").write_text(json.dumps({"profiles": [prof]}))
+    out = tmp_path / "s.json"
+    rc = bench.main(["--target", "tiny", "--max-tokens", "16", "--concurrency", "1,2", "--budgets", "8", "--top-k", "4",
+                     "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect",
+                     "--modes", "flat,ddtree8", "--repeats", "3", "--side-by-side", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0, [r for r in res["runs"] if "error" in r]
+    runs = {(r["mode"], r["concurrency"]): r for r in res["runs"]}
+    assert set(runs) == {(m, c) for m in ("flat", "ddtree8") for c in (1, 2)}
+    for c in (1, 2):
+        f, d = runs[("flat", c)], runs[("ddtree8", c)]
+        starts = sorted([(t, "flat") for t in f["run_started_s"]] + [(t, "dd") for t in d["run_started_s"]])
+        order = [m for _, m in starts]
+        assert order == ["flat", "dd", "dd", "flat", "flat", "dd"], order  # alternating, rotated per repeat
+        for r in (f, d):
+            assert r["reference_match"] == 1.0 and len(r["tok_s_runs"]) == 3
+            # 16 tokens per request: the prefill's first, then 15 over the decode rounds
+            assert r["tokens_per_round"] == pytest.approx(3 * c * 15 / r["rounds"]), r
+        assert d["tree_steps"] > 0 and d["fallback_total"] == 0
+        # the perfect oracle: every round commits its 7 drafts + the bonus, so 15 tokens take 2 rounds
+        assert d["tokens_per_round"] == f["tokens_per_round"] == 7.5
+        assert d["rounds"] == pytest.approx(d["tree_steps"] * c, abs=c)  # step-counted = DDTree's own rounds
+        assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
