@@ -78,7 +78,33 @@ def test_unknown_costs_are_explored_then_the_faster_kind_wins():
     assert kinds.count(ab.CHAIN) == 6 and kinds.count(ab.TREE) == 2 and p.probes == 2, kinds
     p.costs[(ab.CHAIN, 1)] = 0.009  # now 4/9 < 5/10: the tree wins
     assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 4
+    # the losing chain is still timed now and then (its cost may have been a stall): every 4 * 8th step
+    kinds = [p.choose(1) for _ in range(64)]
+    at = [i for i, k in enumerate(kinds) if k == ab.CHAIN]
+    assert len(at) == 2 and at[1] - at[0] == 4 * ab._CHAIN_PROBE_FACTOR and p.chain_probes == 2, at
+    assert p.snapshot()["chain_probes"] == 2
     assert p.expected_rates(1)[ab.TREE] == pytest.approx(500.0) and p.expected_rates(2)[ab.TREE] is None
+
+
+def test_a_chain_cost_held_up_by_stalls_is_measured_again():
+    """The H100 4B run: both of the chain's first steps at one bucket were stalls (313 ms), the tree
+    won from then on and the chain was never timed again. A chain probe times it, and the window's
+    lower quartile takes the steady cost, so the chain can win again."""
+    m, p = _policy(probe=2)
+    for i in range(2):
+        _step(p, ab.TREE, 1, float(i), 0.008)  # tree: 10 ms per step
+    _round(m, [4, 4], [0, 0])  # the tree accepts no more than the chain: 5 tokens per round each
+    while p.tokens[ab.TREE] is None:
+        p.choose(1)
+    for i in range(2):
+        _step(p, ab.CHAIN, 1, 10.0 + i, 0.311)  # two stalls: the chain reads 313 ms
+    assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.313)
+    kinds = [p.choose(1) for _ in range(2 * ab._CHAIN_PROBE_FACTOR)]
+    assert kinds[-1] == ab.CHAIN and kinds.count(ab.CHAIN) == 1, kinds  # the probe
+    _step(p, ab.CHAIN, 1, 20.0, 0.004)  # the chain's steady step: 6 ms
+    assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.006)
+    assert p.expected_rates(1)[ab.CHAIN] > p.expected_rates(1)[ab.TREE]  # 5/6 > 5/10: the chain wins again,
+    assert [p.choose(1) for _ in range(4)] == [ab.TREE, ab.CHAIN] * 2 and p.probes == 2  # the tree probed every 2nd
 
 
 def test_buckets_priors_and_what_is_not_timed():

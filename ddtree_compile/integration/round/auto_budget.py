@@ -21,7 +21,11 @@ more tokens per second at this batch size.
   dense 4B auto run still read tree@4 = 1151 ms after its first cell; a tree step there takes ~24 ms).
 - A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried;
   while the chain wins, every `probe_interval`-th step verifies the tree anyway so its acceptance
-  keeps being measured (a drafter can get better).
+  keeps being measured (a drafter can get better); while the tree wins, every
+  `probe_interval * _CHAIN_PROBE_FACTOR`-th step verifies the chain, so a chain cost whose every
+  sample was a stall is measured again (the H100 dense 4B run kept chain@1 = 313 ms, against ~20 ms
+  at c=2, for all of its cells: a kind that loses is never timed again without a probe). Rarer than
+  tree probes: the chain has no acceptance to learn, and on hybrids its step is the slower one.
 
 Only two buckets: vLLM 0.26 captures FULL CUDA graphs for one uniform decode length (1 + K tokens
 per request) per engine, and K = B on hybrids, so the tree runs in those graphs and the chain
@@ -46,6 +50,7 @@ _EMA = 0.25  # weight of a new measurement (drafting time: per proposal; accepta
 _READBACK = 8  # decisions between read-backs of the acceptance counters
 _WINDOW = 9  # measured steps per (kind, bucket) whose lower quartile is the cost
 _MIN_SAMPLES = 2  # measured steps before they replace the table's prior (or make the cost known)
+_CHAIN_PROBE_FACTOR = 8  # while the tree wins, a chain step every probe_interval * this steps
 
 
 def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
@@ -85,8 +90,9 @@ class AutoBudget:
         self.table_path = table_path
         self.tokens = {TREE: None, CHAIN: None}  # committed tokens per request-round (EMA)
         self.decisions = {TREE: 0, CHAIN: 0}
-        self.probes = 0
-        self._since_tree = 0
+        self.probes = 0  # tree steps taken while the chain won
+        self.chain_probes = 0  # chain steps taken while the tree won
+        self._since_tree = self._since_chain = 0
         self._n = 0
         self.draft_s: float | None = None  # seconds per proposal (drafter + tree build), both kinds
         self._next: tuple | None = None  # (kind, R) proposed for the next step
@@ -101,6 +107,7 @@ class AutoBudget:
         kind = self._decide(bucket(R))
         self.decisions[kind] += 1
         self._since_tree = 0 if kind == TREE else self._since_tree + 1
+        self._since_chain = 0 if kind == CHAIN else self._since_chain + 1
         return kind
 
     def _decide(self, b: int) -> str:
@@ -110,6 +117,9 @@ class AutoBudget:
         if cc is None:
             return CHAIN
         if self.tokens[TREE] / ct >= self.tokens[CHAIN] / cc:
+            if self._since_chain + 1 >= self.probe_interval * _CHAIN_PROBE_FACTOR:
+                self.chain_probes += 1
+                return CHAIN
             return TREE
         if self._since_tree + 1 >= self.probe_interval:
             self.probes += 1
@@ -189,6 +199,7 @@ class AutoBudget:
 
     def snapshot(self) -> dict:
         return {"tree_budget": self.B, "chain_len": self.L, "decisions": dict(self.decisions), "probes": self.probes,
+                "chain_probes": self.chain_probes,
                 "tokens_per_round": dict(self.tokens), "table": self.table_path,
                 "draft_ms": None if self.draft_s is None else 1e3 * self.draft_s,
                 "step_ms": {f"{k}@{b}": 1e3 * c for (k, b), c in sorted(self.costs.items())}}
