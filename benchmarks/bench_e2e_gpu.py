@@ -4,6 +4,10 @@
     python benchmarks/bench_e2e_gpu.py --target tiny --max-tokens 32 --concurrency 1,2 --out /tmp/e2e.json  # CPU smoke
     # over several 10-minute device commands: --modes nospec,flat / ddtree16,ddtree32 / ... with one
     # --reference /tmp/ref.json, then: python benchmarks/bench_e2e_gpu.py --merge A.json B.json --out ALL.json
+    # ratios side by side (the engines up together, their runs interleaved; see _side_by_side): a cold
+    # 4B engine starts in ~4-4.5 min on the H100, so two modes fit one 10-minute device command:
+    python benchmarks/bench_e2e_gpu.py --target qwen35_4b --modes flat,ddtree32 --side-by-side --repeat-reference \
+        --models-dir /tmp/m4 --out /tmp/e2e_4b_sbs.json
 
 Per target: the no-speculation engine first (timed per concurrency, and its greedy outputs are the
 reference continuations the oracle drafts from), then one engine per speculative mode (vLLM's flat
