@@ -4,8 +4,8 @@
     python benchmarks/bench_e2e_gpu.py --target tiny --max-tokens 32 --concurrency 1,2 --out /tmp/e2e.json  # CPU smoke
     # over several 10-minute device commands: --modes nospec,flat / ddtree16,ddtree32 / ... with one
     # --reference /tmp/ref.json, then: python benchmarks/bench_e2e_gpu.py --merge A.json B.json --out ALL.json
-    # ratios side by side (the engines up together, their runs interleaved; see _side_by_side): a cold
-    # 4B engine starts in ~4-4.5 min on the H100, so two modes fit one 10-minute device command:
+    # ratios side by side (the engines up together, one process each, their runs interleaved; see
+    # _side_by_side): a cold 4B engine starts in ~4-4.5 min on the H100, so two modes per 10-minute command:
     python benchmarks/bench_e2e_gpu.py --target qwen35_4b --modes flat,ddtree32 --side-by-side --repeat-reference \
         --models-dir /tmp/m4 --out /tmp/e2e_4b_sbs.json
 
@@ -154,9 +154,27 @@ def _match(outputs, reference) -> float:
     return same / max(total, 1)
 
 
-def run(args) -> dict:
+def _start_engine(args, target, conc, prompts, spec=None, extra=None, share=1):
+    """(engine of one mode, warmed up; seconds it took to start). share > 1 (--side-by-side): the
+    engines up at once split the GPU memory evenly."""
     from vllm import LLM
 
+    from ddtree_compile.tools.timing import timed_steps
+
+    t = time.perf_counter()
+    kw = _engine_kwargs(target, args, max(conc), spec, extra or {})
+    if share > 1 and "gpu_memory_utilization" in kw:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization / share
+    llm = LLM(**kw)
+    start = time.perf_counter() - t
+    if args.target != "tiny":
+        sharpen(llm)
+    for c in conc:  # warm-up outside the timings: every batch shape's first-call kernel compiles
+        timed_steps(llm, prompts[:c], 16)
+    return llm, start
+
+
+def run(args) -> dict:
     from ddtree_compile.integration import engines, plugin
     from ddtree_compile.tools import harness, models, oracle
     from ddtree_compile.tools.timing import timed_steps as _timed
@@ -181,17 +199,8 @@ def run(args) -> dict:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str))
 
-    def engine(name, spec=None, extra=None, share=1):
-        t = time.perf_counter()
-        kw = _engine_kwargs(target, args, max(conc), spec, extra or {})
-        if share > 1 and "gpu_memory_utilization" in kw:  # --side-by-side: the engines split the GPU
-            kw["gpu_memory_utilization"] = args.gpu_memory_utilization / share
-        llm = LLM(**kw)
-        result["starts"][name] = time.perf_counter() - t
-        if args.target != "tiny":
-            sharpen(llm)
-        for c in conc:  # warm-up outside the timings: every batch shape's first-call kernel compiles
-            _timed(llm, prompts[:c], 16)
+    def engine(name, spec=None, extra=None):
+        llm, result["starts"][name] = _start_engine(args, target, conc, prompts, spec, extra)
         return llm
 
     ref_path = pathlib.Path(args.reference) if args.reference else None
@@ -215,10 +224,11 @@ def run(args) -> dict:
     modes = [("flat", None)] + [(f"ddtree{b}", b) for b in args.budgets] + [("auto", "auto")]
     modes = [(m, b) for m, b in modes if m in args.modes or (isinstance(b, int) and "ddtree" in args.modes)]
     modes.sort(key=lambda mb: args.modes.index(mb[0]) if mb[0] in args.modes else len(args.modes))  # as listed
-    cell = {"args": args, "profiles": profiles, "conc": conc, "prompts": prompts, "ref": ref,
-            "reference": reference, "result": result, "save": save, "timed": _timed}
     if args.side_by_side:
-        _side_by_side(engine, [(m, b, *_spec(b, args, drafter)) for m, b in modes], **cell)
+        setup = {"args": vars(args), "target": target, "conc": conc, "prompts": prompts, "ref": ref}
+        names = set(args.profile_names)
+        _side_by_side([(m, b, *_spec(b, args, drafter)) for m, b in modes],
+                      [p for p in prof_json["profiles"] if p["name"] in names], setup, result, save)
         _break_even(result["runs"])
         return result
     for mode, budget in modes:
@@ -277,8 +287,10 @@ def _attached(llm, mode, budget, result) -> bool:
 
 
 def _add_row(result, args, mode, budget, prof, c, r, ref, rounds) -> None:
+    """prof: an oracle Profile, or its JSON dict (--side-by-side)."""
     from ddtree_compile.tools import oracle
 
+    prof = oracle.profile_from(prof) if isinstance(prof, dict) else prof
     row = {"mode": mode, "budget": budget, "profile": prof.name, "concurrency": c,
            **_summary(r, ref[:c], args.max_tokens), **rounds}
     row["simulated_tokens_per_round"] = None if budget == "auto" else oracle.simulate(
@@ -287,52 +299,129 @@ def _add_row(result, args, mode, budget, prof, c, r, ref, rounds) -> None:
     print(_line(row), flush=True)
 
 
-def _side_by_side(engine, modes, args, profiles, conc, prompts, ref, reference, result, save, timed) -> None:
-    """--side-by-side: every speculative mode's engine is up at once (the GPU's memory split evenly
-    between them), and in each (profile, concurrency) cell their timed runs alternate, the order
-    rotated per repeat. A drift of the host's speed hits every mode alike; on the H100 (session 11)
-    flat DFlash's three identical c=1 cells, measured minutes apart, took 13.9, 17.4 and 14.8 ms per
-    round, a spread larger than the gains being measured. Rounds and tokens per round come from the
-    timed steps (timing.py: decode_rounds), because vLLM's Prometheus counters belong to the last
-    engine created in a process; DDTree's own counters (round split, tree steps) are per engine."""
-    from ddtree_compile.integration import engines
-    from ddtree_compile.tools import oracle
+class _ModeWorker:
+    """--side-by-side: one speculative mode's engine in a process of its own (spawned), driven over a
+    pipe. Two vLLM engines in one process share process-wide state: on the H100, vLLM 0.26 switches
+    CUDA graph capture off for the whole process once an engine has captured, and the first engine's
+    next run then failed ("CUDA graph capturing detected at an inappropriate time"); the Prometheus
+    registry, which the spec-decode counters are read from, holds only the last engine's."""
 
-    llms = {}
+    def __init__(self, mp, mode, budget, spec, extra, setup):
+        self.mode, self.budget = mode, budget
+        self.conn, child = mp.Pipe()
+        self.proc = mp.Process(target=_worker_main, args=(child, budget, spec, extra, setup), daemon=True)
+        self.proc.start()
+        child.close()
+        self.info = self._reply()  # the engine is up (start_s, attached, fallbacks)
+
+    def call(self, *msg):
+        self.conn.send(msg)
+        return self._reply()
+
+    def _reply(self):
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"{self.mode}: its process died (exit code {self.proc.exitcode})") from None
+        if kind == "error":
+            raise RuntimeError(f"{self.mode}: {value}")
+        return value
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close",))
+        except OSError:
+            pass
+        self.proc.join(120)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _worker_main(conn, budget, spec, extra, setup) -> None:
+    """A _ModeWorker's process: start the engine, then answer ("profile", dict) (install that oracle
+    profile, warm up), ("counters",) and ("run", c) until ("close",)."""
+    import traceback
+
+    from ddtree_compile.integration import engines, metrics, plugin
+    from ddtree_compile.tools import harness, oracle
+    from ddtree_compile.tools.timing import timed_steps
+
+    args, conc, prompts = argparse.Namespace(**setup["args"]), setup["conc"], setup["prompts"]
     try:
-        for mode, budget, spec, extra in modes:
+        plugin.register()
+        llm, start = _start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"])
+        conn.send(("ok", {"start_s": start, "attached": not budget or engines.find_state(llm) is not None,
+                          "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid()}))
+    except Exception:
+        conn.send(("error", traceback.format_exc()[-2000:]))
+        return
+    reference, od = harness.reference_from_outputs(prompts, setup["ref"]), None
+    try:
+        while (msg := conn.recv())[0] != "close":
             try:
-                llm = engine(mode, spec, extra, share=len(modes))
-            except Exception as e:
-                result["runs"].append({"mode": mode, "error": repr(e)[:500]})
-                continue
-            llms[mode] = (budget, llm)
-            if not _attached(llm, mode, budget, result):
-                return
-        names = list(llms)
-        for prof in profiles:
-            ods = [oracle.OracleDrafter(reference, prof, seed=1).install(llm) for _, llm in llms.values()]
-            try:
-                for _, llm in llms.values():
-                    for c in conc:
-                        timed(llm, prompts[:c], 16)
-                for c in conc:
-                    before = {m: _counters(llm, b, vllm=False) for m, (b, llm) in llms.items()}
-                    runs = {m: [] for m in names}
-                    for i in range(max(args.repeats, 1)):
-                        for m in names[i % len(names):] + names[:i % len(names)]:
-                            runs[m].append(timed(llms[m][1], prompts[:c], args.max_tokens))
-                    for m, (b, llm) in llms.items():
-                        rounds = _rounds(b, before[m], _counters(llm, b, vllm=False), timed_runs=runs[m])
-                        rounds["run_started_s"] = [r["started_s"] for r in runs[m]]  # the interleaving, on record
-                        _add_row(result, args, m, b, prof, c, _median(runs[m]), ref, rounds)
-                    save()
-            finally:
-                for od in ods:
-                    od.uninstall()
+                out = None
+                if msg[0] == "profile":
+                    if od is not None:
+                        od.uninstall()
+                    od = oracle.OracleDrafter(reference, oracle.profile_from(msg[1]), seed=1).install(llm)
+                    for c in conc:  # the oracle's own first-call compiles, outside the timings
+                        timed_steps(llm, prompts[:c], 16)
+                elif msg[0] == "counters":
+                    out = _counters(llm, budget)
+                elif msg[0] == "run":
+                    out = timed_steps(llm, prompts[: msg[1]], args.max_tokens)
+                conn.send(("ok", out))
+            except Exception:
+                conn.send(("error", traceback.format_exc()[-2000:]))
     finally:
-        for _, llm in llms.values():
-            engines.shutdown(llm)
+        engines.shutdown(llm)
+
+
+def _side_by_side(modes, profiles, setup, result, save) -> None:
+    """--side-by-side: every speculative mode's engine is up at once, each in its own process
+    (_ModeWorker), the GPU's memory split evenly between them, and in each (profile, concurrency)
+    cell their timed runs alternate, the order rotated per repeat. A drift of the host's speed then
+    hits every mode alike: on the H100 (session 11) flat DFlash's three identical c=1 cells,
+    measured minutes apart in one engine, took 13.9, 17.4 and 14.8 ms per round, a spread larger
+    than the gains being measured."""
+    import multiprocessing
+
+    args = argparse.Namespace(**setup["args"])
+    mp = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
+    setup = {**setup, "share": len(modes)}
+    workers = []
+    try:
+        for mode, budget, spec, extra in modes:  # one after another: each sizes its memory beside the others
+            try:
+                w = _ModeWorker(mp, mode, budget, spec, extra, setup)
+            except RuntimeError as e:
+                result["runs"].append({"mode": mode, "error": str(e)[-500:]})
+                continue
+            result["starts"][mode] = w.info["start_s"]
+            result.setdefault("worker_pids", {})[mode] = w.info["pid"]
+            if not w.info["attached"]:
+                result["runs"].append({"mode": mode, "error": "DDTree did not attach", "fallbacks": w.info["fallbacks"]})
+                w.close()
+                continue
+            workers.append(w)
+        for prof in profiles:
+            for w in workers:
+                w.call("profile", prof)
+            for c in setup["conc"]:
+                before = {w.mode: w.call("counters") for w in workers}
+                runs = {w.mode: [] for w in workers}
+                for i in range(max(args.repeats, 1)):
+                    for w in workers[i % len(workers):] + workers[:i % len(workers)]:
+                        runs[w.mode].append(w.call("run", c))
+                for w in workers:
+                    rounds = _rounds(w.budget, before[w.mode], w.call("counters"))
+                    rounds["run_started_s"] = [r["started_s"] for r in runs[w.mode]]  # the interleaving, on record
+                    _add_row(result, args, w.mode, w.budget, prof, c, _median(runs[w.mode]), setup["ref"],
+                             rounds)
+                save()
+    finally:
+        for w in workers:
+            w.close()
 
 
 def _gpu_profile(llm, prompts, max_tokens, budget, top=30) -> dict:
@@ -389,31 +478,24 @@ def _summary(r, ref, max_tokens) -> dict:
     return out
 
 
-def _counters(llm, budget, vllm: bool = True) -> dict:
-    """vLLM's spec-decode counters (unless vllm=False), and DDTree's for a DDTree engine."""
+def _counters(llm, budget) -> dict:
+    """vLLM's spec-decode counters, and DDTree's for a DDTree engine."""
     from ddtree_compile.integration import metrics
     from ddtree_compile.tools import harness
 
-    return {"vllm": harness.spec_counters(llm) if vllm else None,
-            "ddtree": metrics.collect(llm)[0] if budget else None}
+    return {"vllm": harness.spec_counters(llm), "ddtree": metrics.collect(llm)[0] if budget else None}
 
 
-def _rounds(budget, before, after, timed_runs=None) -> dict:
+def _rounds(budget, before, after) -> dict:
     """Tokens per round and rounds (per request), and DDTree's round split.
 
-    With timed_runs (--side-by-side), every mode alike: the runs' decode rounds and their tokens
-    after each request's first. Else fixed budgets: DDTree's counters (tree rounds); flat DFlash
-    and budget "auto" (whose chain steps vLLM verifies): vLLM's spec-decode counters, which count
-    every verify (tree or chain) as a draft and its committed tokens but the bonus as accepted."""
-    if timed_runs is not None:
-        n = sum(r["decode_rounds"] for r in timed_runs)
-        decoded = sum(r["output_tokens"] - sum(1 for o in r["outputs"] if o) for r in timed_runs)
-        out = {"rounds": n, "tokens_per_round": decoded / max(n, 1)}
-    else:
-        va, vb = after["vllm"], before["vllm"]
-        drafts = va["vllm:spec_decode_num_drafts"] - vb.get("vllm:spec_decode_num_drafts", 0)
-        acc = va["vllm:spec_decode_num_accepted_tokens"] - vb.get("vllm:spec_decode_num_accepted_tokens", 0)
-        out = {"rounds": drafts, "tokens_per_round": 1 + acc / max(drafts, 1)}
+    Fixed budgets: DDTree's counters (tree rounds). Flat DFlash and budget "auto" (whose chain steps
+    vLLM verifies): vLLM's spec-decode counters, which count every verify (tree or chain) as a draft
+    and its committed tokens but the bonus as accepted."""
+    va, vb = after["vllm"], before["vllm"]
+    drafts = va["vllm:spec_decode_num_drafts"] - vb.get("vllm:spec_decode_num_drafts", 0)
+    acc = va["vllm:spec_decode_num_accepted_tokens"] - vb.get("vllm:spec_decode_num_accepted_tokens", 0)
+    out = {"rounds": drafts, "tokens_per_round": 1 + acc / max(drafts, 1)}
     if budget:
         from ddtree_compile.tools import harness
 
@@ -423,7 +505,7 @@ def _rounds(budget, before, after, timed_runs=None) -> dict:
         out.update(round_split_s=split, graph_steps=d.get("graph_steps"), tree_steps=d.get("tree_steps"),
                    fallback_total=d.get("fallback_total"),
                    tree_tokens_per_round=1 + d["nodes_accepted"] / max(d["tree_requests"], 1))
-        if budget != "auto" and timed_runs is None:
+        if budget != "auto":
             out.update(rounds=d["tree_requests"] + d.get("chain_steps", 0),
                        tokens_per_round=out["tree_tokens_per_round"])
         else:
@@ -494,9 +576,9 @@ def main(argv=None) -> int:
                     "(default: a new temporary folder)")
     ap.add_argument("--gpu-profile", action="store_true", help="per mode, one more run at the first concurrency "
                     "and profile under torch.profiler: GPU busy ms per round and the top kernels (gpu_profiles)")
-    ap.add_argument("--side-by-side", action="store_true", help="all speculative modes' engines up at once "
-                    "(GPU memory split evenly), their runs alternating within each cell: ratios immune to a drift of "
-                    "the host's speed between engines (see _side_by_side)")
+    ap.add_argument("--side-by-side", action="store_true", help="all speculative modes' engines up at once, "
+                    "one process each (GPU memory split evenly), their runs alternating within each cell: ratios "
+                    "immune to a drift of the host's speed between engines (see _side_by_side)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     args = ap.parse_args(argv)

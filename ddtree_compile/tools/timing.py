@@ -16,16 +16,14 @@ _IDS = itertools.count()
 def timed_steps(llm, prompts: list[dict], max_tokens: int) -> dict:
     """Greedy-generate `prompts` as one batch: wall time, steps, output tokens, tok/s, TPOT p50/p90
     (the first token of a request is its prefill's, TTFT, and not counted), the outputs in prompt
-    order, started_s (perf_counter at the start) and decode_rounds: the (request, step) pairs that
-    gave a request tokens after its first (in vLLM's synchronous loop one speculative round each;
-    counted without vLLM's metrics)."""
+    order, and started_s (perf_counter at the start: a system-wide clock, comparable across processes)."""
     from vllm import SamplingParams
 
     eng = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     run = next(_IDS)
     ids = [f"timed{run}-{i}" for i in range(len(prompts))]
-    seen, last, gaps, outs, steps, rounds = {}, {}, [], {}, 0, 0
+    seen, last, gaps, outs, steps = {}, {}, [], {}, 0
     t0 = time.perf_counter()
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, p, params)
@@ -39,12 +37,11 @@ def timed_steps(llm, prompts: list[dict], max_tokens: int) -> dict:
             if new > 0:
                 if o.request_id in last:
                     gaps += [(t - last[o.request_id]) / new] * new
-                    rounds += 1
                 last[o.request_id], seen[o.request_id] = t, n
             outs[o.request_id] = list(o.outputs[0].token_ids)
     wall = time.perf_counter() - t0
     tokens = sum(len(v) for v in outs.values())
     q = statistics.quantiles(gaps, n=10) if len(gaps) >= 2 else [float("nan")] * 9
     return {"wall_s": wall, "steps": steps, "output_tokens": tokens, "tok_s": tokens / wall, "started_s": t0,
-            "tpot_p50_ms": 1e3 * q[4], "tpot_p90_ms": 1e3 * q[8], "decode_rounds": rounds,
+            "tpot_p50_ms": 1e3 * q[4], "tpot_p90_ms": 1e3 * q[8],
             "outputs": [outs.get(i, []) for i in ids]}
