@@ -309,7 +309,8 @@ class _ModeWorker:
     def __init__(self, mp, mode, budget, spec, extra, setup):
         self.mode, self.budget = mode, budget
         self.conn, child = mp.Pipe()
-        self.proc = mp.Process(target=_worker_main, args=(child, budget, spec, extra, setup), daemon=True)
+        # not a daemon: a daemonic process may not start processes of its own (torch.compile's workers)
+        self.proc = mp.Process(target=_worker_main, args=(child, budget, spec, extra, setup))
         self.proc.start()
         child.close()
         self.info = self._reply()  # the engine is up (start_s, attached, fallbacks)
@@ -357,7 +358,7 @@ def _worker_main(conn, budget, spec, extra, setup) -> None:
         return
     reference, od = harness.reference_from_outputs(prompts, setup["ref"]), None
     try:
-        while (msg := conn.recv())[0] != "close":
+        while (msg := _recv(conn))[0] != "close":
             try:
                 out = None
                 if msg[0] == "profile":
@@ -375,6 +376,14 @@ def _worker_main(conn, budget, spec, extra, setup) -> None:
                 conn.send(("error", traceback.format_exc()[-2000:]))
     finally:
         engines.shutdown(llm)
+
+
+def _recv(conn) -> tuple:
+    """The next message; a closed pipe (the parent died or was killed) is a close."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return ("close",)
 
 
 def _side_by_side(modes, profiles, setup, result, save) -> None:
