@@ -124,7 +124,7 @@ def tree_walk_case(arch, B):
     N, i64 = B + 1, dict(dtype=torch.int64)
     tree = TreeBatch(_t(4, N, **i64), _t(4, N, **i64), _t(4, N, **i64), _t(4, N, dtype=torch.float32), _t(4, **i64),
                      _t(4, N, -(-N // 32), dtype=torch.int32), max_depth=max(DRAFT_LEN, B))  # the round's depth
-    walk_tree_triton(tree, _t(4, N, **i64))
+    walk_tree_triton(tree, _t(4, N, **i64), top1=_t(4, DRAFT_LEN, **i64))  # the round's variant: off-chain too
 
 
 def _gdn_io(R, B, H, HV):

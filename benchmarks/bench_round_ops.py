@@ -85,7 +85,7 @@ def run(kind: str, triton: bool, tokens: int) -> dict:
         from ddtree_compile.core import build, walk
 
         bs.build_tree = lambda d, spec: build.build_tree(d, spec, impl="triton")
-        ws.walk_tree = lambda tree, target: walk.walk_tree(tree, target, impl="triton")
+        ws.walk_tree = lambda tree, target, top1=None: walk.walk_tree(tree, target, impl="triton", top1=top1)
         _count_interpreted_launches()
     root = pathlib.Path(tempfile.mkdtemp(prefix="round_ops_"))
     target = models.write_tiny_model(kind, root / "target")

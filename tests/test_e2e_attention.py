@@ -163,15 +163,18 @@ def _checking_reorder(commit, seen):
 def test_round_with_the_triton_walk_equals_no_speculation(dirs, reference, monkeypatch):
     """The walk as CUDA runs it (templates/tree_walk.py, interpreted here) inside the real round:
     every tree step's walk is the kernel's, and the outputs equal no speculation. The same run checks
-    the drafter-input reorder that follows each walk (the drafter's context must be the path)."""
+    the drafter-input reorder that follows each walk, whose order the kernel computed (the drafter's
+    context must be the path), and the kernel's off-chain counts are what the metrics' sibling
+    rounds come from."""
     from ddtree_compile.core import walk
     from ddtree_compile.integration.round import walk_stage
 
     calls = []
 
-    def triton_walk(tree, target):
+    def triton_walk(tree, target, top1=None):
+        assert top1 is not None  # the round asks for the off-chain count
         calls.append(tree.num_requests)
-        return walk.walk_tree(tree, target, impl="triton")
+        return walk.walk_tree(tree, target, impl="triton", top1=top1)
 
     monkeypatch.setattr(walk_stage, "walk_tree", triton_walk)
     llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=22, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN))

@@ -134,3 +134,38 @@ def test_walk_kernel_rejects_what_it_cannot_hold():
         bad = _poisoned(1, 3)
         bad.tokens = bad.tokens.int()
         walk_mod.walk_tree_triton(small, torch.zeros(1, 3, dtype=torch.int64), out=bad)
+
+
+@pytest.mark.parametrize("case", CASES[:12], ids=lambda c: "R{}L{}V{}B{}K{}{}".format(*c[:5], "c" if c[5] else ""))
+def test_walk_kernel_order_and_off_chain_equal_the_references(case):
+    """The kernel's drafter order and off-chain count (what the round reads after the walk) equal
+    walk.drafter_order / walk.accepted_off_chain, written into poisoned buffers, for a top1 that is
+    the build's chain (paths on it count 0) and for one that leaves it at a random depth."""
+    from ddtree_compile.core.walk import accepted_off_chain, drafter_order
+
+    R, L, V, budget, top_k, chain_seed = case
+    gen = random.Random(hash(case) % 2**31 + 7)
+    logits = torch.randn(R, L, V, generator=torch.Generator().manual_seed(gen.randrange(2**31))) * 2
+    tree = dd.build_tree(logits, dd.TreeSpec(budget=budget, top_k=top_k, chain_seed=chain_seed), impl="torch")
+    N = tree.tokens.shape[1]
+    offs = set()
+    for trial in range(6):
+        target = _target_along_a_path(tree, gen, V)
+        top1 = logits.argmax(-1)
+        if trial % 2:  # another chain: tokens differ from some random depth on
+            cut = gen.randrange(L)
+            top1[:, cut:] = torch.randint(0, V, (R, L - cut), generator=torch.Generator().manual_seed(trial))
+        want = walk_tree(tree, target, impl="torch", top1=top1)
+        assert torch.equal(want.order, drafter_order(want, N)) and torch.equal(want.off_chain, accepted_off_chain(want, top1))
+        out = _poisoned(*want.accepted.shape)
+        out.order, out.off_chain = torch.full((R * N,), -77, dtype=torch.int64), torch.full((R,), -77, dtype=torch.int64)
+        got = walk_mod.walk_tree_triton(tree, target, out=out, top1=top1.to(torch.int32))
+        _assert_walks_equal(got, want)
+        assert torch.equal(got.order, want.order), (got.order, want.order)
+        assert torch.equal(got.off_chain, want.off_chain), (got.off_chain, want.off_chain)
+        assert sorted(got.order.tolist()) == list(range(R * N))  # a permutation of the verify's rows
+        offs.update(want.off_chain.tolist())
+        no_top1 = walk_mod.walk_tree_triton(tree, target)
+        assert no_top1.off_chain is None and torch.equal(no_top1.order, want.order)
+    if chain_seed and budget > L:
+        assert len(offs) > 1, offs  # some paths left the chain, some did not

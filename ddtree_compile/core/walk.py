@@ -22,6 +22,9 @@ class WalkResult:
     num_accepted: torch.Tensor  # int64 [R]: path length including the root
     bonus: torch.Tensor  # int64 [R]: the target's token at the last accepted slot
     tokens: torch.Tensor  # int64 [R, L+1]: committed tokens (path after the root, then bonus), -1 padded
+    # what the round reads next, which the Triton walk computes in the same program (walk_tree fills them):
+    order: torch.Tensor | None = None  # int64 [R*N]: drafter_order (the drafter's next inputs, path first)
+    off_chain: torch.Tensor | None = None  # int64 [R]: accepted_off_chain (with walk_tree's top1)
 
     @property
     def last(self) -> torch.Tensor:
@@ -29,8 +32,11 @@ class WalkResult:
         return self.accepted.gather(1, (self.num_accepted - 1).unsqueeze(1)).squeeze(1)
 
 
-def walk_tree(tree: TreeBatch, target_tokens: torch.Tensor, impl: str = "auto") -> WalkResult:
-    """Accept the longest root path the target agrees with, plus one bonus token.
+def walk_tree(tree: TreeBatch, target_tokens: torch.Tensor, impl: str = "auto",
+              top1: torch.Tensor | None = None) -> WalkResult:
+    """Accept the longest root path the target agrees with, plus one bonus token; also the
+    drafter's next input order (`drafter_order`) and, given the drafter's top-1 chain top1 [R, L],
+    the accepted nodes off it (`accepted_off_chain`).
 
     impl: "torch" (the reference below), "triton" (templates/tree_walk.py), or "auto" (Triton for
     CUDA tensors, else torch).
@@ -42,10 +48,12 @@ def walk_tree(tree: TreeBatch, target_tokens: torch.Tensor, impl: str = "auto") 
         raise ValueError(f"target_tokens must be a tensor of shape [R, B+1] = {(R, N)}, got {shape}")
     if target_tokens.dtype.is_floating_point:
         raise ValueError(f"target_tokens must hold token ids (integer dtype), got {target_tokens.dtype}")
+    if top1 is not None and (top1.dim() != 2 or top1.shape[0] != R or top1.dtype.is_floating_point):
+        raise ValueError(f"top1 must hold token ids of shape [R, L] with R = {R}, got {top1.dtype} {tuple(top1.shape)}")
     if use_triton(tree.tokens, impl, "tree_walk", (N,)):
         from ddtree_compile.templates.tree_walk import walk_tree_triton
 
-        return walk_tree_triton(tree, target_tokens)
+        return walk_tree_triton(tree, target_tokens, top1=top1)
     target = target_tokens.long()
     live = tree.live()
     idx = torch.arange(N, device=tree.tokens.device)
@@ -72,7 +80,26 @@ def walk_tree(tree: TreeBatch, target_tokens: torch.Tensor, impl: str = "auto") 
     pos = torch.arange(L1, device=idx.device).unsqueeze(0)
     n1 = (num_accepted - 1).unsqueeze(1)
     tokens = torch.where(pos < n1, path_tokens, torch.where(pos == n1, bonus.unsqueeze(1), -1))
-    return WalkResult(accepted, num_accepted, bonus, tokens)
+    walk = WalkResult(accepted, num_accepted, bonus, tokens)
+    walk.order = drafter_order(walk, N)
+    walk.off_chain = None if top1 is None else accepted_off_chain(walk, top1)
+    return walk
+
+
+def drafter_order(walk: WalkResult, N: int) -> torch.Tensor:
+    """int64 [R*N]: the rows of the verify's R x N slots that the drafter reads next, per request the
+    accepted path first (root, depth 1, ...), then the other slots in slot order, offset by r * N.
+    With flat positions, rows 0..a of a request then carry the path at start..start+a, which is what
+    the drafter's context K/V must see."""
+    R, W = walk.accepted.shape
+    dev = walk.accepted.device
+    slot = torch.arange(N, device=dev).expand(R, N)
+    acc = walk.accepted
+    key = torch.full((R, N + 1), 2 * N, dtype=torch.int64, device=dev)  # column N: sink
+    depth = torch.arange(W, device=dev).expand(R, W)
+    key.scatter_(1, torch.where(acc >= 0, acc, N), torch.where(acc >= 0, depth, 2 * N))
+    key = torch.where(key[:, :N] >= 2 * N, N + slot, key[:, :N])
+    return (key.argsort(1) + torch.arange(R, device=dev).unsqueeze(1) * N).reshape(-1)
 
 
 def accepted_off_chain(walk: WalkResult, top1: torch.Tensor) -> torch.Tensor:

@@ -74,19 +74,11 @@ class CommitStage:
         return committed
 
     def reorder_drafter_inputs(self, step: Step, aux_hidden_states) -> None:
-        """Accepted path rows first in each request's segment: with flat positions, rows 0..a then
-        carry the path at start..start+a, which is what the drafter's context K/V must see."""
-        dev = self.ctx.device
-        R, N = step.R, step.N
-        W = step.walk.accepted.shape[1]
-        slot = torch.arange(N, device=dev).expand(R, N)
-        acc = step.walk.accepted
-        key = torch.full((R, N + 1), 2 * N, dtype=torch.int64, device=dev)  # column N: sink
-        depth = torch.arange(W, device=dev).expand(R, W)
-        key.scatter_(1, torch.where(acc >= 0, acc, N), torch.where(acc >= 0, depth, 2 * N))
-        key = torch.where(key[:, :N] >= 2 * N, N + slot, key[:, :N])
-        order = (key.argsort(1) + torch.arange(R, device=dev).unsqueeze(1) * N).reshape(-1)
-        T = R * N
+        """Accepted path rows first in each request's segment (core.walk.drafter_order, which the
+        walk computed): with flat positions, rows 0..a then carry the path at start..start+a, which
+        is what the drafter's context K/V must see."""
+        order = step.walk.order
+        T = step.R * step.N
         ids = self.ctx.view.input_ids()
         ids[:T] = ids[:T][order]
         for h in aux_hidden_states or ():

@@ -10,7 +10,7 @@ import torch
 from ... import adapters
 from ...core.sampling import sample_target_tokens
 from ...core.tree import TreeBatch, ancestor_closure, pack_bits
-from ...core.walk import WalkResult, accepted_off_chain, walk_tree
+from ...core.walk import WalkResult, drafter_order, walk_tree
 from .step import RoundContext, Step
 
 
@@ -39,10 +39,10 @@ class WalkStage:
         else:
             seeds = ctx.h2d([ctx.seed(q) for q in ctx.view.req_ids(R)], torch.int64)
             target = sample_target_tokens(logits3, temp[:R], seeds, step.positions.view(R, N) + 1)
-        walk = walk_tree(step.tree, target)
+        walk = walk_tree(step.tree, target, top1=step.top1)
         W = walk.accepted.shape[1]
         tokens = _pad_cols(walk.tokens, B + 1)
-        accepted, num_acc = walk.accepted, walk.num_accepted
+        accepted, num_acc, order = walk.accepted, walk.num_accepted, walk.order
         if chain_out is not None:
             cr = ~step.tree_rows
             c_tok = chain_out.sampled_token_ids
@@ -52,7 +52,9 @@ class WalkStage:
             c_path = torch.where(idx < c_num.unsqueeze(1), idx, -1)
             accepted = torch.where(cr.unsqueeze(1), c_path, accepted)
             num_acc = torch.where(cr, c_num, num_acc)
-        step.walk = WalkResult(accepted, num_acc, walk.bonus, tokens)
+            order = drafter_order(WalkResult(accepted, num_acc, walk.bonus, tokens), N)  # the chain rows' paths
+        # off_chain: the walk's (the metrics count tree rows only)
+        step.walk = WalkResult(accepted, num_acc, walk.bonus, tokens, order, walk.off_chain)
         self._record_metrics(step)
         ctx.metrics.add_time("walk", time.perf_counter() - t0)
         logprobs = chain_out.logprobs_tensors if chain_out is not None else None
@@ -110,8 +112,8 @@ class WalkStage:
     def _record_metrics(self, step: Step) -> None:
         walk = step.walk
         accepted = walk.num_accepted - 1
-        self.ctx.metrics.record_round(step.tree_rows, step.tree.num_nodes, accepted,
-                                      accepted_off_chain(walk, step.top1), accepted >= min(self.ctx.L, self.ctx.B))
+        self.ctx.metrics.record_round(step.tree_rows, step.tree.num_nodes, accepted, walk.off_chain,
+                                      accepted >= min(self.ctx.L, self.ctx.B))
 
 
 class TreeSampler:
