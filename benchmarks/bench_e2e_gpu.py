@@ -287,10 +287,8 @@ def _attached(llm, mode, budget, result) -> bool:
 
 
 def _add_row(result, args, mode, budget, prof, c, r, ref, rounds) -> None:
-    """prof: an oracle Profile, or its JSON dict (--side-by-side)."""
     from ddtree_compile.tools import oracle
 
-    prof = oracle.profile_from(prof) if isinstance(prof, dict) else prof
     row = {"mode": mode, "budget": budget, "profile": prof.name, "concurrency": c,
            **_summary(r, ref[:c], args.max_tokens), **rounds}
     row["simulated_tokens_per_round"] = None if budget == "auto" else oracle.simulate(
@@ -395,6 +393,8 @@ def _side_by_side(modes, profiles, setup, result, save) -> None:
     than the gains being measured."""
     import multiprocessing
 
+    from ddtree_compile.tools import oracle
+
     args = argparse.Namespace(**setup["args"])
     mp = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
     setup = {**setup, "share": len(modes)}
@@ -425,8 +425,8 @@ def _side_by_side(modes, profiles, setup, result, save) -> None:
                 for w in workers:
                     rounds = _rounds(w.budget, before[w.mode], w.call("counters"))
                     rounds["run_started_s"] = [r["started_s"] for r in runs[w.mode]]  # the interleaving, on record
-                    _add_row(result, args, w.mode, w.budget, prof, c, _median(runs[w.mode]), setup["ref"],
-                             rounds)
+                    _add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c, _median(runs[w.mode]),
+                             setup["ref"], rounds)
                 save()
     finally:
         for w in workers:

@@ -156,7 +156,7 @@ def test_walk_kernel_order_and_off_chain_equal_the_references(case):
             cut = gen.randrange(L)
             top1[:, cut:] = torch.randint(0, V, (R, L - cut), generator=torch.Generator().manual_seed(trial))
         want = walk_tree(tree, target, impl="torch", top1=top1)
-        assert torch.equal(want.order, drafter_order(want, N)) and torch.equal(want.off_chain, accepted_off_chain(want, top1))
+        assert torch.equal(want.order, drafter_order(want.accepted, N)) and torch.equal(want.off_chain, accepted_off_chain(want, top1))
         out = _poisoned(*want.accepted.shape)
         out.order, out.off_chain = torch.full((R * N,), -77, dtype=torch.int64), torch.full((R,), -77, dtype=torch.int64)
         got = walk_mod.walk_tree_triton(tree, target, out=out, top1=top1.to(torch.int32))

@@ -81,20 +81,21 @@ def walk_tree(tree: TreeBatch, target_tokens: torch.Tensor, impl: str = "auto",
     n1 = (num_accepted - 1).unsqueeze(1)
     tokens = torch.where(pos < n1, path_tokens, torch.where(pos == n1, bonus.unsqueeze(1), -1))
     walk = WalkResult(accepted, num_accepted, bonus, tokens)
-    walk.order = drafter_order(walk, N)
+    walk.order = drafter_order(accepted, N)
     walk.off_chain = None if top1 is None else accepted_off_chain(walk, top1)
     return walk
 
 
-def drafter_order(walk: WalkResult, N: int) -> torch.Tensor:
+def drafter_order(accepted: torch.Tensor, N: int) -> torch.Tensor:
     """int64 [R*N]: the rows of the verify's R x N slots that the drafter reads next, per request the
-    accepted path first (root, depth 1, ...), then the other slots in slot order, offset by r * N.
+    accepted path first (root, depth 1, ...: `accepted` [R, W] as in WalkResult), then the other
+    slots in slot order, offset by r * N.
     With flat positions, rows 0..a of a request then carry the path at start..start+a, which is what
     the drafter's context K/V must see."""
-    R, W = walk.accepted.shape
-    dev = walk.accepted.device
+    R, W = accepted.shape
+    dev = accepted.device
     slot = torch.arange(N, device=dev).expand(R, N)
-    acc = walk.accepted
+    acc = accepted
     key = torch.full((R, N + 1), 2 * N, dtype=torch.int64, device=dev)  # column N: sink
     depth = torch.arange(W, device=dev).expand(R, W)
     key.scatter_(1, torch.where(acc >= 0, acc, N), torch.where(acc >= 0, depth, 2 * N))

@@ -52,7 +52,7 @@ class WalkStage:
             c_path = torch.where(idx < c_num.unsqueeze(1), idx, -1)
             accepted = torch.where(cr.unsqueeze(1), c_path, accepted)
             num_acc = torch.where(cr, c_num, num_acc)
-            order = drafter_order(WalkResult(accepted, num_acc, walk.bonus, tokens), N)  # the chain rows' paths
+            order = drafter_order(accepted, N)  # with the chain rows' paths
         # off_chain: the walk's (the metrics count tree rows only)
         step.walk = WalkResult(accepted, num_acc, walk.bonus, tokens, order, walk.off_chain)
         self._record_metrics(step)
