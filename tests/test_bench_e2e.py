@@ -145,6 +145,8 @@ def test_bench_e2e_side_by_side(bench, tmp_path):
     assert rc == 0, [r for r in res["runs"] if "error" in r]
     pids = res["worker_pids"]
     assert set(pids) == {"flat", "ddtree8"} and len({*pids.values(), os.getpid()}) == 3, pids
+    wall = res["worker_start_wall"]  # started together: every process spawned before any engine was up
+    assert max(s for s, _ in wall.values()) < min(r for _, r in wall.values()), wall
     runs = {(r["mode"], r["concurrency"]): r for r in res["runs"]}
     assert set(runs) == {(m, c) for m in ("flat", "ddtree8") for c in (1, 2)}
     for c in (1, 2):
