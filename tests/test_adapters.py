@@ -40,7 +40,7 @@ def test_installed_vllm_selects_its_adapter():
 
 
 WARM_START = r"""
-import types, torch
+import sys, types, torch
 from ddtree_compile.integration import plugin
 from ddtree_compile.passes import rules
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -53,10 +53,17 @@ assert mirrors and defined() == [], defined()
 plugin.register()
 assert getattr(GPUModelRunner.load_model, "_ddtree_patched") and getattr(CPUModelRunner.load_model, "_ddtree_patched")
 assert getattr(GPUModelRunner.profile_run, "_ddtree_patched") and CPUModelRunner.profile_run is GPUModelRunner.profile_run
-runner = lambda extra: types.SimpleNamespace(vllm_config=types.SimpleNamespace(additional_config=extra))
-plugin._on_model_load(runner({}))  # an engine without DDTree defines nothing
+from vllm.config import CompilationConfig
+def runner(extra, cc=None):
+    return types.SimpleNamespace(vllm_config=types.SimpleNamespace(additional_config=extra,
+                                                                  compilation_config=cc or CompilationConfig()))
+plugin._on_model_load(runner({}))  # an engine without DDTree or the pass defines nothing
 assert defined() == [], defined()
-plugin._on_model_load(runner({"ddtree": {"budget": 8}}))
+if sys.argv[1] == "ddtree":
+    plugin._on_model_load(runner({"ddtree": {"budget": 8}}))
+else:  # flat DFlash compiled with the tree pass (the benchmark's flat engine): its cached graph calls them too
+    plugin._on_model_load(runner({}, CompilationConfig(
+        inductor_passes={"post_grad_custom_post_pass": "ddtree_compile.tree_verify_pass"})))
 assert defined() == mirrors, (defined(), mirrors)
 print("OK", mirrors)
 """
@@ -66,9 +73,11 @@ def test_the_mirror_ops_exist_before_the_model_loads():
     """A warm start loads the rewritten graph from vLLM's compile cache without running the pass that
     defines the `ddtree::` ops the graph calls (the H100 warm `precompile` died on it; on CPU vLLM 0.32
     cannot load its AOT artifacts and always recompiles, so only this checks it here): the plugin's hook
-    before `load_model` defines them for DDTree engines. A fresh process: this one has them already."""
+    before `load_model` defines them for DDTree engines and for engines compiled with the tree pass
+    without DDTree (the side-by-side flat engine died so). A fresh process each: this one has them already."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", WARM_START], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for engine in ("ddtree", "pass-only"):
+        proc = subprocess.run([sys.executable, "-c", WARM_START, engine], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "OK" in proc.stdout, engine + proc.stdout[-2000:] + proc.stderr[-4000:]

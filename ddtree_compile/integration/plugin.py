@@ -37,17 +37,23 @@ def register() -> None:
 
 
 def _on_model_load(runner) -> None:
-    """Before the model loads: a DDTree engine defines the `ddtree::` mirror ops now. The tree pass
-    defines them when it rewrites a graph, but a warm start loads the rewritten graph from vLLM's
-    compile cache without running the pass, and that graph calls them (the H100 warm start of
-    `precompile` failed with "'ddtree' object has no attribute 'qwen_gdn_attention_core'")."""
+    """Before the model loads: an engine whose graphs the tree pass rewrites defines the `ddtree::`
+    mirror ops now. The pass defines them when it rewrites a graph, but a warm start loads the
+    rewritten graph from vLLM's compile cache without running the pass, and that graph calls them
+    (the H100 warm start of `precompile` failed with "'ddtree' object has no attribute
+    'qwen_gdn_attention_core'"). That is a DDTree engine, and also an engine without DDTree whose
+    compilation_config installs the pass (flat DFlash in the benchmark, compiled alike: the mirror
+    ops run vLLM's op when no tree is being verified); the H100 side-by-side warm start of such a
+    flat DFlash engine died the same way."""
     from ddtree_compile.integration import config
-
-    if config.parse(runner.vllm_config.additional_config) is None:
-        return
     from ddtree_compile.passes.entry import tree_verify_pass
 
-    tree_verify_pass.engine()  # resolves the rule table, registering every active rule's mirror op
+    vc = runner.vllm_config
+    installed = getattr(vc, "compilation_config", None)
+    installed = installed is not None and installed.inductor_compile_config.get("post_grad_custom_post_pass") \
+        is tree_verify_pass
+    if installed or config.parse(vc.additional_config) is not None:
+        tree_verify_pass.engine()  # resolves the rule table, registering every active rule's mirror op
 
 
 def _on_memory_profile(runner) -> None:
