@@ -154,7 +154,21 @@ def _match(outputs, reference) -> float:
     return same / max(total, 1)
 
 
-def _start_engine(args, target, conc, prompts, spec=None, extra=None, share=1):
+def kv_cache_gib(spec: str, mode: str) -> float:
+    """--kv-cache-gib: "12" (every mode) or "flat=11,*=23" (per mode, "*" for the others)."""
+    table = {}
+    for item in spec.split(","):
+        key, _, value = item.rpartition("=")
+        try:
+            table[key.strip() or "*"] = float(value)
+        except ValueError:
+            raise ValueError(f"--kv-cache-gib: {item!r} is not GIB or MODE=GIB (e.g. 'flat=11,*=23')") from None
+    if mode not in table and "*" not in table:
+        raise ValueError(f"--kv-cache-gib {spec!r} names no size for mode {mode!r}; add '{mode}=GIB' or '*=GIB'")
+    return table.get(mode, table.get("*"))
+
+
+def _start_engine(args, target, conc, prompts, spec=None, extra=None, share=1, mode=None):
     """(engine of one mode, warmed up; seconds it took to start). share > 1 (--side-by-side): the
     engines up at once split the GPU memory evenly."""
     from vllm import LLM
@@ -167,7 +181,7 @@ def _start_engine(args, target, conc, prompts, spec=None, extra=None, share=1):
         # the engines start together (_side_by_side): a KV cache sized from a memory profile would count
         # what the other engines allocate meanwhile as this one's, so each gets a fixed cache instead
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization / share
-        kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+        kw["kv_cache_memory_bytes"] = int(kv_cache_gib(args.kv_cache_gib, mode) * (1 << 30))
     llm = LLM(**kw)
     start = time.perf_counter() - t
     if args.target != "tiny":
@@ -311,7 +325,7 @@ class _ModeWorker:
         self.mode, self.budget = mode, budget
         self.conn, child = mp.Pipe()
         # not a daemon: a daemonic process may not start processes of its own (torch.compile's workers)
-        self.proc = mp.Process(target=_worker_main, args=(child, budget, spec, extra, setup))
+        self.proc = mp.Process(target=_worker_main, args=(child, mode, budget, spec, extra, setup))
         self.proc.start()
         child.close()
         self.spawned_s, self.info = time.time(), None
@@ -344,7 +358,7 @@ class _ModeWorker:
             self.proc.kill()
 
 
-def _worker_main(conn, budget, spec, extra, setup) -> None:
+def _worker_main(conn, mode, budget, spec, extra, setup) -> None:
     """A _ModeWorker's process: start the engine, then answer ("profile", dict) (install that oracle
     profile, warm up), ("counters",) and ("run", c) until ("close",)."""
     import traceback
@@ -356,7 +370,7 @@ def _worker_main(conn, budget, spec, extra, setup) -> None:
     args, conc, prompts = argparse.Namespace(**setup["args"]), setup["conc"], setup["prompts"]
     try:
         plugin.register()
-        llm, start = _start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"])
+        llm, start = _start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"], mode=mode)
         conn.send(("ok", {"start_s": start, "attached": not budget or engines.find_state(llm) is not None,
                           "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid()}))
     except Exception:
@@ -602,8 +616,11 @@ def main(argv=None) -> int:
                     "immune to a drift of the host's speed between engines (see _side_by_side)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--kv-cache-gib", type=float, default=6.0, help="--side-by-side on a GPU: each engine's KV "
-                    "cache (the engines start together, so none can size it from a memory profile)")
+    # (4B shape on the H100: flat DFlash holds ~0.55 GiB per request, DDTree at budget 32 ~1.3 GiB: vLLM
+    # keeps a GDN state slot per draft position, 33 of them; so c=16 needs ~9 and ~21 GiB)
+    ap.add_argument("--kv-cache-gib", default="flat=11,*=23", help="--side-by-side on a GPU: each engine's KV "
+                    "cache, GIB or MODE=GIB,... ('*': other modes); the engines start together, so none can "
+                    "size it from a memory profile")
     args = ap.parse_args(argv)
     import torch
 

@@ -159,3 +159,14 @@ def test_bench_e2e_side_by_side(bench, tmp_path):
             assert r["tokens_per_round"] > 5  # the perfect oracle: (nearly) every draft accepted
         assert d["tree_steps"] > 0 and d["fallback_total"] == 0  # the tree ran, in its own process
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
+
+
+def test_bench_kv_cache_gib_per_mode(bench):
+    """--kv-cache-gib: one size, or per mode with "*" for the rest; a mode without a size is an error
+    naming the option and the mode."""
+    assert bench.kv_cache_gib("12", "auto") == 12.0
+    assert bench.kv_cache_gib("flat=11,*=23", "flat") == 11.0 and bench.kv_cache_gib("flat=11,*=23", "ddtree32") == 23.0
+    with pytest.raises(ValueError, match=r"--kv-cache-gib 'flat=11' names no size for mode 'auto'"):
+        bench.kv_cache_gib("flat=11", "auto")
+    with pytest.raises(ValueError, match=r"--kv-cache-gib: 'flat=x' is not GIB or MODE=GIB"):
+        bench.kv_cache_gib("flat=x", "flat")
