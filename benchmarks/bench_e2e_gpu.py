@@ -5,9 +5,10 @@
     # over several 10-minute device commands: --modes nospec,flat / ddtree16,ddtree32 / ... with one
     # --reference /tmp/ref.json, then: python benchmarks/bench_e2e_gpu.py --merge A.json B.json --out ALL.json
     # ratios side by side (the engines up together, one process each, their runs interleaved; see
-    # _side_by_side): a cold 4B engine starts in ~4-4.5 min on the H100, so two modes per 10-minute command:
-    python benchmarks/bench_e2e_gpu.py --target qwen35_4b --modes flat,ddtree32 --side-by-side --repeat-reference \
-        --models-dir /tmp/m4 --out /tmp/e2e_4b_sbs.json
+    # _side_by_side): two cold 4B engines are up in 5-6 min on the H100 and the cells take ~2.5 min,
+    # so one pair per 10-minute command (at c=16 a third 4B engine's KV cache does not fit), e.g.
+    python benchmarks/bench_e2e_gpu.py --target qwen35_4b --modes flat,ddtree32 --budgets 32 --side-by-side \
+        --repeat-reference --models-dir /tmp/m4 --gpu-memory-utilization 0.9 --out /tmp/e2e_4b_sbs.json
 
 Per target: the no-speculation engine first (timed per concurrency, and its greedy outputs are the
 reference continuations the oracle drafts from), then one engine per speculative mode (vLLM's flat
@@ -551,9 +552,9 @@ def _rounds(budget, before, after) -> dict:
 def _break_even(runs) -> None:
     """Per DDTree row: flat rounds/s over DDTree rounds/s at the same profile and concurrency, i.e.
     the tree acceptance gain over the chain at which DDTree's tok/s equals flat DFlash's."""
-    flat = {(r["profile"], r["concurrency"]): r for r in runs if r.get("mode") == "flat" and "rounds" in r}
+    flat = {(r.get("pair"), r["profile"], r["concurrency"]): r for r in runs if r.get("mode") == "flat" and "rounds" in r}
     for r in runs:
-        f = flat.get((r.get("profile"), r.get("concurrency")))
+        f = flat.get((r.get("pair"), r.get("profile"), r.get("concurrency")))
         if r.get("budget") and f and r.get("rounds"):
             r["break_even_gain"] = rounds_per_s(f) / rounds_per_s(r)
             r["tok_s_vs_flat"] = r["tok_s"] / f["tok_s"]
@@ -568,10 +569,14 @@ def _line(r) -> str:
 
 def merge(paths, out) -> dict:
     """One result from several commands' JSON files (runs and GPU profiles concatenated, break-even
-    recomputed)."""
+    recomputed). The runs of a --side-by-side part carry `pair` (its modes, e.g. "flat+auto"): their
+    ratios stay against that part's own flat runs, which ran interleaved with them."""
     parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     result = {**parts[0], "merged_from": [str(p) for p in paths], "runs": [], "starts": {}, "gpu_profiles": []}
     for p in parts:
+        if p.get("args", {}).get("side_by_side"):
+            pair = "+".join(dict.fromkeys(r["mode"] for r in p["runs"]))
+            p["runs"] = [{**r, "pair": pair} for r in p["runs"]]
         result["runs"] += p["runs"]
         result["starts"].update(p.get("starts", {}))
         result["gpu_profiles"] += p.get("gpu_profiles", [])

@@ -8,7 +8,7 @@
   chain's per-depth acceptance p0 (calibrate_oracle.py), only the off-chain ranks differ. So the
   flat baseline per concurrency is the mean of its valid runs over the profiles (one number less
   noisy than any single 256-token run); with --side-by-side, the flat run of the same cell (it ran
-  interleaved with the others); `vs_flat` is each run's tok/s over it, `gain` its tokens
+  interleaved with the others; in merged side-by-side parts, of the same part); `vs_flat` is each run's tok/s over it, `gain` its tokens
   per round over flat's and `break_even` flat's rounds/s over the run's (the gain it needs).
 - The plot (matplotlib: `pip install -e .[bench]`): tok/s over flat DFlash per mode, one panel per
   profile, x = concurrency.
@@ -39,8 +39,8 @@ def summarize(result: dict) -> dict:
     # so each cell's own flat run is the baseline; else the mean over profiles (see the docstring)
     paired = bool(result.get("args", {}).get("side_by_side"))
 
-    def key(r):
-        return (r.get("profile"), r["concurrency"]) if paired else r["concurrency"]
+    def key(r):  # (merged side-by-side parts: each part's own flat, bench_e2e_gpu.merge's `pair`)
+        return (r.get("pair") or "", r.get("profile"), r["concurrency"]) if paired else r["concurrency"]
 
     flat = {}
     for k in sorted({key(r) for r in runs if r.get("mode") == "flat" and "error" not in r}, key=str):
@@ -56,8 +56,12 @@ def summarize(result: dict) -> dict:
             if r.get("rounds"):
                 r["gain"] = r["tokens_per_round"] / f["tokens_per_round"]
                 r["break_even"] = f["rounds_per_s"] / rounds_per_s(r)
-    result["flat_baseline"] = {(f"{k[0]} c={k[1]}" if paired else str(k)): v for k, v in flat.items()}
+    result["flat_baseline"] = {_flat_key(*k) if paired else str(k): v for k, v in flat.items()}
     return result
+
+
+def _flat_key(pair: str, profile: str, c: int) -> str:
+    return f"{pair + ' ' if pair else ''}{profile} c={c}"
 
 
 def table(result: dict) -> str:
@@ -78,8 +82,10 @@ def table(result: dict) -> str:
         lines.append(f"| {m} | " + " | ".join(vals) + " |")
     fb = result.get("flat_baseline", {})
     paired = bool(result.get("args", {}).get("side_by_side"))
-    keys = [f"{p} c={c}" if paired else str(c) for p in profiles for c in conc]
-    lines.append("| flat DFlash tok/s | " + " | ".join(f"{fb[k]['tok_s']:.0f}" if k in fb else "-" for k in keys) + " |")
+    for pair in dict.fromkeys(r.get("pair") or "" for r in runs) if paired else [None]:
+        keys = [_flat_key(pair, p, c) if paired else str(c) for p in profiles for c in conc]
+        label = f"flat DFlash tok/s ({pair})" if pair else "flat DFlash tok/s"
+        lines.append(f"| {label} | " + " | ".join(f"{fb[k]['tok_s']:.0f}" if k in fb else "-" for k in keys) + " |")
     nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
     if nospec:
         lines.append("| no speculation tok/s | " + " | ".join(

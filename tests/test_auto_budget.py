@@ -49,11 +49,12 @@ def _policy(priors=None, probe=4):
     return m, ab.AutoBudget(m, BUDGET, L, probe, priors)
 
 
-def _step(p, kind, R, t, verify_s, draft_s=0.002):
-    """The host's view of one clean step: its proposal (draft_s), its start, the next proposal."""
+def _step(p, kind, R, t, verify_s, draft_s=0.002, gap_s=0.0):
+    """The host's view of one clean step: its proposal (draft_s), vLLM's output processing and
+    scheduling (gap_s), its start, the next proposal; it costs draft_s + gap_s + verify_s."""
     p.proposed(kind, R, t, t + draft_s)
-    p.verify_began(t + draft_s + 0.5)  # (the gap before the step starts is no cost)
-    p.step_ended(t + draft_s + 0.5 + verify_s)
+    p.verify_began(t + draft_s + gap_s)
+    p.step_ended(t + draft_s + gap_s + verify_s)
 
 
 def test_unknown_costs_are_explored_then_the_faster_kind_wins():
@@ -105,6 +106,25 @@ def test_a_chain_cost_held_up_by_stalls_is_measured_again():
     assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.006)
     assert p.expected_rates(1)[ab.CHAIN] > p.expected_rates(1)[ab.TREE]  # 5/6 > 5/10: the chain wins again,
     assert [p.choose(1) for _ in range(4)] == [ab.TREE, ab.CHAIN] * 2 and p.probes == 2  # the tree probed every 2nd
+
+
+def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
+    """The H100 4B run at c=16: the tree's round has no host sync, so the host waited for its verify
+    after the next proposal, in vLLM's output processing; a window from the verify's start to the
+    next proposal read 13.9 ms for tree steps that took 34 ms, against 22-39 ms for chain steps
+    (vLLM's chain verify syncs inside that window), and auto kept the slower tree. Costed by whole
+    cycles, the chain wins there."""
+    m, p = _policy()
+    for i in range(2):  # tree: 5 ms drafting, 20 ms waiting in vLLM's output processing, 9 ms in the window
+        _step(p, ab.TREE, 16, float(i), 0.009, draft_s=0.005, gap_s=0.020)
+        _step(p, ab.CHAIN, 16, 10.0 + i, 0.020, draft_s=0.005, gap_s=0.001)  # chain: waits in its window
+    assert p.costs == {(ab.TREE, 16): pytest.approx(0.034), (ab.CHAIN, 16): pytest.approx(0.026)}
+    _round(m, [6, 5], [1, 0])  # tree 1 + 11/2 = 6.5 tokens per round, chain 1 + 10/2 = 6
+    while p.tokens[ab.TREE] is None:
+        p.choose(16)
+    assert p.expected_rates(16)[ab.CHAIN] > p.expected_rates(16)[ab.TREE]  # 6/26 ms > 6.5/34 ms
+    p._since_tree = 0  # (no probe due)
+    assert p._decide(16) == ab.CHAIN
 
 
 def test_buckets_priors_and_what_is_not_timed():

@@ -170,3 +170,25 @@ def test_bench_kv_cache_gib_per_mode(bench):
         bench.kv_cache_gib("flat=11", "auto")
     with pytest.raises(ValueError, match=r"--kv-cache-gib: 'flat=x' is not GIB or MODE=GIB"):
         bench.kv_cache_gib("flat=x", "flat")
+
+
+def test_merged_side_by_side_parts_keep_their_own_flat(bench, tmp_path):
+    """Two --side-by-side commands (flat+ddtree32, flat+auto) merged: each mode's ratio and break-even
+    are against the flat runs of its own command, not the other's nor a mean of both."""
+    summ = importlib.import_module("summarize_e2e")
+    cell = dict(profile="a", concurrency=1, tpot_p50_ms=1.0, reference_match=1.0, tokens_per_round=5.0, wall_s=1.0)
+    parts = []
+    for i, (mode, flat_tok_s, flat_rounds) in enumerate((("ddtree32", 100.0, 100), ("auto", 200.0, 50))):
+        runs = [dict(cell, mode="flat", tok_s=flat_tok_s, rounds=flat_rounds),
+                dict(cell, mode=mode, budget=32 if mode != "auto" else "auto", tok_s=150.0, rounds=40)]
+        parts.append(tmp_path / f"{i}.json")
+        parts[-1].write_text(json.dumps({"args": {"side_by_side": True}, "runs": runs}))
+    m = bench.merge(parts, tmp_path / "m.json")
+    rows = {r["mode"] + "@" + r["pair"]: r for r in m["runs"]}
+    assert set(rows) == {"flat@flat+ddtree32", "ddtree32@flat+ddtree32", "flat@flat+auto", "auto@flat+auto"}
+    assert math.isclose(rows["ddtree32@flat+ddtree32"]["break_even_gain"], 100 / 40)
+    assert math.isclose(rows["auto@flat+auto"]["break_even_gain"], 50 / 40)
+    res = summ.summarize(m)
+    assert math.isclose(rows["ddtree32@flat+ddtree32"]["vs_flat"], 1.5) and math.isclose(rows["auto@flat+auto"]["vs_flat"], 0.75)
+    text = summ.table(res)
+    assert "| flat DFlash tok/s (flat+ddtree32) | 100 |" in text and "| flat DFlash tok/s (flat+auto) | 200 |" in text

@@ -14,9 +14,14 @@ more tokens per second at this batch size.
 - cost(R) is the wall time of one engine step of that kind at batch bucket R (1, 2, 4, ...): the
   precompile cost table gives the prior (tools/precompile.py: round_ms at budget B for the tree,
   at budget L for the chain, when those budgets were precompiled), then, from _MIN_SAMPLES steps on,
-  the lower quartile of the last steps this engine measured: the step's verify (its start to the
-  next proposal; vLLM's step already waits for its sampled tokens, so host time is device time) plus
-  the drafting both kinds share. A lower quantile because interference only ever adds time: with a
+  the lower quartile of the last steps this engine measured: a step's whole cycle on the host, from
+  the proposal that chose its kind to the next proposal (its drafting, vLLM's output processing and
+  scheduling, its verify). Not a window inside it: the tree's round is free of host syncs, so the
+  host waits for the tree's verify wherever vLLM next syncs, outside any window around the verify,
+  while vLLM's chain verify syncs inside it (on the H100, 4B shape, c=16, a verify-start-to-next-
+  proposal window read tree@16 = 13.9 ms against chain@16 = 22-39 ms, while the tree's steps took
+  34 ms and flat DFlash's 22-25 ms; the tree always won). A lower quantile because interference
+  (and an idle engine between requests) only ever adds time: with a
   median, a few first-call stalls among few samples held a kind's cost up for many steps (the H100's
   dense 4B auto run still read tree@4 = 1151 ms after its first cell; a tree step there takes ~24 ms).
 - A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried;
@@ -95,8 +100,8 @@ class AutoBudget:
         self._since_tree = self._since_chain = 0
         self._n = 0
         self.draft_s: float | None = None  # seconds per proposal (drafter + tree build), both kinds
-        self._next: tuple | None = None  # (kind, R) proposed for the next step
-        self._began: tuple | None = None  # (kind, R, t) of the clean step in flight
+        self._next: tuple | None = None  # (kind, R, its proposal's start) for the next step
+        self._began: tuple | None = None  # the same, once that step started clean
         self._prev_totals = None
         self._readback = None  # (pinned host tensor, event or None)
 
@@ -136,27 +141,25 @@ class AutoBudget:
         return out
 
     # -- costs: the host's step times --------------------------------------------------------------
-    # A step of kind k costs its verify (the step's start, vLLM's prepare, to the next proposal:
-    # forward, sampling, commit) plus the drafting both kinds share (the proposal: drafter forward
-    # and tree build). The gap between a proposal and the next step's start (scheduler, output
-    # processing, an idle engine) is left out: it is no cost of either kind.
+    # A step of kind k costs one cycle: from the proposal that chose k (drafter forward and tree
+    # build, shared by both kinds) through vLLM's output processing and scheduling and the step's
+    # verify (forward, sampling, walk, commit) to the next proposal. The cycle is timed only when
+    # the step started clean (verify_began); draft_s (the proposals' share) is for the snapshot.
     def proposed(self, kind: str, R: int, t_start: float, t_end: float) -> None:
         """The proposal for the next step took t_start..t_end; that step will be of `kind`, R requests."""
         d = t_end - t_start
         self.draft_s = d if self.draft_s is None else self.draft_s + _EMA * (min(d, 4 * self.draft_s) - self.draft_s)
-        self._next = (kind, R)
+        self._next = (kind, R, t_start)
 
     def verify_began(self, now: float) -> None:
         """The proposed step starts as a clean step of its kind (no prefill, no fallback)."""
-        if self._next is not None:
-            self._began = self._next + (now,)
-        self._next = None
+        self._began, self._next = self._next, None
 
     def step_ended(self, now: float) -> None:
-        """The next proposal starts: the step that began (if clean) is timed."""
-        if self._began is not None and self.draft_s is not None:
+        """The next proposal starts: the step that began clean is timed, from its own proposal on."""
+        if self._began is not None:
             kind, R, t = self._began
-            self._observe(kind, bucket(R), now - t + self.draft_s)
+            self._observe(kind, bucket(R), now - t)
         self._began = self._next = None
 
     def _observe(self, kind: str, b: int, seconds: float) -> None:
