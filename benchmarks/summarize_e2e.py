@@ -8,8 +8,9 @@
   chain's per-depth acceptance p0 (calibrate_oracle.py), only the off-chain ranks differ. So the
   flat baseline per concurrency is the mean of its valid runs over the profiles (one number less
   noisy than any single 256-token run); with --side-by-side, the flat run of the same cell (it ran
-  interleaved with the others; in merged side-by-side parts, of the same part); `vs_flat` is each run's tok/s over it, `gain` its tokens
-  per round over flat's and `break_even` flat's rounds/s over the run's (the gain it needs).
+  interleaved with the others; in merged side-by-side parts, of the same part); `vs_flat` is each
+  run's tok/s over it, `gain` its tokens per round over flat's and `break_even` flat's rounds/s
+  over the run's (the gain it needs).
 - The plot (matplotlib: `pip install -e .[bench]`): tok/s over flat DFlash per mode, one panel per
   profile, x = concurrency.
 """

@@ -49,9 +49,7 @@ def _on_model_load(runner) -> None:
     from ddtree_compile.passes.entry import tree_verify_pass
 
     vc = runner.vllm_config
-    installed = getattr(vc, "compilation_config", None)
-    installed = installed is not None and installed.inductor_compile_config.get("post_grad_custom_post_pass") \
-        is tree_verify_pass
+    installed = vc.compilation_config.inductor_compile_config.get("post_grad_custom_post_pass") is tree_verify_pass
     if installed or config.parse(vc.additional_config) is not None:
         tree_verify_pass.engine()  # resolves the rule table, registering every active rule's mirror op
 
