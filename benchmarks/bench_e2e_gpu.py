@@ -174,8 +174,6 @@ def _start_engine(args, target, conc, prompts, spec=None, extra=None, share=1, m
     engines up at once split the GPU memory evenly."""
     from vllm import LLM
 
-    from ddtree_compile.tools.timing import timed_steps
-
     t = time.perf_counter()
     kw = _engine_kwargs(target, args, max(conc), spec, extra or {})
     if share > 1 and "gpu_memory_utilization" in kw:
@@ -187,9 +185,26 @@ def _start_engine(args, target, conc, prompts, spec=None, extra=None, share=1, m
     start = time.perf_counter() - t
     if args.target != "tiny":
         sharpen(llm)
-    for c in conc:  # warm-up outside the timings: every batch shape's first-call kernel compiles
-        timed_steps(llm, prompts[:c], 16)
+    _warm_up(llm, prompts, conc)
     return llm, start
+
+
+def _warm_up(llm, prompts, conc) -> None:
+    """A short run per batch shape outside the timings: its first-call kernel compiles (the engine's,
+    then again the oracle's once one is installed)."""
+    from ddtree_compile.tools.timing import timed_steps
+
+    for c in conc:
+        timed_steps(llm, prompts[:c], 16)
+
+
+def _install_oracle(llm, reference, prof, prompts, conc):
+    """The oracle drafter of profile `prof` on this engine, warmed up; returns it (to uninstall)."""
+    from ddtree_compile.tools import oracle
+
+    od = oracle.OracleDrafter(reference, prof, seed=1).install(llm)
+    _warm_up(llm, prompts, conc)
+    return od
 
 
 def run(args) -> dict:
@@ -259,10 +274,8 @@ def run(args) -> dict:
             if not _attached(llm, mode, budget, result):
                 continue
             for prof in profiles:
-                od = oracle.OracleDrafter(reference, prof, seed=1).install(llm)
+                od = _install_oracle(llm, reference, prof, prompts, conc)
                 try:
-                    for c in conc:  # the oracle's own first-call compiles (per batch shape) outside the timings
-                        _timed(llm, prompts[:c], 16)
                     for c in conc:
                         before = _counters(llm, budget)
                         r = _cell(_timed, llm, prompts[:c], args.max_tokens, args.repeats)
@@ -385,9 +398,7 @@ def _worker_main(conn, mode, budget, spec, extra, setup) -> None:
                 if msg[0] == "profile":
                     if od is not None:
                         od.uninstall()
-                    od = oracle.OracleDrafter(reference, oracle.profile_from(msg[1]), seed=1).install(llm)
-                    for c in conc:  # the oracle's own first-call compiles, outside the timings
-                        timed_steps(llm, prompts[:c], 16)
+                    od = _install_oracle(llm, reference, oracle.profile_from(msg[1]), prompts, conc)
                 elif msg[0] == "counters":
                     out = _counters(llm, budget)
                 elif msg[0] == "run":
