@@ -1,14 +1,14 @@
 """DDTree vs flat DFlash vs no speculation, end to end in one vLLM, with the oracle drafter.
 
-    python benchmarks/bench_e2e_gpu.py --target qwen35_4b --out benchmarks/results/e2e_h100_qwen35_4b.json
-    python benchmarks/bench_e2e_gpu.py --target tiny --max-tokens 32 --concurrency 1,2 --out /tmp/e2e.json  # CPU smoke
+    python benchmarks/bench_e2e_gpu.py --target qwen35_4b --out build/e2e_4b.json
+    python benchmarks/bench_e2e_gpu.py --target tiny --max-tokens 32 --concurrency 1,2 --out build/e2e.json  # CPU smoke
     # over several 10-minute device commands: --modes nospec,flat / ddtree16,ddtree32 / ... with one
-    # --reference /tmp/ref.json, then: python benchmarks/bench_e2e_gpu.py --merge A.json B.json --out ALL.json
+    # --reference build/ref.json, then: python benchmarks/bench_e2e_gpu.py --merge A.json B.json --out ALL.json
     # ratios side by side (the engines up together, one process each, their runs interleaved; see
     # _side_by_side): two cold 4B engines are up in 5-6 min on the H100 and the cells take ~2.5 min,
     # so one pair per 10-minute command (at c=16 a third 4B engine's KV cache does not fit), e.g.
     python benchmarks/bench_e2e_gpu.py --target qwen35_4b --modes flat,ddtree32 --budgets 32 --side-by-side \
-        --repeat-reference --models-dir /tmp/m4 --gpu-memory-utilization 0.9 --out /tmp/e2e_4b_sbs.json
+        --repeat-reference --models-dir build/m4 --gpu-memory-utilization 0.9 --out build/e2e_4b_sbs.json
 
 Per target: the no-speculation engine first (timed per concurrency, and its greedy outputs are the
 reference continuations the oracle drafts from), then one engine per speculative mode (vLLM's flat

@@ -1,6 +1,6 @@
 """Summarise a bench_e2e_gpu.py result: validity flags, ratios to flat DFlash, a markdown table, a plot.
 
-    python benchmarks/summarize_e2e.py benchmarks/results/e2e_h100_qwen35_4b.json [--png out.png]
+    python benchmarks/summarize_e2e.py benchmarks/results/e2e_h100_qwen35_4b_sbs.json [--png out.png]
 
 - A run whose outputs left the reference (reference_match < 0.95) is flagged `invalid`: its
   acceptance is not the profile's (the oracle drafts the reference), so its speed says nothing.
