@@ -77,7 +77,7 @@ def _counting(obj, name: str, label: str, counts: dict, calls: collections.Count
 
 def run(kind: str, triton: bool, tokens: int) -> dict:
     from ddtree_compile.integration import config, engines, plugin
-    from ddtree_compile.tools import harness, models
+    from ddtree_compile.testing import harness, models
 
     if triton:  # the build and walk as on CUDA (auto picks torch on CPU)
         import ddtree_compile.integration.round.build_stage as bs

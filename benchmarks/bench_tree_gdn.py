@@ -11,132 +11,20 @@ runs inside a 48-layer model whose states do not stay in L2 between steps.
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
 import os
 import sys
 import time
 
-SMOKE = "--smoke" in sys.argv
-if SMOKE:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# first: with --smoke it selects Triton's interpreter before torch and the templates load
+from _gdn_layer import DEV, L_DRAFT, QWEN36, SMOKE, TINY, Layer, accepted, metas, side_path, timer  # isort: skip
 
-import torch  # noqa: E402
+import torch
 
-from ddtree_compile.templates.gdn_commit import gdn_commit_triton  # noqa: E402
-from ddtree_compile.templates.gdn_meta import build_gdn_meta  # noqa: E402
-from ddtree_compile.templates.tree_conv import tree_conv1d_triton  # noqa: E402
-from ddtree_compile.templates.tree_gdn import tree_gdn_triton  # noqa: E402
+from ddtree_compile.templates.gdn_commit import gdn_commit_triton
 
-QWEN36 = dict(H=16, HV=48, K=128, V=128, W=4, layers=48)  # Qwen3.6-27B: 48 of its 64 layers are GDN
-TINY = dict(H=2, HV=4, K=16, V=16, W=4, layers=3)
-L_DRAFT = 15  # DFlash block 16 -> tree depth <= 15
-DEV = "cpu" if SMOKE else "cuda"
-
-
-def ddtree_parents(B: int, seed: int, L: int = L_DRAFT, topk: int = 8) -> list[int]:
-    """A DDTree-shaped tree: best-first over per-depth top-k draft log-probs (heap-pop slot order)."""
-    g = torch.Generator().manual_seed(seed)
-    lp = torch.log_softmax(torch.randn(L + 1, topk, generator=g) * 2.5, -1).sort(-1, descending=True).values
-    lp = lp.tolist()
-    parents, heap = [-1], [(-lp[1][0], 1, 0, 0)]
-    while len(parents) <= B and heap:
-        neg, d, par, rank = heapq.heappop(heap)
-        slot = len(parents)
-        parents.append(par)
-        if d < L:
-            heapq.heappush(heap, (neg - lp[d + 1][0], d + 1, slot, 0))
-        if rank + 1 < topk:
-            heapq.heappush(heap, (neg + lp[d][rank] - lp[d][rank + 1], d, par, rank + 1))
-    return parents
-
-
-def path_to(parents, s):
-    p = [s]
-    while parents[p[-1]] >= 0:
-        p.append(parents[p[-1]])
-    return p[::-1]
-
-
-def side_path(parents, depth=7):
-    """An accepted path of about `depth` that leaves the main chain (the conv window must move)."""
-    best = None
-    for s in range(len(parents) - 1, 0, -1):
-        p = path_to(parents, s)
-        if p != list(range(len(p))) and (best is None or abs(len(p) - 1 - depth) < abs(len(best) - 1 - depth)):
-            best = p
-    return best or list(range(min(depth + 1, len(parents))))
-
-
-def timer(fn, graph: bool = True) -> float:
-    """ms per call: CUDA-graph replay under do_bench (cold L2). CPU smoke: one wall-clock call."""
-    if SMOKE:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    import triton.testing
-    fn()
-    torch.cuda.synchronize()
-    if not graph:
-        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=10, rep=60, return_mode="median")
-
-
-class Layer:
-    """One GDN layer's inputs and caches for R requests of N = B + 1 slots."""
-
-    def __init__(self, cfg, R, B, seed, state_dtype=torch.float32, snapshot_lines=True):
-        H, HV, K, V, W = cfg["H"], cfg["HV"], cfg["K"], cfg["V"], cfg["W"]
-        self.cfg, self.R, self.N = cfg, R, B + 1
-        N, D = self.N, 2 * H * K + HV * V
-        g = torch.Generator(device=DEV).manual_seed(seed)
-
-        def rn(*shape, dtype=torch.bfloat16, scale=1.0):
-            return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
-
-        self.x = rn(R * N, D)
-        self.w = rn(D, W, scale=0.5)
-        self.a, self.b = rn(R * N, HV), rn(R * N, HV)
-        self.A_log = torch.log(torch.rand(HV, generator=g, device=DEV) * 15 + 1)
-        self.dt = torch.log(torch.expm1(torch.rand(HV, generator=g, device=DEV) * 0.099 + 0.001))
-        lines = 1 + R * N if snapshot_lines else 1 + R
-        self.conv_state = rn(lines, W - 2 + N, D).transpose(1, 2)  # vLLM SD layout, seen as [lines, D, SL]
-        self.ssm = rn(lines, HV, V, K, dtype=state_dtype, scale=0.1)
-        self.si = (1 + torch.arange(R * N, device=DEV, dtype=torch.int32)).view(R, N)
-        self.si1 = (1 + torch.arange(R, device=DEV, dtype=torch.int32)).view(R, 1)
-        self.na = torch.ones(R, device=DEV, dtype=torch.int32)
-        self.y = torch.empty_like(self.x)
-        self.out = torch.empty(R * N, HV, V, device=DEV, dtype=torch.bfloat16)
-        self.stack = torch.empty(R, L_DRAFT, HV, V, K, device=DEV)
-        self.rec_kv = torch.empty(R, N, H * K + HV * V, device=DEV, dtype=torch.bfloat16)
-        self.rec_gb = torch.empty(R, N, 2, HV, device=DEV)
-
-    def conv(self, meta, strategy="records", **kw):
-        si = self.si if strategy == "snapshot" else self.si1  # conv line = column 0, as in vLLM
-        tree_conv1d_triton(self.x, self.w, None, self.conv_state, si, self.na, meta.conv_anc, self.y, True, **kw)
-
-    def gdn(self, meta, strategy, **kw):
-        c = self.cfg
-        snap = strategy == "snapshot"
-        tree_gdn_triton(self.y, self.a, self.b, self.A_log, self.dt, self.ssm, self.si if snap else self.si1,
-                        self.na, meta.walk, self.stack, self.out, None if snap else self.rec_kv,
-                        None if snap else self.rec_gb, c["H"], c["K"], c["K"] ** -0.5, snap, **kw)
-
-
-def metas(R, B, W, seed):
-    N = B + 1
-    tree = torch.tensor([ddtree_parents(B, seed + r) for r in range(R)], device=DEV)
-    chain = torch.tensor([[-1] + list(range(N - 1))] * R, device=DEV)
-    return tree, build_gdn_meta(tree, W, L_DRAFT), build_gdn_meta(chain, W, N - 1)
+from _gdn_checks import drift, gpu_check
 
 
 def tune(cfg, shapes):
@@ -209,11 +97,7 @@ def bench_shape(cfg, R, B, gdn_kw, conv_kw, fla):
     rec_gb = torch.rand(nl, R, N, 2, HV, device=DEV)
     si1 = (1 + torch.arange(R, device=DEV, dtype=torch.int32)).view(R, 1)
     paths = [side_path(p) for p in tree.tolist()]
-    acc = torch.full((R, L_DRAFT + 1), -1, dtype=torch.int32)
-    for r, p in enumerate(paths):
-        acc[r, : len(p)] = torch.tensor(p, dtype=torch.int32)
-    acc = acc.to(DEV)
-    plen = torch.tensor([len(p) for p in paths], dtype=torch.int32, device=DEV)
+    acc, plen = accepted(paths)
     na = torch.ones(R, dtype=torch.int32, device=DEV)
     t_rep = timer(lambda: gdn_commit_triton(convs, ssms, si1, na, acc, plen, rec_kv, rec_gb, W))
     t_snap = timer(lambda: gdn_commit_triton(convs, [], si1, na, acc, plen, None, None, W))
@@ -258,106 +142,6 @@ def fla_chain(cfg, L, fla):
     return {k2: round(v2, 4) for k2, v2 in res.items()}
 
 
-def drift(cfg, rounds, B=16, R=2):
-    """Committed-state drift of bf16/fp16 storage vs fp32 after `rounds` verify+commit rounds."""
-    H, HV, K, V, W = cfg["H"], cfg["HV"], cfg["K"], cfg["V"], cfg["W"]
-    N = B + 1
-    runs = {}
-    gen = torch.Generator().manual_seed(5)
-    plan = []
-    for rd in range(rounds):
-        tree = [ddtree_parents(B, 1000 * rd + r) for r in range(R)]
-        ends = [int(torch.randint(0, N, (1,), generator=gen)) for _ in range(R)]
-        plan.append((tree, [path_to(t, e) for t, e in zip(tree, ends)]))
-    for strat in ("snapshot", "records"):
-        for dt in (torch.float32, torch.bfloat16, torch.float16):
-            L = Layer(cfg, R, B, seed=3, state_dtype=dt)
-            L.ssm.copy_(Layer(cfg, R, B, seed=3).ssm)  # same start (the fp32 values rounded)
-            L.conv_state.zero_()
-            si = L.si if strat == "snapshot" else L.si1
-            rec_kv, rec_gb = L.rec_kv.unsqueeze(0), L.rec_gb.unsqueeze(0)
-            worst = 0.0
-            for rd, (tree, paths) in enumerate(plan):
-                g = torch.Generator(device=DEV).manual_seed(rd)
-                L.x.copy_(torch.randn(L.x.shape, generator=g, device=DEV))
-                L.a.copy_(torch.randn(L.a.shape, generator=g, device=DEV))
-                L.b.copy_(torch.randn(L.b.shape, generator=g, device=DEV))
-                meta = build_gdn_meta(torch.tensor(tree, device=DEV), W, L_DRAFT)
-                L.conv(meta, strat)
-                L.gdn(meta, strat)
-                out = L.out.float()
-                acc = torch.full((R, L_DRAFT + 1), -1, dtype=torch.int32)
-                for r, p in enumerate(paths):
-                    acc[r, : len(p)] = torch.tensor(p, dtype=torch.int32)
-                plen = torch.tensor([len(p) for p in paths], dtype=torch.int32, device=DEV)
-                gdn_commit_triton([L.conv_state], [L.ssm] if strat == "records" else [], si, L.na, acc.to(DEV),
-                                  plen, rec_kv if strat == "records" else None,
-                                  rec_gb if strat == "records" else None, W)
-                runs.setdefault((strat, "fp32_out"), {})
-                if dt == torch.float32:
-                    runs[(strat, "fp32_out")][rd] = out
-                else:
-                    ref = runs[(strat, "fp32_out")][rd]
-                    worst = max(worst, float((out - ref).abs().max() / ref.abs().max()))
-            lines = torch.gather(si.long(), 1, (L.na.long() - 1).clamp(max=si.shape[1] - 1).view(R, 1)).view(-1)
-            runs[(strat, str(dt))] = (L.ssm[lines].float(), worst)
-            del L
-    res = {}
-    for strat in ("snapshot", "records"):
-        ref = runs[(strat, str(torch.float32))][0]
-        for dt in (torch.bfloat16, torch.float16):
-            s, worst = runs[(strat, str(dt))]
-            res[f"{strat}_{str(dt).split('.')[-1]}"] = dict(
-                state_rel_err=float((s - ref).abs().max() / ref.abs().max()),
-                state_rel_rms=float((s - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()),
-                max_output_rel_err_over_rounds=worst)
-    res["snapshot_vs_replay_fp32_state_max_abs"] = float(
-        (runs[("snapshot", str(torch.float32))][0] - runs[("records", str(torch.float32))][0]).abs().max())
-    return dict(rounds=rounds, B=B, R=R, **res)
-
-
-def gpu_check(cfg, R=2, B=22, layers=3):
-    """Compiled Triton vs the torch reference at real head shapes (max abs errors)."""
-    from ddtree_compile.templates.gdn_commit_ref import gdn_commit_ref
-    from ddtree_compile.templates.tree_conv_ref import tree_conv1d_ref
-    from ddtree_compile.templates.tree_gdn_ref import tree_gdn_ref
-    H, K, W = cfg["H"], cfg["K"], cfg["W"]
-    tree, mt, _ = metas(R, B, W, 7)
-    err = {}
-    for strat in ("snapshot", "records"):
-        res, y_tri = [], None
-        for impl in ("triton", "ref"):
-            L = Layer(cfg, R, B, seed=9)
-            L.na.copy_(torch.tensor([3, 1][:R], dtype=torch.int32))
-            si = L.si if strat == "snapshot" else L.si1
-            if impl == "ref":
-                tree_conv1d_ref(L.x, L.w, None, L.conv_state, si, L.na, mt.conv_anc, L.y, True)
-                y_ref = L.y.clone()
-                L.y.copy_(y_tri)  # same recurrence input: bf16 ulp flips in the conv output would mask errors
-                snap = strat == "snapshot"
-                tree_gdn_ref(L.y, L.a, L.b, L.A_log, L.dt, L.ssm, si, L.na, mt.walk, L.stack, L.out,
-                             None if snap else L.rec_kv, None if snap else L.rec_gb, H, K, K ** -0.5, snap)
-            else:
-                L.conv(mt, strat)
-                y_tri = L.y.clone()
-                L.gdn(mt, strat)
-            paths = [side_path(p) for p in tree.tolist()]
-            acc = torch.full((R, L_DRAFT + 1), -1, dtype=torch.int32)
-            for r, p in enumerate(paths):
-                acc[r, : len(p)] = torch.tensor(p, dtype=torch.int32)
-            plen = torch.tensor([len(p) for p in paths], dtype=torch.int32, device=DEV)
-            convs = [L.conv_state] + [L.conv_state.clone() for _ in range(layers - 1)]
-            ssms = [L.ssm] + [L.ssm.clone() for _ in range(layers - 1)] if strat == "records" else []
-            rk = L.rec_kv.expand(layers, *L.rec_kv.shape).contiguous() if strat == "records" else None
-            rg = L.rec_gb.expand(layers, *L.rec_gb.shape).contiguous() if strat == "records" else None
-            fn = gdn_commit_ref if impl == "ref" else gdn_commit_triton
-            fn(convs, ssms, si, L.na, acc.to(DEV), plen, rk, rg, W)
-            res.append((y_tri if impl == "triton" else y_ref, L.out, L.ssm, convs[-1], L.na.clone()))
-        for name, u, v in zip(("conv_out", "gdn_out", "ssm_state", "conv_state", "num_accepted"), *res):
-            err[f"{strat}_{name}_max_abs"] = float((u.float() - v.float()).abs().max())
-    return err
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/tree_gdn_h100.json")
@@ -393,8 +177,8 @@ def main():
     dr = drift(cfg, 4 if SMOKE else args.rounds, B=4 if SMOKE else 16, R=1 if SMOKE else 2)
     print(json.dumps(dr), flush=True)
     doc = dict(command="python benchmarks/bench_tree_gdn.py " + " ".join(sys.argv[1:]),
-               device=records[0]["device"], torch=torch.__version__, kernel_configs=dict(gdn=gdn_kw, conv=conv_kw), gpu_check=check,
-               tuning=tuning, records=records, drift=dr, wall_s=round(time.time() - t0, 1))
+               device=records[0]["device"], torch=torch.__version__, kernel_configs=dict(gdn=gdn_kw, conv=conv_kw),
+               gpu_check=check, tuning=tuning, records=records, drift=dr, wall_s=round(time.time() - t0, 1))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -14,7 +14,7 @@ import json
 import pathlib
 import time
 
-from ddtree_compile.tools import oracle
+from ddtree_compile.testing import oracle
 
 CHAIN_TOKENS, DRAFT_LEN = 5.6, 15
 # name -> (gain over the chain, budget it is calibrated at). The +4% port number and the paper's

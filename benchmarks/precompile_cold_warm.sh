@@ -7,7 +7,7 @@ set -euo pipefail
 out=${1:?OUTDIR}; target=${2:-qwen35_4b}; budgets=${3:-32}; max_batch=${4:-4}
 models=/tmp/ddtree_shapes
 mkdir -p "$out"
-python3 -c "import pathlib, sys; sys.path.insert(0, 'benchmarks'); import bench_e2e_gpu as b; \
+python3 -c "import pathlib, sys; sys.path.insert(0, 'benchmarks'); import _e2e_engine as b; \
 b.write_shaped('$target', pathlib.Path('$models'))"
 kw='{"load_format": "dummy", "dtype": "bfloat16", "gpu_memory_utilization": 0.5, "max_model_len": 1024,
      "additional_config": {"gdn_prefill_backend": "triton"}}'

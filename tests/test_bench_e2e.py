@@ -10,11 +10,10 @@ import json
 import math
 import os
 import pathlib
-import sys
 
 import pytest
 
-from ddtree_compile.tools import oracle
+from ddtree_compile.testing import oracle
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -23,8 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def bench():
     spec = importlib.util.spec_from_file_location("bench_e2e_gpu", ROOT / "benchmarks" / "bench_e2e_gpu.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_e2e_gpu"] = mod  # --side-by-side's worker processes find their entry point by this name
-    spec.loader.exec_module(mod)
+    spec.loader.exec_module(mod)  # puts benchmarks/ on sys.path: its helper modules import by name
     return mod
 
 
@@ -85,7 +83,7 @@ def test_bench_e2e_split_over_commands_and_merged(bench, tmp_path):
 def test_shaped_target_is_dense_with_one_moe_layer(bench, tmp_path):
     """The real-size targets are dense models: vLLM's Qwen3-Next needs one MoE layer, so only the last
     layer is a one-expert MoE; a MoE in every layer would time fused_moe instead of cuBLAS GEMMs."""
-    target, drafter = bench.write_shaped("qwen36_27b", tmp_path)
+    target, drafter = importlib.import_module("_e2e_engine").write_shaped("qwen36_27b", tmp_path)
     cfg = json.loads((target / "config.json").read_text())
     n = cfg["num_hidden_layers"]
     assert n == 64 and cfg["mlp_only_layers"] == list(range(n - 1))
@@ -101,7 +99,7 @@ def test_merge_keeps_every_parts_gpu_profiles(bench, tmp_path):
         parts.append(tmp_path / f"{mode}.json")
         parts[-1].write_text(json.dumps({"args": {"part": i}, "runs": [], "starts": {mode: 1.0 + i},
                                          "gpu_profiles": [{"mode": mode, "gpu_busy_ms_per_round": 26.0 + i}]}))
-    m = bench.merge(parts, tmp_path / "m.json")
+    m = importlib.import_module("_e2e_cells").merge(parts, tmp_path / "m.json")
     assert [g["mode"] for g in m["gpu_profiles"]] == ["flat", "ddtree32"] and m["starts"] == {"flat": 1.0,
                                                                                               "ddtree32": 2.0}
 
@@ -164,12 +162,13 @@ def test_bench_e2e_side_by_side(bench, tmp_path):
 def test_bench_kv_cache_gib_per_mode(bench):
     """--kv-cache-gib: one size, or per mode with "*" for the rest; a mode without a size is an error
     naming the option and the mode."""
-    assert bench.kv_cache_gib("12", "auto") == 12.0
-    assert bench.kv_cache_gib("flat=11,*=23", "flat") == 11.0 and bench.kv_cache_gib("flat=11,*=23", "ddtree32") == 23.0
+    kv_cache_gib = importlib.import_module("_e2e_engine").kv_cache_gib
+    assert kv_cache_gib("12", "auto") == 12.0
+    assert kv_cache_gib("flat=11,*=23", "flat") == 11.0 and kv_cache_gib("flat=11,*=23", "ddtree32") == 23.0
     with pytest.raises(ValueError, match=r"--kv-cache-gib 'flat=11' names no size for mode 'auto'"):
-        bench.kv_cache_gib("flat=11", "auto")
+        kv_cache_gib("flat=11", "auto")
     with pytest.raises(ValueError, match=r"--kv-cache-gib: 'flat=x' is not GIB or MODE=GIB"):
-        bench.kv_cache_gib("flat=x", "flat")
+        kv_cache_gib("flat=x", "flat")
 
 
 def test_merged_side_by_side_parts_keep_their_own_flat(bench, tmp_path):
@@ -183,7 +182,7 @@ def test_merged_side_by_side_parts_keep_their_own_flat(bench, tmp_path):
                 dict(cell, mode=mode, budget=32 if mode != "auto" else "auto", tok_s=150.0, rounds=40)]
         parts.append(tmp_path / f"{i}.json")
         parts[-1].write_text(json.dumps({"args": {"side_by_side": True}, "runs": runs}))
-    m = bench.merge(parts, tmp_path / "m.json")
+    m = importlib.import_module("_e2e_cells").merge(parts, tmp_path / "m.json")
     rows = {r["mode"] + "@" + r["pair"]: r for r in m["runs"]}
     assert set(rows) == {"flat@flat+ddtree32", "ddtree32@flat+ddtree32", "flat@flat+auto", "auto@flat+auto"}
     assert math.isclose(rows["ddtree32@flat+ddtree32"]["break_even_gain"], 100 / 40)

@@ -1,0 +1,178 @@
+"""bench_e2e_gpu's engines: the config-only shaped targets, one mode's vLLM engine (its kwargs, the
+sharpened dummy weights, the warm-up) and speculative config, and the oracle drafter installed on it."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+# Layer shapes (public configs of Qwen3.5-4B and Qwen3.6-27B as we know them; check against the
+# real config.json when one is reachable). Qwen3-Next architecture with plain MLPs (write_shaped).
+SHAPES = {
+    "qwen35_4b": dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, num_attention_heads=16,
+                      num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32),
+    "qwen36_27b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48),
+}
+VOCAB = 248320
+
+
+def write_shaped(shape: str, root: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """Config-only target and drafter folders (load_format="dummy" makes the weights)."""
+    from transformers import Qwen3Config, Qwen3NextConfig
+
+    s = SHAPES[shape]
+    target = root / shape
+    n = s["num_hidden_layers"]
+    # Qwen3.5/3.6 dense models have plain MLPs; vLLM's Qwen3-Next needs one MoE layer, so the last layer
+    # is a one-expert MoE of the same width and the others are plain MLPs (`mlp_only_layers`). A
+    # one-expert MoE in every layer would time vLLM's fused_moe Triton kernel instead of the cuBLAS
+    # GEMMs of a dense model: on the H100 it cost 13.6 ms per round at 16 tokens and 24.1 ms at 33.
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, full_attention_interval=4, num_experts=1, num_experts_per_tok=1,
+                          moe_intermediate_size=s["intermediate_size"], mlp_only_layers=list(range(n - 1)),
+                          shared_expert_intermediate_size=512, decoder_sparse_step=1, linear_conv_kernel_dim=4,
+                          linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768,
+                          tie_word_embeddings=False, torch_dtype="bfloat16", **s)
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    cfg.save_pretrained(target)
+    drafter = root / f"{shape}_dflash"
+    d = Qwen3Config(vocab_size=VOCAB, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+                    num_hidden_layers=5, num_attention_heads=s["num_attention_heads"],
+                    num_key_value_heads=s["num_key_value_heads"], head_dim=128, tie_word_embeddings=False,
+                    torch_dtype="bfloat16")
+    d.architectures = ["DFlashDraftModel"]
+    d.block_size = 16
+    d.num_target_layers = n
+    d.target_hidden_size = s["hidden_size"]
+    d.dflash_config = {"mask_token_id": VOCAB - 1, "target_layer_ids": [round(i * (n - 2) / 4) + 1 for i in range(5)]}
+    d.save_pretrained(drafter)
+    return target, drafter
+
+
+def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -> dict:
+    from ddtree_compile.testing import models
+
+    hybrid = args.target != "tiny" or args.tiny_kind != "qwen3"
+    # the reference run's 32 extra tokens, and room for the deepest verify near the end
+    max_len = args.prompt_len + args.max_tokens + 32 + 2 * max(args.budgets + [args.flat_len, args.auto_budget]) + 64
+    kw = models.tiny_llm_kwargs(target, max_num_seqs=max_seqs, seed=0, disable_log_stats=False, max_model_len=max_len,
+                                max_num_batched_tokens=max(2048, max_seqs * 80))
+    if args.device == "cuda":
+        from ddtree_compile.passes.entry import compilation_config
+
+        cc = compilation_config("cuda")
+        cc["cudagraph_mode"] = args.cudagraph_mode
+        if spec is not None:  # every concurrency's verify batch in a graph (vLLM's default stops at 512 tokens)
+            cc["max_cudagraph_capture_size"] = max(512, max_seqs * (spec["num_speculative_tokens"] + 1))
+        kw.update(compilation_config=cc, gpu_memory_utilization=args.gpu_memory_utilization)
+        kw.pop("kv_cache_memory_bytes", None)
+        if hybrid:
+            extra = {"gdn_prefill_backend": "triton", **extra}
+    else:
+        kw["enforce_eager"] = True
+        if args.tiny_kind == "qwen3":
+            kw["dtype"] = "float32"
+    if args.target != "tiny":
+        kw["load_format"] = "dummy"
+    if spec is not None:
+        kw["speculative_config"] = spec
+        # DDTree's round runs in vLLM's synchronous loop; flat DFlash runs in the same loop (vLLM 0.26
+        # turns async scheduling on for DFlash: the first H100 run saw 2-3 s stalls and one run whose
+        # drafts went out of step with the oracle there), so the ratios compare drafting, not loops.
+        kw["async_scheduling"] = False
+    if extra:
+        kw["additional_config"] = extra
+    return kw
+
+
+def sharpen(llm) -> None:
+    """Dummy weights (uniform +-1e-3) give near-flat logits whose greedy choice flips with the
+    batch shape's bf16 numerics, so a verify would leave the reference and the oracle would draft
+    a wrong continuation. Scale the token embedding up 1000x (the residual stream is then the
+    input token's embedding plus ~1e-3 per layer), tie lm_head to it and make the final norm the
+    identity: greedy repeats the last prompt token with a margin of ~10^3 in the logits. Same
+    shapes, same kernels, so the same costs; the oracle decides what is accepted, not the text."""
+    import torch
+
+    from ddtree_compile.integration import engines
+
+    model = engines.find_runner(llm).get_model()
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.mul_(1000.0)
+        model.lm_head.weight.copy_(emb)
+        model.model.norm.weight.zero_()  # GemmaRMSNorm: x * (1 + weight)
+
+
+def kv_cache_gib(spec: str, mode: str) -> float:
+    """--kv-cache-gib: "12" (every mode) or "flat=11,*=23" (per mode, "*" for the others)."""
+    table = {}
+    for item in spec.split(","):
+        key, _, value = item.rpartition("=")
+        try:
+            table[key.strip() or "*"] = float(value)
+        except ValueError:
+            raise ValueError(f"--kv-cache-gib: {item!r} is not GIB or MODE=GIB (e.g. 'flat=11,*=23')") from None
+    if mode not in table and "*" not in table:
+        raise ValueError(f"--kv-cache-gib {spec!r} names no size for mode {mode!r}; add '{mode}=GIB' or '*=GIB'")
+    return table.get(mode, table.get("*"))
+
+
+def start_engine(args, target, conc, prompts, spec=None, extra=None, share=1, mode=None):
+    """(engine of one mode, warmed up; seconds it took to start). share > 1 (--side-by-side): the
+    engines up at once split the GPU memory evenly."""
+    from vllm import LLM
+
+    t = time.perf_counter()
+    kw = engine_kwargs(target, args, max(conc), spec, extra or {})
+    if share > 1 and "gpu_memory_utilization" in kw:
+        # the engines start together (side_by_side): a KV cache sized from a memory profile would count
+        # what the other engines allocate meanwhile as this one's, so each gets a fixed cache instead
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization / share
+        kw["kv_cache_memory_bytes"] = int(kv_cache_gib(args.kv_cache_gib, mode) * (1 << 30))
+    llm = LLM(**kw)
+    start = time.perf_counter() - t
+    if args.target != "tiny":
+        sharpen(llm)
+    warm_up(llm, prompts, conc)
+    return llm, start
+
+
+def warm_up(llm, prompts, conc) -> None:
+    """A short run per batch shape outside the timings: its first-call kernel compiles (the engine's,
+    then again the oracle's once one is installed)."""
+    from ddtree_compile.cli.timing import timed_steps
+
+    for c in conc:
+        timed_steps(llm, prompts[:c], 16)
+
+
+def install_oracle(llm, reference, prof, prompts, conc):
+    """The oracle drafter of profile `prof` on this engine, warmed up; returns it (to uninstall)."""
+    from ddtree_compile.testing import oracle
+
+    od = oracle.OracleDrafter(reference, prof, seed=1).install(llm)
+    warm_up(llm, prompts, conc)
+    return od
+
+
+def spec_of(budget, args, drafter) -> tuple[dict, dict]:
+    """(speculative_config, additional_config) of a mode: flat DFlash (budget None) or DDTree."""
+    from ddtree_compile.integration import config
+
+    if budget is None:
+        return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.flat_len}, {}
+    auto = {"auto_budget": args.auto_budget} if budget == "auto" else {}
+    kw = config.vllm_kwargs(drafter, budget=budget, top_k=args.top_k, num_speculative_tokens=args.flat_len, **auto)
+    return kw["speculative_config"], kw["additional_config"]
+
+
+def attached(llm, mode, budget, result) -> bool:
+    """A DDTree mode whose round did not attach is reported as an error row, not timed as flat."""
+    from ddtree_compile.integration import engines, metrics
+
+    if budget and engines.find_state(llm) is None:
+        result["runs"].append({"mode": mode, "error": "DDTree did not attach",
+                               "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS)})
+        return False
+    return True

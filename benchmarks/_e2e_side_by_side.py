@@ -1,0 +1,155 @@
+"""bench_e2e_gpu --side-by-side: every speculative mode's engine up at once, each in a process of its
+own, their runs interleaved within each cell."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import _e2e_cells as cells
+from _e2e_engine import install_oracle, start_engine
+
+
+def side_by_side(modes, profiles, setup, result, save) -> None:
+    """--side-by-side: every speculative mode's engine is up at once, each in its own process
+    (ModeWorker), the GPU's memory split evenly between them, and in each (profile, concurrency)
+    cell their timed runs alternate, the order rotated per repeat. A drift of the host's speed then
+    hits every mode alike: on the H100 (session 11) flat DFlash's three identical c=1 cells,
+    measured minutes apart in one engine, took 13.9, 17.4 and 14.8 ms per round, a spread larger
+    than the gains being measured."""
+    import multiprocessing
+
+    from ddtree_compile.testing import oracle
+
+    args = argparse.Namespace(**setup["args"])
+    mp = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
+    setup = {**setup, "share": len(modes)}
+    workers, started = [], []
+    try:
+        # all engines start at once (a cold 4B engine takes ~4.5 min on the H100, mostly compile and
+        # graph capture on one host thread each); each has a fixed KV cache (start_engine)
+        for mode, budget, spec, extra in modes:
+            started.append(ModeWorker(mp, mode, budget, spec, extra, setup))
+        for w in started:
+            try:
+                w.ready()
+            except RuntimeError as e:
+                result["runs"].append({"mode": w.mode, "error": str(e)[-500:]})
+                continue
+            result["starts"][w.mode] = w.info["start_s"]
+            result.setdefault("worker_pids", {})[w.mode] = w.info["pid"]
+            result.setdefault("worker_start_wall", {})[w.mode] = [w.info["spawned_s"], w.info["ready_s"]]
+            if not w.info["attached"]:
+                result["runs"].append({"mode": w.mode, "error": "DDTree did not attach",
+                                       "fallbacks": w.info["fallbacks"]})
+                continue  # (closed with the others below)
+            workers.append(w)
+        for prof in profiles:
+            for w in workers:
+                w.call("profile", prof)
+            for c in setup["conc"]:
+                before = {w.mode: w.call("counters") for w in workers}
+                runs = {w.mode: [] for w in workers}
+                for i in range(max(args.repeats, 1)):
+                    for w in workers[i % len(workers):] + workers[:i % len(workers)]:
+                        runs[w.mode].append(w.call("run", c))
+                for w in workers:
+                    rounds = cells.rounds_of(w.budget, before[w.mode], w.call("counters"))
+                    rounds["run_started_s"] = [r["started_s"] for r in runs[w.mode]]  # the interleaving, on record
+                    cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
+                                  cells.median(runs[w.mode]), setup["ref"], rounds)
+                save()
+    finally:
+        for w in started:
+            w.close()
+
+
+class ModeWorker:
+    """--side-by-side: one speculative mode's engine in a process of its own (spawned), driven over a
+    pipe. Two vLLM engines in one process share process-wide state: on the H100, vLLM 0.26 switches
+    CUDA graph capture off for the whole process once an engine has captured, and the first engine's
+    next run then failed ("CUDA graph capturing detected at an inappropriate time"); the Prometheus
+    registry, which the spec-decode counters are read from, holds only the last engine's."""
+
+    def __init__(self, mp, mode, budget, spec, extra, setup):
+        self.mode, self.budget = mode, budget
+        self.conn, child = mp.Pipe()
+        # not a daemon: a daemonic process may not start processes of its own (torch.compile's workers)
+        self.proc = mp.Process(target=worker_main, args=(child, mode, budget, spec, extra, setup))
+        self.proc.start()
+        child.close()
+        self.spawned_s, self.info = time.time(), None
+
+    def ready(self) -> dict:
+        """Wait for the engine to be up: {start_s, attached, fallbacks, pid, ready_s}."""
+        self.info = {**self._reply(), "spawned_s": self.spawned_s, "ready_s": time.time()}
+        return self.info
+
+    def call(self, *msg):
+        self.conn.send(msg)
+        return self._reply()
+
+    def _reply(self):
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"{self.mode}: its process died (exit code {self.proc.exitcode})") from None
+        if kind == "error":
+            raise RuntimeError(f"{self.mode}: {value}")
+        return value
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close",))
+        except OSError:
+            pass
+        self.proc.join(120)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def worker_main(conn, mode, budget, spec, extra, setup) -> None:
+    """A ModeWorker's process: start the engine, then answer ("profile", dict) (install that oracle
+    profile, warm up), ("counters",) and ("run", c) until ("close",)."""
+    import traceback
+
+    from ddtree_compile.cli.timing import timed_steps
+    from ddtree_compile.integration import engines, metrics, plugin
+    from ddtree_compile.testing import harness, oracle
+
+    args, conc, prompts = argparse.Namespace(**setup["args"]), setup["conc"], setup["prompts"]
+    try:
+        plugin.register()
+        llm, start = start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"], mode=mode)
+        conn.send(("ok", {"start_s": start, "attached": not budget or engines.find_state(llm) is not None,
+                          "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid()}))
+    except Exception:
+        conn.send(("error", traceback.format_exc()[-2000:]))
+        return
+    reference, od = harness.reference_from_outputs(prompts, setup["ref"]), None
+    try:
+        while (msg := _recv(conn))[0] != "close":
+            try:
+                out = None
+                if msg[0] == "profile":
+                    if od is not None:
+                        od.uninstall()
+                    od = install_oracle(llm, reference, oracle.profile_from(msg[1]), prompts, conc)
+                elif msg[0] == "counters":
+                    out = cells.counters(llm, budget)
+                elif msg[0] == "run":
+                    out = timed_steps(llm, prompts[: msg[1]], args.max_tokens)
+                conn.send(("ok", out))
+            except Exception:
+                conn.send(("error", traceback.format_exc()[-2000:]))
+    finally:
+        engines.shutdown(llm)
+
+
+def _recv(conn) -> tuple:
+    """The next message; a closed pipe (the parent died or was killed) is a close."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return ("close",)
