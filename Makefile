@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/ddtree-compile demo
+	$(BIN)/python -m ddtree_compile.testing.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

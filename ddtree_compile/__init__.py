@@ -3,7 +3,8 @@
     core/         the tree algorithm (no vLLM): spec, tree layout, build, walk, commit plan, sampling
     adapters/     every assumption about vLLM's internals, one module per release line
     integration/  DDTree inside vLLM: switch, plugin, the op swap, KV layouts, metrics, round/
-    tools/        CLI (demo, round, dump), tiny offline models, the test drafter harness
+    cli/          the `ddtree-compile` command: round (toy round), dump, precompile
+    testing/      test and benchmark support (tiny models, drafter harness, oracle, demo), never imported by the product
     passes/       the FX rewrite rules and engine          (installed as ddtree_compile.passes)
     templates/    tree-aware kernels and their references  (installed as ddtree_compile.templates)
 

@@ -1,6 +1,6 @@
 """Shared pieces of the `vllm serve` tests (tests/test_serve*.py): the server pair, requests, the gate.
 
-Each server is vLLM's OpenAI server as a real subprocess (tools/server.py) on the tiny target with
+Each server is vLLM's OpenAI server as a real subprocess (testing/server.py) on the tiny target with
 the offline tokenizer and chat template beside it, the qwen3 reasoning parser and the qwen3_coder
 tool parser; "on" adds exactly `config.cli_args(...)`. The official `openai` client is the caller.
 """
@@ -13,7 +13,7 @@ import pathlib
 import re
 
 from ddtree_compile.integration import config
-from ddtree_compile.tools import harness, server
+from ddtree_compile.testing import harness, server
 
 BUDGET, DRAFT_LEN, TOP_K, TOL = 16, 8, 4, 0.2  # as tests/test_e2e_hybrid.py
 

@@ -72,7 +72,7 @@ def tiny_fp32_reference(tmp_path_factory, request):
     drafts from and that lossless runs must equal token for token."""
     from vllm import LLM
 
-    from ddtree_compile.tools import harness, models
+    from ddtree_compile.testing import harness, models
 
     prompts, max_tokens = request.module.PROMPTS, request.module.MAX_TOKENS
     root = tmp_path_factory.mktemp("tiny_fp32")

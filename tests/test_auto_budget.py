@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
+from ddtree_compile.cli import precompile
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.integration.round import auto_budget as ab
-from ddtree_compile.tools import harness, models, oracle, precompile
+from ddtree_compile.testing import harness, models, oracle
 
 L, TOP_K, BUDGET, MAX_TOKENS = 7, 4, 16, 64
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from ddtree_compile.tools import dump, models
+from ddtree_compile.cli import dump
+from ddtree_compile.testing import models
 
 
 def test_bad_arguments_are_refused_clearly(tmp_path, capsys):
@@ -26,7 +27,7 @@ def test_bad_arguments_are_refused_clearly(tmp_path, capsys):
 def test_dump_writes_graphs_and_summary(tmp_path):
     model = models.write_tiny_model("qwen3", tmp_path / "qwen3")
     out = tmp_path / "dump"
-    proc = subprocess.run([sys.executable, "-m", "ddtree_compile.tools.cli", "dump", "--model", str(model),
+    proc = subprocess.run([sys.executable, "-m", "ddtree_compile.cli", "dump", "--model", str(model),
                            "--out", str(out), "--budget", "4"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,7 +51,7 @@ def test_dump_writes_graphs_and_summary(tmp_path):
 def test_dump_with_depyf_on_a_hybrid(tmp_path):
     model = models.write_tiny_model("qwen3_next", tmp_path / "qwen3_next")
     out = tmp_path / "dump"
-    proc = subprocess.run([sys.executable, "-m", "ddtree_compile.tools.cli", "dump", "--model", str(model),
+    proc = subprocess.run([sys.executable, "-m", "ddtree_compile.cli", "dump", "--model", str(model),
                            "--out", str(out), "--depyf"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

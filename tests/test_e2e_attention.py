@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddtree_compile.integration import config, engines, metrics, plugin
-from ddtree_compile.tools import harness, models
+from ddtree_compile.testing import harness, models
 
 DRAFT_LEN, TOP_K, MAX_TOKENS = 7, 4, 200
 BUDGETS = (1, 8, 22, 40)

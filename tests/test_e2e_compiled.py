@@ -9,7 +9,7 @@ import pytest
 import ddtree_compile
 from ddtree_compile.integration import config, metrics, plugin
 from ddtree_compile.passes.entry import tree_verify_pass
-from ddtree_compile.tools import harness, models
+from ddtree_compile.testing import harness, models
 
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=4)
 MAX_TOKENS = 96

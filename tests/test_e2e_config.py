@@ -12,7 +12,7 @@ import torch
 from ddtree_compile import adapters
 from ddtree_compile.integration import config, kv_layouts, metrics, plugin
 from ddtree_compile.integration import round as runner
-from ddtree_compile.tools import harness, models
+from ddtree_compile.testing import harness, models
 
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=1)
 MAX_TOKENS = 48

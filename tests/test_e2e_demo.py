@@ -1,4 +1,5 @@
-"""The README's main command (`ddtree-compile demo`, what `make demo` runs) and the toy `round` command."""
+"""The README's main command (`make demo`: python -m ddtree_compile.testing.demo) and the CLI's toy `round`
+command."""
 
 import os
 import re
@@ -6,14 +7,14 @@ import subprocess
 import sys
 
 
-def _cli(*args, timeout):
+def _run(module, *args, timeout):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "ddtree_compile.tools.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 def test_demo_runs_ddtree_in_vllm_and_passes_its_checks():
-    proc = _cli("demo", "--max-tokens", "64", timeout=900)
+    proc = _run("ddtree_compile.testing.demo", "--max-tokens", "64", timeout=900)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "RESULT: PASS" in out
@@ -29,6 +30,6 @@ def test_demo_runs_ddtree_in_vllm_and_passes_its_checks():
 
 
 def test_round_command_prints_one_toy_round():
-    proc = _cli("round", "--budget", "6", "--top-k", "2", timeout=300)
+    proc = _run("ddtree_compile.cli", "round", "--budget", "6", "--top-k", "2", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "accepted" in proc.stdout.lower()

@@ -21,7 +21,7 @@ import pytest
 from ddtree_compile import adapters
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.integration.round import workspace
-from ddtree_compile.tools import harness, models
+from ddtree_compile.testing import harness, models
 
 MAX_TOKENS = 96
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=5)

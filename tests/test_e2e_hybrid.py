@@ -24,7 +24,7 @@ GDN op runs only in bf16).
 import pytest
 
 from ddtree_compile.integration import config, engines, metrics, plugin
-from ddtree_compile.tools import harness, models
+from ddtree_compile.testing import harness, models
 
 BUDGET, DRAFT_LEN, TOP_K, MAX_TOKENS, TOL = 16, 8, 4, 500, 0.2
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=2)

@@ -14,7 +14,7 @@ import pytest
 
 from ddtree_compile import adapters
 from ddtree_compile.integration import config, metrics, plugin
-from ddtree_compile.tools import harness, models
+from ddtree_compile.testing import harness, models
 
 DRAFT_LEN, TOP_K, BUDGET, MAX_TOKENS = 7, 4, 16, 120
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=1)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ddtree_compile.integration import config, metrics, plugin
-from ddtree_compile.tools import harness, models
+from ddtree_compile.testing import harness, models
 
 DRAFT_LEN, TOP_K = 6, 4
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)

@@ -24,7 +24,7 @@ import os
 import pytest
 
 from ddtree_compile.integration import config, metrics, plugin
-from ddtree_compile.tools import harness, models
+from ddtree_compile.testing import harness, models
 
 BUDGET, TOP_K, DRAFT_LEN, MAX_TOKENS = 16, 4, 8, 96
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)

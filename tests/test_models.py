@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddtree_compile.integration import engines
-from ddtree_compile.tools import models
+from ddtree_compile.testing import models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read by huggingface_hub at import time
 

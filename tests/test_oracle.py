@@ -1,4 +1,4 @@
-"""The benchmark's oracle drafter (tools/oracle.py): its profiles, its simulation through the real
+"""The benchmark's oracle drafter (testing/oracle.py): its profiles, its simulation through the real
 tree build, its device-only logits, and what it makes a real engine accept (DDTree and vLLM's
 flat DFlash), in float32 so the outputs must equal no speculation token for token."""
 
@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddtree_compile.integration import config, metrics, plugin
-from ddtree_compile.tools import harness, models, oracle
+from ddtree_compile.testing import harness, models, oracle
 
 L, TOP_K, BUDGET, MAX_TOKENS = 7, 4, 16, 64
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)

@@ -20,7 +20,7 @@ from ddtree_compile import adapters
 from ddtree_compile.integration import engines, tree_context
 from ddtree_compile.passes.engine import RewriteEngine
 from ddtree_compile.passes.entry import tree_verify_pass
-from ddtree_compile.tools import models
+from ddtree_compile.testing import models
 
 PASS = {"inductor_passes": {"post_grad_custom_post_pass": "ddtree_compile.tree_verify_pass"}}
 NUM_LAYERS = 4  # models.py: hybrids are 3 GatedDeltaNet layers + 1 full attention

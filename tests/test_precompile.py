@@ -5,8 +5,10 @@ import json
 
 import pytest
 
+from ddtree_compile import cli
+from ddtree_compile.cli import precompile
 from ddtree_compile.integration import plugin
-from ddtree_compile.tools import cli, models, precompile
+from ddtree_compile.testing import models
 
 
 def test_batch_buckets_and_bad_input():

@@ -9,7 +9,7 @@ and still equal B's answer token for token, with DDTree's tree steps running in 
 
 import pytest
 
-from ddtree_compile.tools import models
+from ddtree_compile.testing import models
 
 import _serve_cases as sc
 

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from ddtree_compile.tools import harness, models, tokenizer
+from ddtree_compile.testing import harness, models, tokenizer
 
 import _serve_cases as sc
 

@@ -1,11 +1,11 @@
-"""The tiny offline tokenizer + chat template (tools/tokenizer.py): what `vllm serve` and its
+"""The tiny offline tokenizer + chat template (testing/tokenizer.py): what `vllm serve` and its
 qwen3 / qwen3_coder parsers rely on. No engine."""
 
 import json
 
 import pytest
 
-from ddtree_compile.tools import models, tokenizer
+from ddtree_compile.testing import models, tokenizer
 
 
 @pytest.fixture(scope="module")

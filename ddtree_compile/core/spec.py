@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import sympy
 
@@ -85,7 +85,7 @@ class TreeSpec:
 _B, _R = sympy.symbols("B R", integer=True, positive=True)
 
 
-@lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def _symbolic() -> dict[str, sympy.Expr]:
     """Symbolic sizes of a verify bucket, in the budget B and the request count R."""
     return {

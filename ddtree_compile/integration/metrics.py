@@ -155,6 +155,30 @@ def format_line(s: dict) -> str:
             f"sibling rounds {s['sibling_rounds']}, fallbacks {s['fallback_total']}")
 
 
+_DESCRIPTIVE = {"graph_sizes"}  # numeric lists that describe the engine, not counts
+
+
+def counters_delta(after: dict, before: dict) -> dict:
+    """Numeric difference of two `DDTreeMetrics.snapshot()`s (histograms element-wise): the counters
+    of what ran between them (e.g. one timed batch of `precompile`)."""
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        if k in _DESCRIPTIVE:
+            out[k] = v
+        elif isinstance(v, (int, float)) and isinstance(b, (int, float)) and not isinstance(v, bool):
+            out[k] = v - b
+        elif (isinstance(v, list) and isinstance(b, list) and len(v) == len(b)
+              and all(isinstance(x, (int, float)) for x in v + b)):
+            out[k] = [x - y for x, y in zip(v, b)]
+        elif isinstance(v, (list, str)):  # descriptive fields (kv_layouts): as they are now
+            out[k] = v
+    if "nodes_accepted" in out:  # derived fields: recomputed, not differenced
+        out["mean_accept_depth"] = out["nodes_accepted"] / max(out["tree_requests"], 1)
+        out["max_accept_depth"] = max((d for d, c in enumerate(out["accept_depth_histogram"]) if c), default=0)
+    return out
+
+
 def worker_snapshots() -> list[dict]:
     """Snapshots of every live DDTree runner of this process."""
     with _LOCK:

@@ -1,4 +1,4 @@
-"""Test-only: the draft harness (tools/harness.py) inside a `vllm serve` worker.
+"""Test-only: the draft harness (testing/harness.py) inside a `vllm serve` worker.
 
 Put this folder first on the server subprocess's PYTHONPATH with DDTREE_TEST_HARNESS_REF naming a
 JSON file of [[prompt token ids], [prompt + continuation]] pairs. Python imports this module at
@@ -22,7 +22,7 @@ if PATH:
         _attach(runner)
         from ddtree_compile import adapters
         from ddtree_compile.integration.engines import state_of
-        from ddtree_compile.tools.harness import DraftHarness
+        from ddtree_compile.testing.harness import DraftHarness
 
         if state_of(runner) is None:
             return

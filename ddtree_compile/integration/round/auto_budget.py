@@ -12,7 +12,7 @@ more tokens per second at this batch size.
   device; every few decisions they are copied (non-blocking, pinned) and read once
   that copy's event has completed: no host sync on the hot path, the statistics lag a few steps.
 - cost(R) is the wall time of one engine step of that kind at batch bucket R (1, 2, 4, ...): the
-  precompile cost table gives the prior (tools/precompile.py: round_ms at budget B for the tree,
+  precompile cost table gives the prior (cli/precompile.py: round_ms at budget B for the tree,
   at budget L for the chain, when those budgets were precompiled), then, from _MIN_SAMPLES steps on,
   the lower quartile of the last steps this engine measured: a step's whole cycle on the host, from
   the proposal that chose its kind to the next proposal (its drafting, vLLM's output processing and

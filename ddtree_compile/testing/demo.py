@@ -2,7 +2,12 @@
 attention, the family of the Qwen3.6-27B target), per-round stats, and the equality check against a
 run without speculation. `kind="qwen3_next"` runs the MoE hybrid instead.
 
-    python -m ddtree_compile.tools.demo          (the CLI's `ddtree-compile demo` calls run_demo)
+    python -m ddtree_compile.testing.demo [--model qwen3_5] [--budget 16] [--top-k 4] [--draft-len 8] [--max-tokens 96]
+
+(`make demo`; exit status 0 on PASS, 1 on FAIL.)
+
+It writes tiny offline models and drives the test drafter harness, so it lives with the test support
+(ddtree_compile.testing), not in the `ddtree-compile` CLI.
 
 Three engines, in this process, eager, CPU:
   1. no speculation (the reference, with top-2 log-probs for the regret gate)
@@ -57,7 +62,7 @@ def run_demo(kind: str = "qwen3_5", budget: int = 16, top_k: int = 4, draft_len:
     _env()
     from ddtree_compile.integration import config, metrics, plugin
     from ddtree_compile.integration.engines import find_state
-    from ddtree_compile.tools import harness, models
+    from ddtree_compile.testing import harness, models
 
     plugin.register()  # what the installed `vllm.general_plugins` entry point does
     from vllm import LLM
@@ -101,7 +106,7 @@ def run_demo(kind: str = "qwen3_5", budget: int = 16, top_k: int = 4, draft_len:
         harness_out = harness.generate(llm, prompts, max_tokens)
         t_harness = time.perf_counter() - t0
         h.uninstall()
-        counters_harness = harness.counters_delta(metrics.collect(llm)[0], counters_random)
+        counters_harness = metrics.counters_delta(metrics.collect(llm)[0], counters_random)
     finally:
         harness.shutdown(llm)
         if tmp is not None:
@@ -130,5 +135,22 @@ def run_demo(kind: str = "qwen3_5", budget: int = 16, top_k: int = 4, draft_len:
             "gates": gates, "counters": {"random": counters_random, "harness": counters_harness}}
 
 
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ddtree_compile.testing.demo",
+                                     description="vLLM with DDTree on the embedded tiny hybrid model, checked "
+                                                 "against no speculation")
+    parser.add_argument("--model", choices=("qwen3_5", "qwen3_next", "qwen3"), default="qwen3_5")
+    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--draft-len", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args(argv)
+    result = run_demo(kind=args.model, budget=args.budget, top_k=args.top_k, draft_len=args.draft_len,
+                      max_tokens=args.max_tokens)
+    return 0 if result["ok"] else 1
+
+
 if __name__ == "__main__":
-    raise SystemExit(0 if run_demo()["ok"] else 1)
+    raise SystemExit(main())

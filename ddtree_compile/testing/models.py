@@ -174,9 +174,9 @@ def token_prompts(n, length, vocab_size, seed) -> list[dict]:
 
 
 def write_tiny_chat_model(kind, out_dir, *, seed=0, dtype="bfloat16") -> pathlib.Path:
-    """A tiny target plus the offline tokenizer and chat template (tools/tokenizer.py) beside it,
+    """A tiny target plus the offline tokenizer and chat template (testing/tokenizer.py) beside it,
     so vLLM's OpenAI server loads it like any model folder (no skip_tokenizer_init)."""
-    from ddtree_compile.tools import tokenizer
+    from ddtree_compile.testing import tokenizer
 
     out = write_tiny_model(kind, out_dir, seed=seed, dtype=dtype)
     return tokenizer.write_tokenizer(out, seed=seed)
@@ -188,7 +188,7 @@ def write_tiny_vl_model(out_dir, *, seed=0) -> pathlib.Path:
     VOCAB-5..VOCAB-2) and a Qwen2-VL image processor config beside it."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from ddtree_compile.tools import tokenizer
+    from ddtree_compile.testing import tokenizer
 
     text = dict(_COMMON, **_GDN, num_hidden_layers=4, full_attention_interval=4,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,

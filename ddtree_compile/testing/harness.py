@@ -25,46 +25,12 @@ import zlib
 
 import torch
 
+from ddtree_compile.integration.drafter_logits import DrafterLogitsHook
 from ddtree_compile.integration.engines import shutdown  # noqa: F401  (tests and the demo shut engines down through here)
+from ddtree_compile.integration.metrics import counters_delta  # noqa: F401  (tests difference counters through here)
 
 DEFAULT_PATTERNS = (("full",), ("sibling", 2, 1), ("cut", 4), ("sibling", 1, 2), ("zero",), ("sibling", 3, 1))
 SHARP, NEAR_TIE_STEP, LOW = 12.0, 0.05, -8.0
-
-
-class DrafterLogitsHook:
-    """Replaces a live engine's DFlash drafter logits with `self._compute_logits(original, hidden)`
-    (the drafter's forward still runs); shared by the test harness and the benchmark's oracle."""
-
-    label = "drafter hook"
-    install_hint = ""
-    _view = None
-
-    def install(self, llm):
-        """On an in-process engine's runner."""
-        from ddtree_compile.integration.engines import find_runner
-
-        runner = find_runner(llm)
-        if runner is None:
-            raise ValueError(f"{self.label}.install needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, "
-                             f"one worker){self.install_hint}")
-        return self.attach(runner)
-
-    def attach(self, runner):
-        from ddtree_compile import adapters
-
-        if getattr(runner, "drafter", None) is None:
-            raise ValueError(f"the {self.label} needs an engine with a DFlash drafter")
-        self._view = adapters.current().RunnerView(runner)
-        self._view.wrap_drafter_logits(self._compute_logits)
-        return self
-
-    def uninstall(self) -> None:
-        if self._view is not None:
-            self._view.unwrap_drafter_logits()
-            self._view = None
-
-    def _compute_logits(self, original, hidden_states):
-        raise NotImplementedError
 
 
 class DraftHarness(DrafterLogitsHook):
@@ -274,29 +240,6 @@ def spec_counters(llm) -> dict:
     for m in llm.get_metrics():
         if m.name.startswith("vllm:spec_decode"):
             out[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
-    return out
-
-
-_DESCRIPTIVE = {"graph_sizes"}  # numeric lists that describe the engine, not counts
-
-
-def counters_delta(after: dict, before: dict) -> dict:
-    """Numeric difference of two `DDTreeMetrics.snapshot()`s (histograms element-wise)."""
-    out = {}
-    for k, v in after.items():
-        b = before.get(k)
-        if k in _DESCRIPTIVE:
-            out[k] = v
-        elif isinstance(v, (int, float)) and isinstance(b, (int, float)) and not isinstance(v, bool):
-            out[k] = v - b
-        elif (isinstance(v, list) and isinstance(b, list) and len(v) == len(b)
-              and all(isinstance(x, (int, float)) for x in v + b)):
-            out[k] = [x - y for x, y in zip(v, b)]
-        elif isinstance(v, (list, str)):  # descriptive fields (kv_layouts): as they are now
-            out[k] = v
-    if "nodes_accepted" in out:  # derived fields: recomputed, not differenced
-        out["mean_accept_depth"] = out["nodes_accepted"] / max(out["tree_requests"], 1)
-        out["max_accept_depth"] = max((d for d, c in enumerate(out["accept_depth_histogram"]) if c), default=0)
     return out
 
 

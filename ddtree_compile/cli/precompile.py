@@ -6,8 +6,8 @@ For every budget B one engine starts with the DDTree switch at B, exactly as `vl
 same settings would start it: vLLM compiles the target and the drafter into its compile cache
 (`additional_config` is part of the cache key, so each budget has its own entry) and, on CUDA,
 captures the FULL graphs of every batch bucket. Then, per batch size R in 1, 2, 4, ... up to
---max-batch, it times DDTree rounds of R requests with a drafter that is never right (the oracle
-with an empty list: every round verifies the whole tree and commits one token), so a round's time
+--max-batch, it times DDTree rounds of R requests with a drafter that is never right
+(`NeverRightDrafter`: every round verifies the whole tree and commits one token), so a round's time
 is draft + build + verify + walk + commit of that bucket. The table goes to a JSON file (default:
 beside vLLM's compile cache, `$VLLM_CACHE_ROOT/ddtree/cost_<key>.json`); `start_s` per budget
 is the engine start of this run (cold unless the cache was warm already).
@@ -20,8 +20,37 @@ both, e.g. `--budgets 15,32` for auto_budget 32 with L = 15.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import time
+
+import torch
+
+from ddtree_compile.integration.drafter_logits import DrafterLogitsHook
+
+_CAND, _LOW = math.log(1e-9), -30.0  # the one candidate's logit; every other token's
+
+
+class NeverRightDrafter(DrafterLogitsHook):
+    """The timing drafter: at every depth one candidate token, picked from the position alone (never
+    DFlash's mask id V - 1), with logit log(1e-9) and every other token at -30. The drafter knows no
+    continuation, so the target's token is (almost) never in the tree: every round builds and
+    verifies the whole tree and commits one token (the bonus). Device ops on [R, L] only, no host
+    sync, so a round's time is the drafter's forward plus the tree's stages."""
+
+    label = "precompile drafter"
+
+    def _compute_logits(self, original, hidden_states):
+        logits = original(hidden_states)  # the drafter's own forward and LM head still run
+        L = self._view.drafter_draft_len()
+        R, V = logits.shape[0] // L, logits.shape[-1]
+        dev = logits.device
+        pos = self._view.drafter_root_positions(R).to(dev, torch.int64).unsqueeze(1)
+        pos = pos + torch.arange(1, L + 1, device=dev)  # [R, L] position of each draft
+        cand = 1 + (pos * 7919) % max(V - 2, 1)  # in [1, V - 2]
+        out = torch.full((R, L, V), _LOW, dtype=torch.float32, device=dev)
+        out.scatter_(2, cand.unsqueeze(-1), _CAND)
+        return out.view(R * L, V).to(logits.dtype)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -47,20 +76,19 @@ def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_
     """Start one engine per budget, time every batch bucket, write and return the cost table."""
     import os
 
-    # the timing drives the engine's runner in this process (oracle drafter, counters): without this a
+    # the timing drives the engine's runner in this process (drafter hook, counters): without this a
     # plain shell's engine core would be a child process and DDTree's state out of reach
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
+    from ddtree_compile.cli.timing import timed_steps
     from ddtree_compile.integration import config, engines, metrics
-    from ddtree_compile.tools import harness, models, oracle
-    from ddtree_compile.tools.timing import timed_steps
 
     if not budgets:
         raise ValueError("--budgets must name at least one budget, e.g. 8,16,32")
     buckets = batch_buckets(max_batch)
-    prompts = models.token_prompts(max_batch, 16, _vocab(model), seed=0)
-    never = oracle.Profile("never", (1e-9,))  # the true token is (almost) never a candidate
+    ids = torch.randint(0, _vocab(model) - 1, (max_batch, 16), generator=torch.Generator().manual_seed(0))
+    prompts = [{"prompt_token_ids": row.tolist()} for row in ids]  # random tokens; vocab - 1 is DFlash's mask id
     table = {"model": str(model), "draft": str(draft), "top_k": top_k, "draft_len": draft_len,
              "max_batch": max_batch, "max_tokens": max_tokens, "buckets": [], "starts": {}}
     total, done = len(budgets) * len(buckets), 0
@@ -75,8 +103,7 @@ def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_
             if engines.find_state(llm) is None:
                 raise RuntimeError(f"precompile: DDTree did not attach at budget {budget} "
                                    f"({dict(metrics.PROCESS_STARTUP_FALLBACKS)}); see the log for the reason")
-            reference = {tuple(p["prompt_token_ids"]): list(p["prompt_token_ids"]) for p in prompts}
-            od = oracle.OracleDrafter(reference, never).install(llm)
+            od = NeverRightDrafter().install(llm)
             try:
                 for R in buckets:
                     # warm-up outside the table: a batch shape's first steps compile kernels (the H100's
@@ -85,7 +112,7 @@ def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_
                     before = metrics.collect(llm)[0]
                     r = timed_steps(llm, prompts[:R], max_tokens)
                     after = metrics.collect(llm)[0]
-                    d = harness.counters_delta(after, before)
+                    d = metrics.counters_delta(after, before)
                     steps = max(d["tree_steps"], 1)
                     row = {"budget": budget, "batch": R, "round_ms": 1e3 * r["wall_s"] / r["steps"],
                            "tree_steps": d["tree_steps"], "steps": r["steps"],

@@ -7,7 +7,7 @@ of a k-long candidate list, r drawn from a `Profile` (P(rank 0), P(rank 1), ...;
 true token is absent). The logits it returns are the log of those same probabilities at ranks
 0..k-1 (a calibrated drafter), so DDTree's best-first build sees the odds the oracle draws from.
 
-Unlike tools/harness.py (tests; host-side Python per row), every per-round operation here is a
+Unlike testing/harness.py (tests; host-side Python per row), every per-round operation here is a
 device op on [R, L] tensors (table gather, rank draw, scatter): no device-to-host copy, so the
 round's timings stay real. Host work per round: the request -> table row list and one small
 host-to-device copy of it. It wraps the DFlash drafter's `compute_logits` (the drafter's forward
@@ -27,7 +27,7 @@ import torch
 
 from ddtree_compile.core.build import build_tree
 from ddtree_compile.core.spec import TreeSpec
-from ddtree_compile.tools.harness import DrafterLogitsHook
+from ddtree_compile.integration.drafter_logits import DrafterLogitsHook
 
 LOW = -30.0  # logit of tokens outside the candidate list (softmax mass ~ e^-30 each)
 

@@ -1,0 +1,7 @@
+"""`python -m ddtree_compile.cli ...` = `ddtree-compile ...`."""
+
+import sys
+
+from ddtree_compile.cli import main
+
+sys.exit(main())

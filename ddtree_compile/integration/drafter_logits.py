@@ -1,0 +1,49 @@
+"""Replace a live engine's DFlash drafter logits, keeping the drafter's forward.
+
+`DrafterLogitsHook` wraps `drafter.model.compute_logits` on an in-process engine's runner through
+the adapter's RunnerView: the drafter still runs (its context bookkeeping and its cost stay real),
+then `_compute_logits(original, hidden_states)` decides the logits the tree is built from. It
+serves DDTree and vLLM's flat DFlash alike.
+
+Product use: `ddtree-compile precompile` times every (budget, batch) bucket with a drafter that is
+never right (cli/precompile.py). Test and benchmark drafters (ddtree_compile.testing: the draft
+harness, the oracle) subclass it too.
+"""
+
+from __future__ import annotations
+
+
+class DrafterLogitsHook:
+    """Replaces a live engine's DFlash drafter logits with `self._compute_logits(original, hidden)`
+    (the drafter's forward still runs). Subclasses implement `_compute_logits`."""
+
+    label = "drafter hook"
+    install_hint = ""
+    _view = None
+
+    def install(self, llm):
+        """On an in-process engine's runner."""
+        from ddtree_compile.integration.engines import find_runner
+
+        runner = find_runner(llm)
+        if runner is None:
+            raise ValueError(f"{self.label}.install needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, "
+                             f"one worker){self.install_hint}")
+        return self.attach(runner)
+
+    def attach(self, runner):
+        from ddtree_compile import adapters
+
+        if getattr(runner, "drafter", None) is None:
+            raise ValueError(f"the {self.label} needs an engine with a DFlash drafter")
+        self._view = adapters.current().RunnerView(runner)
+        self._view.wrap_drafter_logits(self._compute_logits)
+        return self
+
+    def uninstall(self) -> None:
+        if self._view is not None:
+            self._view.unwrap_drafter_logits()
+            self._view = None
+
+    def _compute_logits(self, original, hidden_states):
+        raise NotImplementedError
