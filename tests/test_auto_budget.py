@@ -50,6 +50,16 @@ def _policy(priors=None, probe=4):
     return m, ab.AutoBudget(m, BUDGET, L, probe, priors)
 
 
+def _rates(p, R):
+    """Tokens per second per request the policy expects of each kind at R (None where unknown): the
+    two sides of its comparison (auto_budget.py's module docstring)."""
+    out = {}
+    for kind in (ab.TREE, ab.CHAIN):
+        c, e = p.costs.get((kind, ab.bucket(R))), p.tokens[kind]
+        out[kind] = None if c is None or e is None else e / c
+    return out
+
+
 def _step(p, kind, R, t, verify_s, draft_s=0.002, gap_s=0.0):
     """The host's view of one clean step: its proposal (draft_s), vLLM's output processing and
     scheduling (gap_s), its start, the next proposal; it costs draft_s + gap_s + verify_s."""
@@ -85,7 +95,7 @@ def test_unknown_costs_are_explored_then_the_faster_kind_wins():
     at = [i for i, k in enumerate(kinds) if k == ab.CHAIN]
     assert len(at) == 2 and at[1] - at[0] == 4 * ab._CHAIN_PROBE_FACTOR and p.chain_probes == 2, at
     assert p.snapshot()["chain_probes"] == 2
-    assert p.expected_rates(1)[ab.TREE] == pytest.approx(500.0) and p.expected_rates(2)[ab.TREE] is None
+    assert _rates(p, 1)[ab.TREE] == pytest.approx(500.0) and _rates(p, 2)[ab.TREE] is None
 
 
 def test_a_chain_cost_held_up_by_stalls_is_measured_again():
@@ -105,7 +115,7 @@ def test_a_chain_cost_held_up_by_stalls_is_measured_again():
     assert kinds[-1] == ab.CHAIN and kinds.count(ab.CHAIN) == 1, kinds  # the probe
     _step(p, ab.CHAIN, 1, 20.0, 0.004)  # the chain's steady step: 6 ms
     assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.006)
-    assert p.expected_rates(1)[ab.CHAIN] > p.expected_rates(1)[ab.TREE]  # 5/6 > 5/10: the chain wins again,
+    assert _rates(p, 1)[ab.CHAIN] > _rates(p, 1)[ab.TREE]  # 5/6 > 5/10: the chain wins again,
     assert [p.choose(1) for _ in range(4)] == [ab.TREE, ab.CHAIN] * 2 and p.probes == 2  # the tree probed every 2nd
 
 
@@ -123,7 +133,7 @@ def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
     _round(m, [6, 5], [1, 0])  # tree 1 + 11/2 = 6.5 tokens per round, chain 1 + 10/2 = 6
     while p.tokens[ab.TREE] is None:
         p.choose(16)
-    assert p.expected_rates(16)[ab.CHAIN] > p.expected_rates(16)[ab.TREE]  # 6/26 ms > 6.5/34 ms
+    assert _rates(p, 16)[ab.CHAIN] > _rates(p, 16)[ab.TREE]  # 6/26 ms > 6.5/34 ms
     p._since_tree = 0  # (no probe due)
     assert p._decide(16) == ab.CHAIN
 
@@ -195,7 +205,7 @@ def test_auto_is_lossless_and_runs_both_kinds_of_steps(tiny):
     tok = a["tokens_per_round"]
     assert tok["tree"] >= tok["chain"] > 1.0, tok  # the oracle's misses at rank >= 1: the tree gains
     assert a["step_ms"]["tree@4"] < 1e3, a["step_ms"]  # measured: no longer the table's 10 s
-    rates = policy.expected_rates(4)
+    rates = _rates(policy, 4)
     policy._since_tree = 0  # (no probe due)
     assert policy._decide(4) == (ab.TREE if rates[ab.TREE] >= rates[ab.CHAIN] else ab.CHAIN), (rates, a)
     print(f"\nauto (chain cheap): {metrics.format_line(c)}; {a['decisions']}, tokens/round {tok}")
@@ -209,7 +219,7 @@ def test_auto_without_a_table_measures_both_kinds_and_follows_the_rates(tiny):
     a = c["auto"]
     assert a["table"] is None and {"tree@4", "chain@4"} <= set(a["step_ms"]), a
     assert c["tree_steps"] > 0 and c["auto_chain_steps"] > 0, metrics.format_line(c)
-    rates = policy.expected_rates(4)
+    rates = _rates(policy, 4)
     best = ab.TREE if rates[ab.TREE] >= rates[ab.CHAIN] else ab.CHAIN
     policy._since_tree = 0  # (no probe due)
     assert policy._decide(4) == best, (rates, a)

@@ -269,7 +269,7 @@ def test_commit_plan_main_chain_moves_nothing():
     walk = dd.walk_tree(tree, target)
     assert walk.num_accepted.tolist() == [5, 5]
     plan = dd.commit_plan(walk, 3)
-    assert (plan.src_pos == -1).all() and plan.num_moves.tolist() == [0, 0]
+    assert (plan.src_pos == -1).all() and (plan.dst_pos == -1).all()
 
 
 # ---------------------------------------------------------------- sampling
@@ -311,18 +311,11 @@ def test_tree_spec_rejects_bad_values(kwargs, field):
         dd.TreeSpec(**kwargs)
 
 
-def test_tree_spec_is_frozen_and_bucket_math():
+def test_tree_spec_is_frozen():
     spec = dd.TreeSpec(budget=22)
     with pytest.raises(Exception):
         spec.budget = 3
-    assert spec.num_slots == 23 and spec.mask_words == 1 and dd.TreeSpec(budget=31).mask_words == 1
-    assert dd.TreeSpec(budget=32).mask_words == 2 and spec.verify_tokens(4) == 92
-    assert spec.padded_num_reqs(3, [23, 46, 92, 184]) == 4
-    with pytest.raises(ValueError, match="num_reqs"):
-        spec.padded_num_reqs(9, [92, 184])
-    assert dd.budget_buckets(40) == [8, 16, 22, 32, 40] and dd.bucket_for(20, [8, 16, 22, 32]) == 22
-    with pytest.raises(ValueError, match="budget 50"):
-        dd.bucket_for(50, [8, 16])
+    assert spec.num_slots == 23
 
 
 @pytest.mark.parametrize(

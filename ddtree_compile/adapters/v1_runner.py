@@ -30,8 +30,7 @@ ROUND_HOOKS = {
 
 def patch_after(cls, name: str, after) -> bool:
     """Wrap `cls.name` so `after(self, args, kwargs)` runs once the original returned (with
-    `patch_before`, the only kind of class patch DDTree makes). Idempotent: False if already patched;
-    `unpatch` undoes it."""
+    `patch_before`, the only kind of class patch DDTree makes). Idempotent: False if already patched."""
     return _patch(cls, name, after=after)
 
 
@@ -58,12 +57,6 @@ def _patch(cls, name: str, before=None, after=None) -> bool:
     patched.__doc__ = original.__doc__
     setattr(cls, name, patched)
     return True
-
-
-def unpatch(cls, name: str) -> None:
-    fn = getattr(cls, name)
-    if getattr(fn, _PATCHED, False):
-        setattr(cls, name, fn.__wrapped__)
 
 
 def replace_round_members(runner, hooks: dict) -> dict:

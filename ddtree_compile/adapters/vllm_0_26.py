@@ -55,7 +55,6 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     sampler_output,
     sampling_unsupported_reason,
     shutdown_engine,
-    unpatch,
 )
 
 LINE = "0.26"
@@ -125,15 +124,6 @@ def _refuse_on_v2(runner, args, kwargs) -> None:
         refuse_once("vLLM 0.26 runs this engine on Model Runner V2, which has no DDTree round hooks "
                     "(they exist in the V1 GPUModelRunner only)",
                     "it runs as flat DFlash; set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner")
-
-
-def uninstall_kv_cache_hook() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    unpatch(GPUModelRunner, "initialize_kv_cache")
-    runner_v2 = _runner_v2()
-    if runner_v2 is not None:
-        unpatch(runner_v2, "initialize_kv_cache")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     sampler_output,
     sampling_unsupported_reason,
     shutdown_engine,
-    unpatch,
 )
 
 LINE = "0.32"
@@ -80,12 +79,6 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     return patch_before(GPUModelRunner, "profile_run", lambda runner, args, kwargs: on_memory_profile(runner))
-
-
-def uninstall_kv_cache_hook() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    unpatch(GPUModelRunner, "initialize_kv_cache")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,3 +1,3 @@
 """The tree algorithm, torch only (no vLLM): one round is build.py -> (the target verifies the tree)
--> walk.py -> commit.py; spec.py holds the settings and CUDA-graph bucket math, tree.py the fixed-shape
-tree layout, sampling.py the lossless per-node sampling."""
+-> walk.py -> commit.py; spec.py holds the settings, tree.py the fixed-shape tree layout,
+sampling.py the lossless per-node sampling."""

@@ -20,10 +20,6 @@ class CommitPlan:
     src_pos: torch.Tensor  # int64 [R, L+1]: cache position to read, -1 = nothing to move
     dst_pos: torch.Tensor  # int64 [R, L+1]: cache position to write, -1 = nothing to move
 
-    @property
-    def num_moves(self) -> torch.Tensor:
-        return (self.src_pos >= 0).sum(-1)
-
 
 def commit_plan(walk: WalkResult, start) -> CommitPlan:
     """Source -> destination cache positions for compacting each request's accepted path.

@@ -179,13 +179,6 @@ def counters_delta(after: dict, before: dict) -> dict:
     return out
 
 
-def worker_snapshots() -> list[dict]:
-    """Snapshots of every live DDTree runner of this process."""
-    with _LOCK:
-        live = list(_REGISTRY)
-    return [m.snapshot() for m in live]
-
-
 def collect(llm) -> list[dict]:
     """DDTree counters of a `vllm.LLM`'s workers: one snapshot per DDTree runner, by tensor-parallel
     rank ([] if DDTree is off). Multiprocess engines need VLLM_ALLOW_INSECURE_SERIALIZATION=1

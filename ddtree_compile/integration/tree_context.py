@@ -34,8 +34,6 @@ class GdnVerify:
     num_accepted    int32 [R] or {layer: tensor}: vLLM's num_accepted_tokens from the previous step
     write_snapshots every node's state written to state_indices[r, slot]
     records         {layer prefix: (rec_kv, rec_gb)}: per-node k/v and g/beta for the replay commit
-    conv_state      {layer: [lines, dim, W-2+N]}: conv buffers instead of the layer's cache (an engine
-                    without a speculative config has W-1 columns only)
     tree_meta       the per-step GdnTreeMeta the op builds from `parents` on first use
     stack           fp32 depth stack [R, >= max depth, HV, V, K]: the round passes its engine's
                     (round/workspace.py); built on first use otherwise
@@ -45,7 +43,6 @@ class GdnVerify:
     num_accepted: torch.Tensor | dict | None = None
     write_snapshots: bool = False
     records: dict = field(default_factory=dict)
-    conv_state: dict | None = None
     tree_meta: object | None = None
     stack: torch.Tensor | None = None
 
@@ -62,7 +59,6 @@ class TreeVerifyMetadata:
     parents        int64 [R, N]              parent slot, -1 for the root and padding
     context_lens   [R] or None               committed tokens before the verify block; None:
                                              vLLM's attention seq_lens - N
-    block_table    int32 [R, max_blocks] or None   None: vLLM's attention block table
     gdn            GdnVerify or None         GatedDeltaNet addressing; None: vLLM's defaults
     calls          op name -> tree-mode calls (the round checks every layer ran its tree op)
     """
@@ -71,7 +67,6 @@ class TreeVerifyMetadata:
     depths: torch.Tensor
     parents: torch.Tensor
     context_lens: torch.Tensor | None = None
-    block_table: torch.Tensor | None = None
     gdn: GdnVerify | None = None
     calls: dict = field(default_factory=dict)
 

@@ -51,19 +51,12 @@ def _attention_tree(meta, original, query, key, value, output, layer_name, outpu
     R, N = meta.num_requests, meta.num_slots
     T = R * N
     ctx_lens = meta.context_lens if meta.context_lens is not None else attn_metadata.seq_lens[:R] - N
-    block_table = meta.block_table if meta.block_table is not None else attn_metadata.block_table[:R]
     k_cache, v_cache, block_table = kv_layout(layer).logical_blocks(kv_cache, p.head_size,
-                                                                    block_table.to(torch.int32))
+                                                                    attn_metadata.block_table[:R].to(torch.int32))
     torch.ops.ddtree.tree_attention(
         query[:T].view(T, p.num_heads, p.head_size), k_cache, v_cache, block_table, ctx_lens,
         meta.ancestor_bits, meta.depths, output[:T].view(T, p.num_heads, p.head_size), p.scale,
         p.sliding_window, p.logits_soft_cap)
-
-
-def _kv_update_tree(meta, original, key, value, layer_name):
-    # The tree's K/V go where vLLM's slot mapping puts them (slot j at context_len + j), which is
-    # what tree attention reads; the layout was checked once at attach (round/checks.py).
-    return original(key, value, layer_name)
 
 
 def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest):
@@ -78,8 +71,6 @@ def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest)
     g = meta.gdn if meta.gdn is not None else tree_context.GdnVerify()
     R, N = meta.num_requests, meta.num_slots
     conv, ssm, weight = A.gdn_state_views(layer)
-    if g.conv_state is not None:
-        conv = g.for_layer(g.conv_state, name)
     state_indices, num_accepted = g.for_layer(g.state_indices, name), g.for_layer(g.num_accepted, name)
     if state_indices is None or num_accepted is None:
         if md.spec_state_indices_tensor is None:
@@ -117,7 +108,6 @@ class TreeImpl:
 # rule row's tree_impl -> implementation. A row naming anything else is refused when the pass loads.
 TREE_IMPLS = {
     "attention": TreeImpl(_attention_tree, ("vllm::unified_attention_with_output",)),
-    "kv_cache_update": TreeImpl(_kv_update_tree, ("vllm::unified_kv_cache_update",)),
     "gdn": TreeImpl(_gdn_tree, ("vllm::cpu_gdn_attention_core", "vllm::qwen_gdn_attention_core")),
 }
 

@@ -131,15 +131,6 @@ class AutoBudget:
             return TREE
         return CHAIN
 
-    def expected_rates(self, R: int) -> dict:
-        """Tokens per second per request expected of each kind at R (None where unknown)."""
-        b = bucket(R)
-        out = {}
-        for kind in (TREE, CHAIN):
-            c, e = self.costs.get((kind, b)), self.tokens[kind]
-            out[kind] = None if c is None or e is None else e / c
-        return out
-
     # -- costs: the host's step times --------------------------------------------------------------
     # A step of kind k costs one cycle: from the proposal that chose k (drafter forward and tree
     # build, shared by both kinds) through vLLM's output processing and scheduling and the step's
