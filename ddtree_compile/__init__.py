@@ -17,8 +17,8 @@ from .core.build import build_tree, draft_topk
 from .core.commit import CommitPlan, commit_plan
 from .core.sampling import sample_target_tokens
 from .core.spec import TreeSpec
-from .core.tree import TreeBatch
-from .core.walk import WalkResult, walk_tree
+from .core.tree import TreeBatch, WalkResult
+from .core.walk import walk_tree
 from .integration.config import vllm_kwargs  # the one switch that turns DDTree on in vLLM
 from .passes.entry import tree_verify_pass  # vLLM looks the pass up as ddtree_compile.tree_verify_pass
 

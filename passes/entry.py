@@ -72,7 +72,7 @@ class TreeVerifyPass(CustomGraphPass):
         """The rewrite engine, or None on a vLLM outside the adapters' window (refused once, logged
         and counted, like the plugin does)."""
         if self._engine is None:
-            from ddtree_compile import adapters
+            import ddtree_compile.adapters as adapters
             from ddtree_compile.passes.engine import RewriteEngine
 
             try:
@@ -148,7 +148,7 @@ def compilation_config(platform: str = "cpu", pass_name: str = "ddtree_compile.t
     cfg = {"inductor_passes": {"post_grad_custom_post_pass": pass_name}}
     if platform == "cpu":
         return cfg
-    from ddtree_compile import adapters
+    import ddtree_compile.adapters as adapters
     from ddtree_compile.passes import rules
 
     ours = [r.replacement for r in rules.parse_rules() if platform in r.platforms]

@@ -104,7 +104,7 @@ class Rule:
 
 
 def parse_rule(row: dict) -> Rule:
-    from ddtree_compile import adapters
+    import ddtree_compile.adapters as adapters
     from ddtree_compile.integration.tree_ops import tree_impl_for
 
     name = row.get("name", "<unnamed>")
@@ -182,7 +182,7 @@ def load_rules(rows=None, platform: str | None = None, vllm_version: str | None 
     platforms or versions are not resolved. No active row at all means this vLLM is not one the
     table was written for: that is refused too.
     """
-    from ddtree_compile import adapters
+    import ddtree_compile.adapters as adapters
 
     rows = RULES if rows is None else rows
     platform = platform or current_platform_name()
@@ -214,7 +214,7 @@ def load_rules(rows=None, platform: str | None = None, vllm_version: str | None 
 def tree_relevant_ops(rows=None) -> frozenset[str]:
     """'ns::op' names that must never be left in a graph unrewritten (TREE_SAFE ops excepted)."""
     rows = RULES if rows is None else rows
-    from ddtree_compile import adapters
+    import ddtree_compile.adapters as adapters
 
     names = {r["source"].rsplit(".", 1)[0] for r in rows} | set(TREE_RELEVANT_EXTRA)
     return frozenset((names | set(adapters.current().attention_splitting_ops())) - set(TREE_SAFE))

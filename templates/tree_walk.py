@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_compile.core.tree import TreeBatch
-from ddtree_compile.core.walk import WalkResult
+from ddtree_compile.core.tree import TreeBatch, WalkResult
 
 try:
     import triton

@@ -1,5 +1,6 @@
-"""The package's shape, as the redesign promised it: no import cycle, vLLM's private names only in
-the adapters, short modules. Read from the source (AST), nothing imported."""
+"""The package's shape, as the redesign promised it: no import cycle (imports inside functions
+counted), vLLM's private names only in the adapters, the product never importing its test support
+(ddtree_compile.testing), short modules. Read from the source (AST), nothing imported."""
 
 import ast
 import pathlib
@@ -8,6 +9,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("ddtree_compile", "passes", "templates")
+TESTING = "ddtree_compile.testing"  # test and benchmark support: never imported by the product
 MAX_LINES = 400
 
 
@@ -30,12 +32,10 @@ def _modules() -> dict[str, pathlib.Path]:
 MODULES = _modules()
 
 
-def _imports(name: str, path: pathlib.Path, top_level_only: bool):
-    """(imported module, imported names) of every import statement (top-level ones only if asked)."""
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
+def _imports(name: str, path: pathlib.Path):
+    """(imported module, imported names) of every import statement, those inside functions too."""
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in nodes:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield a.name, []
@@ -63,7 +63,7 @@ def test_modules_found():
 def _graph() -> dict[str, set[str]]:
     graph = {m: set() for m in MODULES}
     for m, path in MODULES.items():
-        for base, names in _imports(m, path, top_level_only=True):
+        for base, names in _imports(m, path):
             graph[m] |= _internal_targets(base, names) - {m}
     return graph
 
@@ -89,9 +89,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def test_no_import_cycle_at_module_level():
-    """Module-level imports form a DAG (imports inside functions are lazy by design); package
-    __init__ -> submodule edges count like any other."""
+def test_no_import_cycle():
+    """Imports form a DAG, those inside functions included (a lazy import only hides a cycle: the
+    modules still need each other). `from pkg import mod` is an edge to pkg's __init__ too, and
+    package __init__ -> submodule edges count like any other: a module that the package __init__
+    reaches imports the leaf module it uses (`import ddtree_compile.adapters as adapters`)."""
     graph = _graph()
     assert sum(map(len, graph.values())) > 40  # relative imports resolved: the graph is not empty
     assert "ddtree_compile.integration.tree_context" in graph["ddtree_compile.integration.round.graphs"]
@@ -100,20 +102,57 @@ def test_no_import_cycle_at_module_level():
 
 
 def test_a_cycle_would_be_found(tmp_path):
-    """The checker itself: modules importing each other in a ring are reported."""
+    """The checker itself: modules importing each other in a ring are reported, an import inside
+    a function closing the ring too."""
     (tmp_path / "a.py").write_text("import b\n")
     (tmp_path / "b.py").write_text("from c import x\n")
-    (tmp_path / "c.py").write_text("from a import y\n")
-    graph = {n: {base for base, _ in _imports(n, tmp_path / f"{n}.py", True)} for n in "abc"}
+    (tmp_path / "c.py").write_text("def f():\n    from a import y\n")
+    graph = {n: {base for base, _ in _imports(n, tmp_path / f"{n}.py")} for n in "abc"}
     assert _cycles(graph) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _testing_imports(name: str, path: pathlib.Path) -> list[str]:
+    """The imports of `path` (module `name`) that load ddtree_compile.testing or a module of it."""
+    bad = []
+    for base, names in _imports(name, path):
+        loaded = [base] + [f"{base}.{n}" for n in names]
+        if any(m == TESTING or m.startswith(TESTING + ".") for m in loaded):
+            bad.append(f"{base}: {names}" if names else base)
+    return bad
+
+
+PRODUCT = sorted(m for m in MODULES if m != TESTING and not m.startswith(TESTING + "."))
+
+
+@pytest.mark.parametrize("name", PRODUCT)
+def test_the_product_never_imports_its_test_support(name):
+    """ddtree_compile.testing (tiny models, drafter harness, oracle, demo) is for tests and benchmarks:
+    no product module imports it, not even inside a function."""
+    bad = _testing_imports(name, MODULES[name])
+    assert not bad, f"{MODULES[name].relative_to(ROOT)} imports the test support: {bad}"
+
+
+def test_a_testing_import_would_be_found(tmp_path):
+    pkg = tmp_path / "ddtree_compile" / "cli"
+    pkg.mkdir(parents=True)
+    cases = {"lazy": "def main():\n    from ddtree_compile.testing import models\n",
+             "package": "from ddtree_compile import testing\n",
+             "relative": "from ..testing.harness import generate\n",
+             "clean": "import torch.testing\nfrom ddtree_compile import adapters\n"}
+    found = {}
+    for mod, src in cases.items():
+        (pkg / f"{mod}.py").write_text(src)
+        found[mod] = _testing_imports(f"ddtree_compile.cli.{mod}", pkg / f"{mod}.py")
+    assert found == {"lazy": ["ddtree_compile.testing: ['models']"], "package": ["ddtree_compile: ['testing']"],
+                     "relative": ["ddtree_compile.testing.harness: ['generate']"], "clean": []}
 
 
 @pytest.mark.parametrize("name", sorted(m for m in MODULES if ".adapters" not in m))
 def test_vllm_private_names_only_in_the_adapters(name):
     """Outside ddtree_compile/adapters/, imports from vLLM name public modules and symbols only."""
     bad = []
-    for base, names in _imports(name, MODULES[name], top_level_only=False):
+    for base, names in _imports(name, MODULES[name]):
         if base.split(".")[0] != "vllm":
             continue
         private = [p for p in base.split(".") + names if p.startswith("_") and p != "__version__"]

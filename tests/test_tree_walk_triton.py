@@ -20,8 +20,8 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 import ddtree_compile as dd  # noqa: E402
-from ddtree_compile.core.tree import PAD_TOKEN, TreeBatch, ancestor_closure, pack_bits  # noqa: E402
-from ddtree_compile.core.walk import WalkResult, walk_tree  # noqa: E402
+from ddtree_compile.core.tree import PAD_TOKEN, TreeBatch, WalkResult, ancestor_closure, pack_bits  # noqa: E402
+from ddtree_compile.core.walk import walk_tree  # noqa: E402
 from ddtree_compile.templates import tree_walk as walk_mod  # noqa: E402
 
 FIELDS = ("accepted", "num_accepted", "bonus", "tokens")

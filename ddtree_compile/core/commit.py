@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree_compile.core.walk import WalkResult
+from ddtree_compile.core.tree import WalkResult
 
 
 @dataclass

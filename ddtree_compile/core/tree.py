@@ -1,4 +1,5 @@
-"""The fixed-shape tree batch that one DDTree round passes from build to verify to walk.
+"""The fixed-shape tree batch that one DDTree round passes from build to verify to walk, and the
+walk's result (core/walk.py computes it, templates/tree_walk.py too) that commit reads.
 
 Layout per request (N = budget + 1 slots):
   slot 0      the root: the last committed token (depth 0, parent -1)
@@ -110,3 +111,21 @@ class TreeBatch:
         """Write the last committed token of each request into slot 0 (in place)."""
         self.tokens[:, 0] = root_tokens.to(self.tokens.dtype)
         return self
+
+
+@dataclass
+class WalkResult:
+    """The accepted path of each request of a walked TreeBatch (core/walk.py), [R] rows."""
+
+    accepted: torch.Tensor  # int64 [R, L+1]: slot indices along the path, root first, -1 padded
+    num_accepted: torch.Tensor  # int64 [R]: path length including the root
+    bonus: torch.Tensor  # int64 [R]: the target's token at the last accepted slot
+    tokens: torch.Tensor  # int64 [R, L+1]: committed tokens (path after the root, then bonus), -1 padded
+    # what the round reads next, which the Triton walk computes in the same program (walk_tree fills them):
+    order: torch.Tensor | None = None  # int64 [R*N]: drafter_order (the drafter's next inputs, path first)
+    off_chain: torch.Tensor | None = None  # int64 [R]: accepted_off_chain (with walk_tree's top1)
+
+    @property
+    def last(self) -> torch.Tensor:
+        """Slot index of the last accepted node [R]."""
+        return self.accepted.gather(1, (self.num_accepted - 1).unsqueeze(1)).squeeze(1)

@@ -8,28 +8,10 @@ Triton program per request (templates/tree_walk.py) instead of ~70 small ops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ddtree_compile.core.dispatch import check_impl, use_triton
-from ddtree_compile.core.tree import TreeBatch
-
-
-@dataclass
-class WalkResult:
-    accepted: torch.Tensor  # int64 [R, L+1]: slot indices along the path, root first, -1 padded
-    num_accepted: torch.Tensor  # int64 [R]: path length including the root
-    bonus: torch.Tensor  # int64 [R]: the target's token at the last accepted slot
-    tokens: torch.Tensor  # int64 [R, L+1]: committed tokens (path after the root, then bonus), -1 padded
-    # what the round reads next, which the Triton walk computes in the same program (walk_tree fills them):
-    order: torch.Tensor | None = None  # int64 [R*N]: drafter_order (the drafter's next inputs, path first)
-    off_chain: torch.Tensor | None = None  # int64 [R]: accepted_off_chain (with walk_tree's top1)
-
-    @property
-    def last(self) -> torch.Tensor:
-        """Slot index of the last accepted node [R]."""
-        return self.accepted.gather(1, (self.num_accepted - 1).unsqueeze(1)).squeeze(1)
+from ddtree_compile.core.tree import TreeBatch, WalkResult
 
 
 def walk_tree(tree: TreeBatch, target_tokens: torch.Tensor, impl: str = "auto",

@@ -24,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ddtree_compile.core.spec import MAX_BUDGET, TreeSpec
+from ddtree_compile.passes.entry import compilation_config
 
 KEY = "ddtree"
 GDN_STATES = ("snapshots", "replay")
@@ -163,7 +164,7 @@ def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: flo
     where torch sees a GPU): on GPUs it also keeps the graph whole for the pass
     (passes/entry.compilation_config). `async_scheduling` is off: the tree round runs in vLLM's
     synchronous path, and vLLM 0.26 turns async scheduling on by default for DFlash on GPUs (the
-    H100 precompile fell back to flat DFlash without it). Merge it with your own with
+    engine would then run as flat DFlash). Merge it with your own with
     `merge_llm_kwargs`. `auto`: auto_budget / probe_interval / cost_table with budget="auto".
     """
     cfg = DDTreeConfig(budget=budget, top_k=top_k, temperature=temperature, chain_seed=chain_seed,
@@ -176,8 +177,6 @@ def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: flo
         "async_scheduling": False,
     }
     # vLLM resolves the pass as `__import__("ddtree_compile").__dict__["tree_verify_pass"]`.
-    from ddtree_compile.passes.entry import compilation_config  # lazy: the pass package imports this module
-
     kwargs["compilation_config"] = compilation_config(platform or _platform(), PASS_NAME)
     return kwargs
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 
-from ddtree_compile import adapters
+import ddtree_compile.adapters as adapters
 
 
 def find_runner(llm):

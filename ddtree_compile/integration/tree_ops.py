@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import adapters
+import ddtree_compile.adapters as adapters
+
 from . import tree_context
 from .kv_layouts import layout_of
 

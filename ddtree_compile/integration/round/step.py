@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...core.tree import TreeBatch
-from ...core.walk import WalkResult
+from ...core.tree import TreeBatch, WalkResult
 from ..metrics import logger
 from ..tree_context import TreeVerifyMetadata
 from .checks import unsupported_reason

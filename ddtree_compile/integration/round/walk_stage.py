@@ -9,8 +9,8 @@ import torch
 
 from ... import adapters
 from ...core.sampling import sample_target_tokens
-from ...core.tree import TreeBatch, ancestor_closure, pack_bits
-from ...core.walk import WalkResult, drafter_order, walk_tree
+from ...core.tree import TreeBatch, WalkResult, ancestor_closure, pack_bits
+from ...core.walk import drafter_order, walk_tree
 from .step import RoundContext, Step
 
 
