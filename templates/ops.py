@@ -19,7 +19,11 @@ from ddtree_compile.templates.gdn_commit_ref import check_commit_args, gdn_commi
 from ddtree_compile.templates.kv_compact import launch_kv_compact
 from ddtree_compile.templates.kv_compact_ref import check_kv_compact_args, kv_compact_reference
 from ddtree_compile.templates.tree_attention import launch_tree_attention
-from ddtree_compile.templates.tree_attention_ref import check_tree_attention_args, tree_attention_reference
+from ddtree_compile.templates.tree_attention_ref import (
+    check_scratch,
+    check_tree_attention_args,
+    tree_attention_reference,
+)
 from ddtree_compile.templates.tree_conv import tree_conv1d_triton
 from ddtree_compile.templates.tree_conv_ref import check_conv_args, tree_conv1d_ref
 from ddtree_compile.templates.tree_gdn import tree_gdn_triton
@@ -30,26 +34,30 @@ Tensor = torch.Tensor
 # ------------------------------------------------------------------ tree attention (paged KV cache)
 
 
-@torch.library.custom_op("ddtree::tree_attention", mutates_args=("out",))
+# `scratch` (optional): the CUDA kernel's split-KV partials, owned by the caller (tree_attention.py).
+@torch.library.custom_op("ddtree::tree_attention", mutates_args=("out", "scratch"))
 def tree_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                    context_lens: Tensor, ancestor_bits: Tensor, depths: Tensor, out: Tensor,
-                   softmax_scale: float, sliding_window: int, logits_soft_cap: float) -> None:
+                   softmax_scale: float, sliding_window: int, logits_soft_cap: float,
+                   scratch: Optional[Tensor] = None) -> None:
+    check_scratch(scratch, query.device)
     tree_attention_reference(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
                              softmax_scale, sliding_window, logits_soft_cap)
 
 
 @tree_attention.register_kernel("cuda")
 def _tree_attention_cuda(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-                         softmax_scale, sliding_window, logits_soft_cap) -> None:
+                         softmax_scale, sliding_window, logits_soft_cap, scratch=None) -> None:
     launch_tree_attention(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-                          softmax_scale, sliding_window, logits_soft_cap)
+                          softmax_scale, sliding_window, logits_soft_cap, scratch)
 
 
 @tree_attention.register_fake
 def _tree_attention_fake(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-                         softmax_scale, sliding_window, logits_soft_cap) -> None:
+                         softmax_scale, sliding_window, logits_soft_cap, scratch=None) -> None:
     check_tree_attention_args(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths,
                               out, softmax_scale, sliding_window, logits_soft_cap)
+    check_scratch(scratch, query.device)
 
 
 # ------------------------------------------------------------------ commit-time K/V compaction

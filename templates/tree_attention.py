@@ -10,12 +10,13 @@
         depths,         # [R, N] int32/int64: tree depth of each slot (0 for root and padding)
         out,            # [R*N, Hq, D], written in place (mutated; the op returns nothing)
         softmax_scale: float, sliding_window: int (<= 0: none), logits_soft_cap: float (<= 0: none),
+        scratch=None,   # 1-D fp32, >= bucket_scratch_elems(...): the split-KV partials (mutated)
     ) -> None
 
 Semantics and the plain torch reference (the op's CPU kernel): tree_attention_ref.py. The verify
 tokens' K/V must already sit in the cache at positions context_len + j. The op's CUDA kernel is
-`launch_tree_attention` below (no host sync, no allocation once the per-bucket workspace exists;
-shapes fixed per (R, N) bucket).
+`launch_tree_attention` below (no host sync, no allocation when given its scratch; shapes fixed per
+(R, N) bucket).
 
 Kernel layout. Program (m-block, kv head x split, request). The N*G query rows that share a KV head
 (N tree slots x G query heads of the GQA group) are packed into one tile, so one pass over the
@@ -30,13 +31,19 @@ registers (tl.gather per tile), so the K/V addresses inside the pipelined loop d
 loop and Triton prefetches K/V tiles ahead of the math.
 
 Host side. Everything that depends only on shapes, strides, dtypes and the scalar arguments (the
-argument checks, tiles and split count (tuning.plan_tree_attention), grids, workspace) is computed once
-per bucket and cached (`_PLANS`); after the first launch of a bucket its kernels are launched straight
-through Triton's compiled launcher (launch.py), skipping Triton's per-call argument binding,
-specialization and cache lookup, so an eager call costs a key lookup and two launches.
+argument checks, tiles and split count (tuning.plan_tree_attention), grids) is computed once per bucket
+and cached (`_PLANS`: launch parameters only, no tensor); after the first launch of a bucket its kernels
+are launched straight through Triton's compiled launcher (launch.py), skipping Triton's per-call
+argument binding, specialization and cache lookup, so an eager call costs a key lookup, two views of
+its scratch and two launches.
 
-Split-KV partials live in a workspace cached per bucket (`tree_attention_workspace`), allocated on the
-first eager call; the CUDA path never allocates during graph capture (it raises instead).
+Scratch. The split-KV partials (out fp32 [S, T, Hq, D], lse fp32 [S, T, Hq]) are views at fixed
+offsets of the caller's `scratch` (1-D fp32): the partials of a bucket sit at the same addresses at
+every call, so a captured CUDA graph replays over them. The template keeps no memory of its own: a
+caller that runs many buckets (an engine: integration/round/workspace.py) sizes one scratch for all of
+them with `bucket_scratch_elems` and owns it. A call without one allocates its partials for that call
+(inside a CUDA-graph capture that memory comes from the graph's pool, and the graph keeps it: fine for
+one graph, a cost per graph for an engine's buckets, which is why an engine passes its own).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import torch
 
 from ddtree_compile.templates import tuning
 from ddtree_compile.templates.launch import Launch
-from ddtree_compile.templates.tree_attention_ref import check_tree_attention_args
+from ddtree_compile.templates.tree_attention_ref import check_scratch, check_tree_attention_args
 
 try:
     import triton
@@ -224,30 +231,34 @@ if triton is not None:
                  o.to(OUT.dtype.element_ty), mask=h_ok[:, None])
 
 
-_WORKSPACES: dict = {}
+_ALIGN = 32  # fp32 elements: the lse partials start 128 bytes into a line (Triton assumes 16)
 
 
-def tree_attention_workspace(device, num_splits: int, num_tokens: int, num_heads: int, head_dim: int):
-    """Split-KV partials (out fp32 [S, T, Hq, D], lse fp32 [S, T, Hq]), cached per bucket.
+def _partial_sizes(splits: int, num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int]:
+    """(offset of the lse partials, total fp32 elements) of one bucket's scratch; (0, 0) with one split."""
+    if splits == 1:
+        return 0, 0
+    n_out = -(-splits * num_tokens * num_heads * head_dim // _ALIGN) * _ALIGN
+    return n_out, n_out + splits * num_tokens * num_heads
 
-    Allocated on first use outside CUDA-graph capture; a capture that needs a missing workspace
-    raises instead of allocating (warm the bucket up eagerly first, as vLLM does before capture).
-    """
-    key = (str(device), num_splits, num_tokens, num_heads, head_dim)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"tree_attention: no workspace for bucket {key} during CUDA-graph capture; "
-                "run the bucket once eagerly before capturing")
-        ws = (torch.empty(num_splits, num_tokens, num_heads, head_dim, device=device, dtype=torch.float32),
-              torch.empty(num_splits, num_tokens, num_heads, device=device, dtype=torch.float32))
-        _WORKSPACES[key] = ws
-    return ws
+
+def uses_scratch(device) -> bool:
+    """Whether `ddtree::tree_attention` on `device` runs this kernel (and so reads a scratch): CUDA."""
+    return torch.device(device).type == "cuda"
+
+
+def bucket_scratch_elems(device, num_requests: int, n_slots: int, num_heads: int, num_kv_heads: int,
+                         head_dim: int) -> int:
+    """fp32 elements of scratch the bucket of `num_requests` trees of `n_slots` slots needs on `device`
+    (0: one split, `out` written directly). Planned with no bound on the keys a request holds: a
+    bound only ever lowers the split count (tests/test_tree_attention.py checks a grid of shapes), so
+    this covers every block table."""
+    splits = tuning.plan_bucket(torch.device(device), num_requests, n_slots, num_heads, num_kv_heads, head_dim)[3]
+    return _partial_sizes(splits, num_requests * n_slots, num_heads, head_dim)[1]
 
 
 class _Plan:
-    __slots__ = ("splits", "block_m", "m_blocks", "tiles", "main", "combine", "tail", "ctail", "workspace")
+    __slots__ = ("splits", "block_m", "m_blocks", "tiles", "main", "combine", "tail", "ctail", "partials")
 
 
 _PLANS: dict = {}
@@ -282,13 +293,9 @@ def _make_plan(query, key_cache, value_cache, block_table, context_lens, ancesto
     qk_scale = softmax_scale / logits_soft_cap if has_cap else softmax_scale * LOG2E
     cap_log2 = logits_soft_cap * LOG2E if has_cap else 0.0
     direct = p.splits == 1
-    if direct:
-        p.workspace = None
-        ps = (0, 0, 0, 0, 0)
-    else:
-        p.workspace = tree_attention_workspace(query.device, p.splits, R * N, Hq, D)
-        po, pl = p.workspace
-        ps = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
+    p.partials = (p.splits, R * N, Hq, D) + _partial_sizes(p.splits, R * N, Hq, D)
+    # the strides of the contiguous partials [S, T, Hq, D] and [S, T, Hq] (`_partials`)
+    ps = (0, 0, 0, 0, 0) if direct else (R * N * Hq * D, Hq * D, D, R * N * Hq, Hq)
     kc, vc = key_cache, value_cache
     page_size = kc.shape[1]
     # grouped block-id loads need a group of pages to span at least one key tile
@@ -315,16 +322,28 @@ def _make_plan(query, key_cache, value_cache, block_table, context_lens, ancesto
 _COMBINE_ELEMS = 8192  # fp32 partial elements a combine program loads at once (4 warps: 64 per thread)
 
 
+def _partials(p: _Plan, scratch, device):
+    """The bucket's split-KV partials (out [S, T, Hq, D], lse [S, T, Hq]): views at fixed offsets of
+    `scratch`, or of a buffer allocated for this call when there is none (module docstring)."""
+    S, T, Hq, D, off, need = p.partials
+    if scratch is None:
+        scratch = torch.empty(need, dtype=torch.float32, device=device)
+    else:
+        check_scratch(scratch, device, need)
+    return scratch[: S * T * Hq * D].view(S, T, Hq, D), scratch[off: off + S * T * Hq].view(S, T, Hq)
+
+
 def launch_tree_attention(
     query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-    softmax_scale: float, sliding_window: int = 0, logits_soft_cap: float = 0.0,
-    tiles: tuning.AttnTiles | None = None, splits: int | None = None, workspace=None,
+    softmax_scale: float, sliding_window: int = 0, logits_soft_cap: float = 0.0, scratch=None,
+    tiles: tuning.AttnTiles | None = None, splits: int | None = None,
 ) -> None:
-    """Run the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1). Writes `out`.
+    """Run the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1). Writes `out`, and the
+    split-KV partials into `scratch` (module docstring).
 
-    The per-bucket plan (checks, tiles, splits, grids, workspace) is cached under a key of every
-    tensor's shape, strides, dtype, device and pointer alignment plus the scalar arguments, so a call
-    whose key was seen before does no checking or planning (those depend on nothing else)."""
+    The per-bucket plan (checks, tiles, splits, grids) is cached under a key of every tensor's shape,
+    strides, dtype, device and pointer alignment plus the scalar arguments, so a call whose key was
+    seen before does no checking or planning (those depend on nothing else)."""
     if triton is None:
         raise RuntimeError("tree_attention: triton is not installed")
     tensors = (query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out)
@@ -340,6 +359,6 @@ def launch_tree_attention(
     if p.combine is None:
         p.main(*tensors, out, out, *p.tail)
         return
-    po, pl = workspace if workspace is not None else p.workspace
+    po, pl = _partials(p, scratch, query.device)
     p.main(*tensors, po, pl, *p.tail)
     p.combine(po, pl, out, *p.ctail)

@@ -13,6 +13,7 @@ kernel is tested against. Semantics (shared with `tree_attention.py`):
 - Logical positions: context p -> p, tree slot j -> context_len + depths[r, j]. With a sliding
   window W > 0, row i sees key k iff qpos - kpos < W.
 - Scores: s = softmax_scale * q.k, then cap * tanh(s / cap) when logits_soft_cap > 0.
+- scratch: the Triton kernel's split-KV partials (tree_attention.py); the reference needs none.
 
 Only metadata is validated (no host sync): block ids and context lengths must be in range, and the
 K/V of padding slots must be finite (the Triton kernel multiplies masked probabilities, 0, by them).
@@ -84,6 +85,20 @@ def check_tree_attention_args(
     if logits_soft_cap != logits_soft_cap or logits_soft_cap == float("inf"):
         _fail("logits_soft_cap", f"must be a finite float (<= 0 for none), got {logits_soft_cap}")
     return R, N, Hq, Hkv, D
+
+
+def check_scratch(scratch, device, need: int = 0) -> None:
+    """`scratch`: None, or a contiguous 1-D float32 tensor on `device`, 16-byte aligned, of at least
+    `need` elements (the launcher knows its bucket's need; the op's fake and reference pass 0)."""
+    if scratch is None:
+        return
+    if scratch.dim() != 1 or scratch.dtype != torch.float32 or not scratch.is_contiguous():
+        _fail("scratch", f"must be a contiguous 1-D float32 tensor, got {scratch.dtype} {tuple(scratch.shape)}")
+    if scratch.device != device:
+        _fail("scratch", f"must be on query's device {device}, got {scratch.device}")
+    if scratch.numel() < need or scratch.data_ptr() % 16:
+        _fail("scratch", f"must hold >= {need} elements from a 16-byte aligned start, got {scratch.numel()} "
+                         f"at address {scratch.data_ptr():#x}")
 
 
 def tree_attention_reference(

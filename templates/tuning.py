@@ -145,10 +145,16 @@ def plan_tree_attention(query, key_cache, ancestor_bits, block_table, tiles: Att
     splits than that many keys can fill (vLLM sizes the table for max_model_len)."""
     R, N = ancestor_bits.shape[:2]
     Hq, D = query.shape[1:]
-    Hkv = key_cache.shape[2]
-    G = Hq // Hkv
-    arch, sms = arch_of(query.device)
     max_keys = block_table.shape[1] * key_cache.shape[1]
+    return plan_bucket(query.device, R, N, Hq, key_cache.shape[2], D, max_keys, tiles, splits)
+
+
+def plan_bucket(device, R: int, N: int, Hq: int, Hkv: int, D: int, max_keys: int | None = None,
+                tiles: AttnTiles | None = None, splits: int | None = None):
+    """`plan_tree_attention` from the bucket's numbers alone: R requests of N slots, Hq query and Hkv KV
+    heads of size D, at most `max_keys` keys a request (None: no bound)."""
+    G = Hq // Hkv
+    arch, sms = arch_of(device)
     if tiles is None:
         plan = choose_plan(arch, sms, R, N, G, Hkv, D, max_keys)
         tiles = plan.tiles

@@ -11,16 +11,21 @@ graph on CPU), so the check that every layer reached its tree op runs on the sta
 Outputs must equal no speculation exactly (float32 attention-only target) and the hybrid's committed
 GDN state must equal a float32 replay of each committed path (bf16 target, regret gate on tokens).
 The capture and the padded rows of a bucket larger than the batch run on the GPU only
-(tests/test_gpu_vllm026.py).
+(tests/test_gpu_vllm026.py). The engine's workspace is checked as a GPU engine has it: tree
+attention's split-KV scratch is planned and allocated here too (on the CPU the op runs its reference,
+which takes the scratch and needs none), and every tree-attention call must get the engine's one
+scratch, every bucket's GDN verify its one depth stack.
 """
 
 import weakref
 
 import pytest
+import torch
 
 from ddtree_compile import adapters
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.integration.round import workspace
+from ddtree_compile.templates import tree_attention
 from ddtree_compile.testing import harness, models
 
 MAX_TOKENS = 96
@@ -54,15 +59,40 @@ def _force_bucket_path(llm, monkeypatch):
     return state, filled
 
 
-def _check_gdn_workspace(llm, state):
-    """Every bucket's GDN verify reads the engine's one depth stack (round/workspace.py): a stack the
-    op allocated inside each FULL graph's capture was held once per bucket (the H100 4B OOM). The
+def _scratch_everywhere(monkeypatch) -> list:
+    """Plan and allocate tree attention's scratch as on CUDA; the scratch of every tree-attention call."""
+    import ddtree_compile.templates.ops  # noqa: F401  registers ddtree::tree_attention
+
+    monkeypatch.setattr(tree_attention, "uses_scratch", lambda device: True)
+    seen, op = [], torch.ops.ddtree.tree_attention
+
+    def recording(*args):
+        seen.append(args[11])  # (..., logits_soft_cap, scratch): as integration/tree_ops.py calls it
+        return op(*args)
+
+    monkeypatch.setattr(torch.ops.ddtree, "tree_attention", recording)
+    return seen
+
+
+def _check_workspace(llm, state, scratch_seen):
+    """Every verify reads the engine's one set of buffers (round/workspace.py): each bucket's GDN verify
+    the one depth stack (a stack the op allocated inside each FULL graph's capture was held once per
+    bucket: the H100 4B OOM), every tree-attention call the one scratch (it lived in a process-wide
+    cache per bucket, outside the memory plan, never freed), large enough for every batch size. The
     bytes vLLM's memory profile reserves (the plugin's hook) are exactly what attach allocates."""
-    ws, metas = state.verify.workspace, state.verify.graphs._metas
-    assert metas and all(m.gdn.stack.data_ptr() == ws.stack.data_ptr() and m.gdn.stack.shape[0] == rows
-                         for rows, m in metas.items())
+    ws, metas, ctx = state.verify.workspace, state.verify.graphs._metas, state.ctx
+    assert metas and all(m.attn_scratch is ws.attn_scratch for m in metas.values())
+    assert scratch_seen and all(s is ws.attn_scratch for s in scratch_seen)
+    p = adapters.current().attention_params(ctx.layer(ctx.attn_layers[0]))
+    need = [tree_attention.bucket_scratch_elems("cpu", r, ctx.N, p.num_heads, p.num_kv_heads, p.head_size)
+            for r in range(1, ctx.view.max_num_reqs + 1)]
+    assert ws.attn_scratch.numel() == max(need) > 0
+    stack = 0 if ws.stack is None else ws.stack.numel() * 4
+    if ctx.hybrid:
+        assert stack and all(m.gdn.stack.data_ptr() == ws.stack.data_ptr() and m.gdn.stack.shape[0] == rows
+                             for rows, m in metas.items())
     runner = engines.find_runner(llm)
-    assert workspace.plan(runner, state.ctx.cfg) == ws.nbytes > ws.stack.numel() * 4
+    assert workspace.plan(runner, ctx.cfg) == ws.nbytes >= stack + ws.attn_scratch.numel() * 4
     plugin._on_memory_profile(runner)
     assert workspace.release(runner) == ws.nbytes and workspace.release(runner) == 0
 
@@ -82,6 +112,7 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
     finally:
         harness.shutdown(llm)
     kw = config.vllm_kwargs(drafter, budget=16, top_k=4, num_speculative_tokens=8)
+    scratch_seen = _scratch_everywhere(monkeypatch)
     llm = LLM(**models.tiny_llm_kwargs(target, **base, **kw))
     try:
         state, filled = _force_bucket_path(llm, monkeypatch)
@@ -95,12 +126,14 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
         out_harness = harness.generate(llm, PROMPTS, MAX_TOKENS)
         h.uninstall()
         m = metrics.collect(llm)[0]
-        if hybrid:
-            _check_gdn_workspace(llm, state)
-        freed = weakref.ref(state.verify.workspace.stack) if hybrid else None
+        _check_workspace(llm, state, scratch_seen)
+        ws = state.verify.workspace
+        freed = [weakref.ref(t) for t in (ws.stack, ws.attn_scratch) if t is not None]
+        del ws
+        scratch_seen.clear()
     finally:
         harness.shutdown(llm)
-    assert freed is None or freed() is None  # shut down: nothing holds the engine's GDN workspace
+    assert freed and all(f() is None for f in freed)  # shut down: nothing holds the engine's workspace
     print(f"\n{kind}: buckets filled {sorted(set(filled))}, {m['tree_steps']} tree steps, {m['chain_steps']} "
           f"chain steps ({m['fallback_steps']}), accepted {m['nodes_accepted']}, state check {check and check.paths}")
     assert m["tree_steps"] > 0 and len(filled) >= m["tree_steps"] and set(filled) <= set(range(1, 5))

@@ -201,8 +201,38 @@ def _interp_main() -> None:
             new_plan=len(ta._PLANS) > n_plans,
             rerun=rerun,
         )
+        if res["splits"] > 1:
+            res.update(_scratch_checks(ta, t, out, tiles, c["splits"], res["splits"]))
         results[name] = res
     print(json.dumps(results))
+
+
+def _scratch_checks(ta, t: dict, out: torch.Tensor, tiles, splits, resolved_splits: int) -> dict:
+    """The same launch with the caller's scratch (poisoned): the same output, the partials written
+    there, a scratch too small refused naming the field, and nothing of it kept by the template."""
+    import gc
+    import weakref
+
+    R, N = t["ancestor_bits"].shape[:2]
+    need = ta._partial_sizes(resolved_splits, R * N, *t["query"].shape[1:])[1]
+    scratch = torch.full((need,), float("nan"))
+    again = torch.full_like(out, float("nan"))
+    args = (t["query"], t["key_cache"], t["value_cache"], t["block_table"], t["context_lens"], t["ancestor_bits"],
+            t["depths"])
+    ta.launch_tree_attention(*args, again, t["scale"], t["W"], t["cap"], scratch, tiles=tiles, splits=splits)
+    try:
+        ta.launch_tree_attention(*args, again, t["scale"], t["W"], t["cap"], scratch[: need - 1], tiles=tiles,
+                                 splits=splits)
+        small = "accepted"
+    except ValueError as e:
+        small = str(e)
+    res = dict(scratch_same=bool(torch.equal(again, out)), scratch_written=bool(scratch.isfinite().any()),
+               scratch_small="`scratch`" in small)
+    freed = weakref.ref(scratch)
+    del scratch
+    gc.collect()
+    res["scratch_freed"] = freed() is None
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +251,8 @@ def test_triton_matches_reference(interp_results, name):
     assert res["padding_zero"], f"{name}: padding rows are not zero"
     if case["splits"] not in (None, 1):
         assert res["splits"] > 1  # the split-KV + combine path really ran
+    if res["splits"] > 1:  # the caller's scratch serves it alike, and stays the caller's
+        assert res["scratch_same"] and res["scratch_written"] and res["scratch_small"] and res["scratch_freed"], res
     if res["rerun"]:  # a second call of a bucket (same shapes, new data) reuses the cached plan
         assert not res["new_plan"], f"{name}: the plan cache missed"
 
@@ -273,6 +305,42 @@ def test_split_count_whole_waves(R, rows_per_head, Hkv, want):
     assert tuning.num_splits(t, 132, R, Hkv, mb) == want
     # the block table bounds the useful splits: 1104 keys / 96-key minimum chunks -> at most 12
     assert tuning.num_splits(t, 132, R, Hkv, mb, max_keys=1104) == min(want, 12)
+
+
+def test_a_key_bound_never_adds_splits():
+    """bucket_scratch_elems sizes an engine's scratch with no bound on the keys (the block table's width
+    is unknown while vLLM profiles memory): that covers every block table only if a bound never
+    raises the split count. Every table, SM counts of the H100 / H200 / GB10 / the CPU default."""
+    from ddtree_compile.templates import tuning
+
+    for arch, sms in (("sm_90", 132), ("sm_90", 114), ("sm_121", 48), ("default", 4)):
+        for D in (64, 128, 256):
+            t = tuning.attention_tiles(arch, D)
+            for R in range(1, 65):
+                for Hkv in (1, 2, 4, 8):
+                    for mb in (1, 2, 3, 5):
+                        free = tuning.num_splits(t, sms, R, Hkv, mb)
+                        for max_keys in (16, 100, 128, 300, 1000, 4096, 40000):
+                            assert tuning.num_splits(t, sms, R, Hkv, mb, max_keys) <= free
+
+
+def test_bucket_scratch_covers_the_plan_of_its_bucket():
+    from ddtree_compile.templates import tree_attention as ta
+    from ddtree_compile.templates import tuning
+
+    cpu = torch.device("cpu")
+    assert not ta.uses_scratch(cpu) and ta.uses_scratch("cuda")
+    for R, B, (Hq, Hkv), D in PLAN_SHAPES:
+        N = B + 1
+        splits = tuning.plan_bucket(cpu, R, N, Hq, Hkv, D)[3]
+        elems = ta.bucket_scratch_elems(cpu, R, N, Hq, Hkv, D)
+        if splits == 1:
+            assert elems == 0
+        else:  # out [S, T, Hq, D] and lse [S, T, Hq] partials, lse aligned
+            assert elems >= splits * R * N * Hq * (D + 1) and ta._partial_sizes(splits, R * N, Hq, D)[0] % 32 == 0
+        for max_keys in (64, 1100, 33000):  # any block table: no more
+            s = tuning.plan_bucket(cpu, R, N, Hq, Hkv, D, max_keys)[3]
+            assert ta._partial_sizes(s, R * N, Hq, D)[1] <= elems
 
 
 def test_plan_other_arches_use_their_table():
@@ -341,6 +409,12 @@ def test_op_cpu_dispatches_to_reference():
     out = torch.full_like(t["query"], float("nan"))
     torch.ops.ddtree.tree_attention(*_op_args(t, out))
     assert torch.equal(out, run_ref(t, dtype=t["query"].dtype))
+    scratch = torch.full((64,), float("nan"))  # the reference needs none: a scratch is accepted, left alone
+    torch.ops.ddtree.tree_attention(*_op_args(t, out), scratch)
+    assert torch.equal(out, run_ref(t, dtype=t["query"].dtype)) and scratch.isnan().all()
+    for bad in (scratch.half(), scratch.view(8, 8), scratch[1:]):  # dtype, shape, a misaligned start
+        with pytest.raises(ValueError, match="`scratch`"):
+            torch.ops.ddtree.tree_attention(*_op_args(t, out), bad)
 
 
 def test_op_opcheck_and_compile():
@@ -348,8 +422,9 @@ def test_op_opcheck_and_compile():
 
     t = make_case({**BASE, "N": 4, "ctx": (5, 3), "seed": 23})
     out = torch.zeros_like(t["query"])
-    torch.library.opcheck(torch.ops.ddtree.tree_attention.default, _op_args(t, out),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    for args in (_op_args(t, out), _op_args(t, out) + (torch.zeros(32),)):
+        torch.library.opcheck(torch.ops.ddtree.tree_attention.default, args,
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
     def f(q, kc, vc, bt, cl, bits, depths):
         o = torch.empty_like(q)

@@ -77,6 +77,7 @@ class AttentionParams:
     """What tree attention reads of an attention layer's impl; `unsupported` names a feature it lacks."""
 
     num_heads: int
+    num_kv_heads: int
     head_size: int
     scale: float
     sliding_window: int  # 0: none

@@ -281,7 +281,7 @@ def attention_params(layer) -> AttentionParams:
     if isinstance(window, tuple):
         # FLASH_ATTN / TRITON_ATTN: (-1, -1) none, (w - 1, 0) causal window w (flash_attn.py:756-761)
         window = window[0] + 1 if window[0] >= 0 else 0
-    return AttentionParams(impl.num_heads, impl.head_size, float(impl.scale),
+    return AttentionParams(impl.num_heads, impl.num_kv_heads, impl.head_size, float(impl.scale),
                            int(window) if window is not None and window > 0 else 0,
                            float(getattr(impl, "logits_soft_cap", None) or 0.0), unsupported)
 

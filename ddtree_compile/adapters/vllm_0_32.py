@@ -114,7 +114,7 @@ def attention_params(layer) -> AttentionParams:
     elif str(getattr(impl, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16", "float16", "float32"):
         unsupported = f"quantized KV cache {impl.kv_cache_dtype!r}"
     window = getattr(impl, "sliding_window", None)
-    return AttentionParams(impl.num_heads, impl.head_size, float(impl.scale),
+    return AttentionParams(impl.num_heads, impl.num_kv_heads, impl.head_size, float(impl.scale),
                            int(window) if window is not None and window > 0 else 0,
                            float(getattr(impl, "logits_soft_cap", None) or 0.0), unsupported)
 

@@ -56,7 +56,8 @@ def _on_model_load(runner) -> None:
 
 def _on_memory_profile(runner) -> None:
     """vLLM measures the memory it must leave out of the KV cache: a DDTree engine reserves its
-    round's GDN buffers now (round/workspace.py); attach allocates them in that space."""
+    round's buffers now (GDN records and depth stack, tree-attention scratch: round/workspace.py);
+    attach allocates them in that space."""
     from ddtree_compile.integration import config
 
     cfg = config.parse(runner.vllm_config.additional_config)

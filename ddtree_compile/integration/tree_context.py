@@ -59,6 +59,9 @@ class TreeVerifyMetadata:
     parents        int64 [R, N]              parent slot, -1 for the root and padding
     context_lens   [R] or None               committed tokens before the verify block; None:
                                              vLLM's attention seq_lens - N
+    attn_scratch   fp32 [elems] or None      tree attention's split-KV scratch, one for every bucket:
+                                             the round passes its engine's (round/workspace.py);
+                                             None: each CUDA call allocates its own
     gdn            GdnVerify or None         GatedDeltaNet addressing; None: vLLM's defaults
     calls          op name -> tree-mode calls (the round checks every layer ran its tree op)
     """
@@ -67,6 +70,7 @@ class TreeVerifyMetadata:
     depths: torch.Tensor
     parents: torch.Tensor
     context_lens: torch.Tensor | None = None
+    attn_scratch: torch.Tensor | None = None
     gdn: GdnVerify | None = None
     calls: dict = field(default_factory=dict)
 

@@ -57,7 +57,7 @@ def _attention_tree(meta, original, query, key, value, output, layer_name, outpu
     torch.ops.ddtree.tree_attention(
         query[:T].view(T, p.num_heads, p.head_size), k_cache, v_cache, block_table, ctx_lens,
         meta.ancestor_bits, meta.depths, output[:T].view(T, p.num_heads, p.head_size), p.scale,
-        p.sliding_window, p.logits_soft_cap)
+        p.sliding_window, p.logits_soft_cap, meta.attn_scratch)
 
 
 def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest):

@@ -16,9 +16,9 @@ a graph freezes at capture, so:
   count after the forward means a replay (counted as graph_steps).
 
 One buffer per tensor, sized for the largest batch; bucket R_pad uses its first R_pad rows, so
-every bucket's graph reads fixed addresses. The GDN workspace (records and the depth stack,
-workspace.py) is shared the same way: allocated inside a capture, it would be held by the graph
-pool once per bucket. What the ops compute from the tree (the GDN walk order) is built inside the
+every bucket's graph reads fixed addresses. The workspace (GDN records and depth stack, tree
+attention's scratch: workspace.py) is shared the same way: allocated inside a capture, it would be
+held by the graph pool once per bucket. What the ops compute from the tree (the GDN walk order) is built inside the
 graph and so recomputed at every replay.
 """
 
@@ -34,12 +34,14 @@ from .step import RoundContext
 
 
 class GraphBuckets:
-    def __init__(self, ctx: RoundContext, gdn_verify, chain):
+    def __init__(self, ctx: RoundContext, gdn_verify, chain, attn_scratch):
         """gdn_verify(rows, records) -> the GdnVerify of a batch of `rows` (verify_stage: the
         workspace's stack and records); chain: (parents [N], depths [N], ancestor bits [N, W]) of
-        the chain-shaped tree (verify_stage)."""
+        the chain-shaped tree (verify_stage); attn_scratch: the workspace's tree-attention scratch
+        (None: the op needs none here)."""
         self.ctx = ctx
         self._gdn_verify = gdn_verify
+        self._attn_scratch = attn_scratch
         self._chain_row = chain
         self.captured: set[int] = set()  # R_pad whose FULL graph holds the tree ops
         self._metas: dict[int, TreeVerifyMetadata] = {}
@@ -66,7 +68,8 @@ class GraphBuckets:
             if self.ctx.hybrid:  # records always: the graph writes them whether or not a test reads them
                 gdn = self._gdn_verify(rows, records=True)
             self._metas[rows] = TreeVerifyMetadata(ancestor_bits=bits[:rows], depths=depths[:rows],
-                                                   parents=parents[:rows], context_lens=lens[:rows], gdn=gdn)
+                                                   parents=parents[:rows], context_lens=lens[:rows],
+                                                   attn_scratch=self._attn_scratch, gdn=gdn)
         return self._metas[rows]
 
     def _neutral(self, meta: TreeVerifyMetadata, start: int) -> None:
@@ -85,6 +88,7 @@ class GraphBuckets:
     def close(self) -> None:
         """Drop the buckets' tensors (the engine shut down; its graphs are gone with it)."""
         self._metas.clear()
+        self._attn_scratch = None
         self._buf = self._chain = None
         self.captured.clear()
 

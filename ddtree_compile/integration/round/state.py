@@ -92,8 +92,9 @@ class DDTreeRound:
         })
         adapters.current().install_graph_capture(runner, self.verify.graphs.capture)
         ws = self.verify.workspace
-        if ws is not None:
-            logger.info("DDTree: GDN workspace %.2f GiB (%s during vLLM's memory profile)", ws.nbytes / 2**30,
+        if ws.nbytes:
+            logger.info("DDTree: workspace %.2f GiB (GDN records and depth stack, tree-attention scratch; %s during "
+                        "vLLM's memory profile)", ws.nbytes / 2**30,
                         "reserved" if ws.reserved == ws.nbytes else f"{ws.reserved / 2**30:.2f} GiB reserved")
         self._redirected = view.eager
         if self._redirected:

@@ -14,20 +14,22 @@ from ..tree_context import GdnVerify, TreeVerifyMetadata, tree_verify
 from .checks import check_reached
 from .graphs import GraphBuckets
 from .step import Pending, RoundContext, Step
-from .workspace import GdnWorkspace, release
+from .workspace import Workspace, release
 
 
 class VerifyStage:
     def __init__(self, ctx: RoundContext):
         self.ctx = ctx
         self.debug_gdn_records = False  # tests: record per-node GDN inputs (snapshots too) and pre-verify states
-        # the GDN buffers, allocated now in the space reserved during vLLM's memory profile (workspace.py)
-        self.workspace = GdnWorkspace(ctx) if ctx.hybrid else None
+        # the GDN buffers and tree attention's scratch, allocated now in the space reserved during
+        # vLLM's memory profile (workspace.py)
+        self.workspace = Workspace(ctx)
         self._record_views: dict = {}  # rows -> the views records(rows) returns (built once per batch size)
         N, dev = ctx.N, ctx.device
         parents = torch.arange(-1, N - 1, device=dev)
         self._chain = (parents, torch.arange(N, device=dev), pack_bits(ancestor_closure(parents.unsqueeze(0), N))[0])
-        self.graphs = GraphBuckets(ctx, self.gdn_verify, self._chain)  # FULL CUDA graphs' static metadata (graphs.py)
+        # FULL CUDA graphs' static metadata (graphs.py)
+        self.graphs = GraphBuckets(ctx, self.gdn_verify, self._chain, self.workspace.attn_scratch)
 
     def prepare(self, pending: Pending | None, drafts: dict, num_scheduled_tokens) -> Step | None:
         """The tree step of this batch, or None (no drafts, or a whole-step chain fallback, counted)."""
@@ -81,7 +83,7 @@ class VerifyStage:
         flat = ctx.view.positions(R * N)
         start = flat.view(R, N)[:, 0]
         meta = TreeVerifyMetadata(ancestor_bits=tree.ancestor_bits, depths=tree.depths, parents=tree.parents,
-                                  context_lens=start.to(torch.int32))
+                                  context_lens=start.to(torch.int32), attn_scratch=self.workspace.attn_scratch)
         return Step(R, N, tree, torch.zeros(R, dtype=torch.bool, device=ctx.device), [True] * R,
                     torch.full((R, ctx.L), -1, device=ctx.device), start, flat.clone(), meta, t0=time.perf_counter())
 
@@ -115,7 +117,8 @@ class VerifyStage:
         start = flat[:, 0]
         positions = (start.unsqueeze(1) + tree.depths).to(flat.dtype).reshape(-1)
         meta = TreeVerifyMetadata(ancestor_bits=tree.ancestor_bits.contiguous(), depths=tree.depths,
-                                  parents=tree.parents, context_lens=start.to(torch.int32))
+                                  parents=tree.parents, context_lens=start.to(torch.int32),
+                                  attn_scratch=self.workspace.attn_scratch)
         return Step(R, N, tree, tree_rows, chain_rows, pending.top1[rows], start, positions, meta,
                     t0=time.perf_counter())
 
@@ -167,16 +170,15 @@ class VerifyStage:
             step.gdn_records = self.records(step.R)[1]
 
     def close(self) -> None:
-        """Free the GDN workspace and every bucket's metadata (the engine shut down)."""
+        """Free the workspace and every bucket's metadata (the engine shut down)."""
         self.graphs.close()
         self._record_views.clear()
         self.workspace = None
-        if self.ctx.hybrid:
-            release(self.ctx.view.runner)
+        release(self.ctx.view.runner)
 
     def records(self, rows: int):
         """Per-node k/v and g/beta buffers of the first `rows` requests: ({layer prefix: (rec_kv,
-        rec_gb)}, {group: stacked [layers, rows, N, ...]}), views of the engine's GdnWorkspace
+        rec_gb)}, {group: stacked [layers, rows, N, ...]}), views of the engine's Workspace
         (workspace.py): every step's verify overwrites the rows it commits from and the commit of
         the same step reads them, so no step allocates and a CUDA graph's records sit at fixed
         addresses."""

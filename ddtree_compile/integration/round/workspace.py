@@ -1,23 +1,28 @@
-"""The round's persistent device buffers on a hybrid target, and their place in vLLM's memory plan.
+"""The round's persistent device buffers, and their place in vLLM's memory plan.
 
 vLLM sizes the KV cache (gpu_memory_utilization) from a memory profile taken before the round is
 attached, so whatever the round allocates afterwards comes out of the headroom vLLM left for
-itself. The big buffers are the GatedDeltaNet ones, which scale with max_num_seqs x (B + 1):
+itself. The buffers:
 
     rec_kv [layers, R, N, H*K + HV*V]  model dtype  per-node k/v of every GDN layer (replay commit)
     rec_gb [layers, R, N, 2, HV]       fp32         per-node g/beta
     stack  [R, B, HV, V, K]            fp32         the tree GDN kernel's depth stack: the state at
                                                     each depth of its walk, shared by every layer
+    attn_scratch [elems]               fp32         tree attention's split-KV partials (CUDA only):
+                                                    the most any batch of 1..R trees needs
+                                                    (templates/tree_attention.py), shared by every
+                                                    attention layer and every batch size
 
-(R = max_num_seqs, N = B + 1.) One set per engine, sized for the largest batch: a batch of R'
-requests uses the first R' rows, so every CUDA graph reads the same addresses, and the graphs share
-them because vLLM never replays two at once. The stack used to be allocated by the op on first use
-inside each FULL graph's capture, one per batch bucket, kept by the graph pool: ~8.5 GiB on the
-4B shape at 16 requests, which ran the H100 out of memory after vLLM had sized the KV cache.
+(R = max_num_seqs, N = B + 1; the GDN buffers on hybrid targets only.) One set per engine, sized
+for the largest batch: a batch of R' requests uses the first R' rows of the GDN buffers and the
+partials of its own bucket at fixed offsets of the scratch, so every CUDA graph reads the same
+addresses, and the graphs share them because vLLM never replays two at once. Allocated by an op
+inside a FULL graph's capture instead, a buffer would be held by the graph pool once per batch
+bucket, outside the memory plan vLLM has already used to size the KV cache.
 
 `reserve` (the adapter's memory-profile hook, before vLLM measures its peak) allocates the bytes
-`plan` computes, so the KV cache is sized around them; `GdnWorkspace` (the verify stage, at attach)
-frees that reservation and allocates the same shapes in its place.
+`plan` computes, so the KV cache is sized around them; `Workspace` (the verify stage, at attach)
+frees that reservation and allocates the same shapes in its place; the engine's shutdown drops it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import math
 import torch
 
 from ... import adapters
+from ...templates import tree_attention
 
 _RESERVE = "_ddtree_reserve"  # on the runner instance: the bytes held from profiling to attach
 
@@ -34,11 +40,34 @@ _RESERVE = "_ddtree_reserve"  # on the runner instance: the bytes held from prof
 def gdn_shapes(p, n_layers: int, R: int, N: int, dtype) -> dict:
     """name -> (shape, dtype) of the GDN buffers for `n_layers` GDN layers of parameters `p`
     (adapters' GdnParams), R requests and trees of N slots. rec_kv / rec_gb are per KV cache
-    group in GdnWorkspace; their byte total depends only on the layer count."""
+    group in Workspace; their byte total depends only on the layer count."""
     qkv = p.num_k_heads * p.head_k_dim + p.num_v_heads * p.head_v_dim
     return {"rec_kv": ((n_layers, R, N, qkv), dtype),
             "rec_gb": ((n_layers, R, N, 2, p.num_v_heads), torch.float32),
             "stack": ((R, max(N - 1, 1), p.num_v_heads, p.head_v_dim, p.head_k_dim), torch.float32)}
+
+
+def attention_scratch_elems(view, attn_layers, R: int, N: int) -> int:
+    """fp32 elements of the tree-attention scratch that serves every batch of 1..R trees of N slots
+    on these layers (0: no layer runs the CUDA kernel, or no bucket splits its keys)."""
+    if not attn_layers or not tree_attention.uses_scratch(view.device):
+        return 0
+    A = adapters.current()
+    heads = {(p.num_heads, p.num_kv_heads, p.head_size) for p in map(A.attention_params, map(view.layer, attn_layers))}
+    return max(tree_attention.bucket_scratch_elems(view.device, r, N, *h) for r in range(1, R + 1) for h in heads)
+
+
+def shapes(view, layers: dict, N: int) -> dict:
+    """name -> (shape, dtype) of the round's buffers on this engine (module docstring); `layers` as
+    checks.classify_layers returns them."""
+    R, out = view.max_num_reqs, {}
+    if layers["gdn"]:
+        p = adapters.current().gdn_params(view.layer(layers["gdn"][0]))
+        out.update(gdn_shapes(p, len(layers["gdn"]), R, N, view.dtype))
+    elems = attention_scratch_elems(view, layers["attention"], R, N)
+    if elems:
+        out["attn_scratch"] = ((elems,), torch.float32)
+    return out
 
 
 def nbytes(shapes: dict) -> int:
@@ -46,21 +75,17 @@ def nbytes(shapes: dict) -> int:
 
 
 def plan(runner, cfg) -> int:
-    """Bytes of the GDN buffers the round will allocate on this engine (0: no GDN layers, or an
-    engine the round will not serve; attach then logs and counts why)."""
+    """Bytes of the buffers the round will allocate on this engine (0: none, or an engine the round
+    will not serve; attach then logs and counts why)."""
     from .checks import UnsupportedEngine, classify_layers, validate
 
     view = adapters.current().RunnerView(runner)
     draft_len, _ = validate(view.vllm_config, cfg)
     try:
-        gdn = classify_layers(view)["gdn"]
+        layers = classify_layers(view)
     except UnsupportedEngine:
         return 0
-    if not gdn:
-        return 0
-    p = adapters.current().gdn_params(view.layer(gdn[0]))
-    N = cfg.tree_spec(draft_len).budget + 1
-    return nbytes(gdn_shapes(p, len(gdn), view.max_num_reqs, N, view.dtype))
+    return nbytes(shapes(view, layers, cfg.tree_spec(draft_len).budget + 1))
 
 
 def reserve(runner, cfg) -> int:
@@ -83,24 +108,26 @@ def _empty(spec, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-class GdnWorkspace:
-    """The GDN buffers of one engine (module docstring), allocated once at attach."""
+class Workspace:
+    """The round's buffers of one engine (module docstring), allocated once at attach."""
 
     def __init__(self, ctx):
         A = adapters.current()
-        R, N = ctx.view.max_num_reqs, ctx.N
         self.reserved = release(ctx.view.runner)
-        p = A.gdn_params(ctx.layer(ctx.gdn_layers[0]))
-        self.per_layer, self.per_group = {}, {}
-        for gid, names in ctx.gdn_groups.items():
-            shapes = gdn_shapes(p, len(names), R, N, ctx.view.dtype)
-            rec_kv, rec_gb = (_empty(shapes[k], ctx.device) for k in ("rec_kv", "rec_gb"))
-            self.per_group[gid] = (rec_kv, rec_gb)
-            for i, n in enumerate(names):
-                self.per_layer[A.gdn_params(ctx.layer(n)).prefix] = (rec_kv[i], rec_gb[i])
-        self.stack = _empty(gdn_shapes(p, 1, R, N, ctx.view.dtype)["stack"], ctx.device)
-        self.nbytes = sum(t.numel() * t.element_size() for kv_gb in self.per_group.values() for t in kv_gb) \
-            + self.stack.numel() * self.stack.element_size()
+        planned = shapes(ctx.view, {"attention": ctx.attn_layers, "gdn": ctx.gdn_layers}, ctx.N)
+        self.per_layer, self.per_group, self.stack = {}, {}, None
+        if ctx.hybrid:
+            p = A.gdn_params(ctx.layer(ctx.gdn_layers[0]))
+            for gid, names in ctx.gdn_groups.items():
+                group = gdn_shapes(p, len(names), ctx.view.max_num_reqs, ctx.N, ctx.view.dtype)
+                rec_kv, rec_gb = (_empty(group[k], ctx.device) for k in ("rec_kv", "rec_gb"))
+                self.per_group[gid] = (rec_kv, rec_gb)
+                for i, n in enumerate(names):
+                    self.per_layer[A.gdn_params(ctx.layer(n)).prefix] = (rec_kv[i], rec_gb[i])
+            self.stack = _empty(planned["stack"], ctx.device)
+        self.attn_scratch = _empty(planned["attn_scratch"], ctx.device) if "attn_scratch" in planned else None
+        tensors = [t for kv_gb in self.per_group.values() for t in kv_gb] + [self.stack, self.attn_scratch]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def records(self, rows: int):
         """({layer prefix: (rec_kv, rec_gb)}, {group: stacked [layers, rows, N, ...]}) of the first rows."""
