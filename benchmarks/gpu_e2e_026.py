@@ -63,16 +63,16 @@ class _CaptureLog:
         logging.getLogger("vllm").removeHandler(self.handler)
 
 
-def _engine(target, drafter=None, hybrid=False, dtype="bfloat16", flat=False):
+def _engine(target, drafter=None, hybrid=False, dtype="bfloat16", flat=False, **llm_kw):
     from vllm import LLM
 
     from ddtree_compile.integration import config
     from ddtree_compile.passes.entry import compilation_config
-    from ddtree_compile.tools import models
+    from ddtree_compile.testing import models
 
     cc = compilation_config("cuda")
     cc["cudagraph_mode"] = CUDAGRAPH_MODE
-    kw = models.tiny_llm_kwargs(target, dtype=dtype, async_scheduling=False, compilation_config=cc)
+    kw = models.tiny_llm_kwargs(target, dtype=dtype, async_scheduling=False, compilation_config=cc, **llm_kw)
     if hybrid and SSM_CACHE_DTYPE != "auto":
         kw["mamba_ssm_cache_dtype"] = SSM_CACHE_DTYPE
     extra = {"gdn_prefill_backend": "triton"} if hybrid else {}
@@ -93,7 +93,7 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
     """spec: "kind" or "kind:dtype" (the engines' dtype; default bfloat16)."""
     from ddtree_compile import adapters
     from ddtree_compile.integration import engines, metrics
-    from ddtree_compile.tools import harness, models
+    from ddtree_compile.testing import harness, models
 
     kind, _, dtype = spec.partition(":")
     dtype = dtype or "bfloat16"
@@ -167,8 +167,8 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
     finally:
         engines.shutdown(llm)
     out["counters_random"] = c_random
-    out["counters_harness"] = harness.counters_delta(c_harness, c_random) if c_harness else {}
-    out["counters_seeded"] = harness.counters_delta(c_all, c_harness) if c_all else {}
+    out["counters_harness"] = metrics.counters_delta(c_harness, c_random) if c_harness else {}
+    out["counters_seeded"] = metrics.counters_delta(c_all, c_harness) if c_all else {}
     out["graph_sizes"] = c_all.get("graph_sizes", [])
     out["random_equal"] = random_out == ref_tokens
     out["harness_equal"] = harness_out == ref_tokens

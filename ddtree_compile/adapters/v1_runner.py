@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .interface import RunnerView
+
 _PATCHED = "_ddtree_patched"
 
 # The opaque `layer_name` argument of vLLM's custom ops, declared by type name in a copied schema.
@@ -59,6 +61,34 @@ def _patch(cls, name: str, before=None, after=None) -> bool:
     return True
 
 
+def refuse_ddtree_on_runner_v2(line: str, on_runner_v2) -> None:
+    """Patch Model Runner V2's `initialize_kv_cache` (if this build has V2): `on_runner_v2(runner,
+    reason, advice)` runs once its caches exist. V2 has none of the round hooks: the caller refuses
+    DDTree there (logged once, counted) and the engine runs flat DFlash."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
+    except Exception:  # Model Runner V2 needs Triton; builds without it have no V2 engines
+        return
+
+    def after(runner, args, kwargs) -> None:
+        on_runner_v2(runner, f"vLLM {line} runs this engine on Model Runner V2, which has no DDTree round hooks "
+                     "(they exist in the V1 GPUModelRunner only)", _v2_advice(runner.vllm_config))
+
+    patch_after(RunnerV2, "initialize_kv_cache", after)
+
+
+def _v2_advice(vllm_config) -> str:
+    """What a user of a V2 engine can do: V1 is a way out unless the drafter forces V2 (0.26:
+    `config/vllm.py:564-568`, `_dflash_needs_multi_kv_group` `:593-603`; V1 then raises in
+    `qwen3_dflash.py:103-113`; 0.32 the same, `qwen3_dflash.py:156-166`)."""
+    draft = getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None)
+    layer_types = set(getattr(getattr(draft, "hf_config", None), "layer_types", None) or ())
+    if {"sliding_attention", "full_attention"} <= layer_types:
+        return ("it runs as flat DFlash: its DFlash drafter mixes sliding-window and full attention layers, "
+                "which vLLM serves on Model Runner V2 only")
+    return "it runs as flat DFlash; set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner"
+
+
 def replace_round_members(runner, hooks: dict) -> dict:
     """Replace the members named by ROUND_HOOKS on `runner` (instance level) with `hooks[name]`;
     returns the originals by the same names."""
@@ -100,7 +130,7 @@ class GdnParams:
     prefix: str
 
 
-class V1RunnerView:
+class V1RunnerView(RunnerView):
     """The runner state the round reads and writes, under names that do not depend on vLLM's.
 
     The V1 runner's members read here have the same names and meaning in 0.26 and 0.32 (checked in
@@ -121,8 +151,8 @@ class V1RunnerView:
         mc, cc = r.vllm_config.model_config, r.vllm_config.cache_config
         if getattr(r, "use_async_scheduling", False):
             return "async scheduling (the tree round runs in the synchronous V1 path)"
-        if getattr(r, "uses_mrope", False):
-            return "M-RoPE positions (multimodal rope) are not supported yet"
+        if getattr(r, "uses_xdrope_dim", 0) > 0:  # XD-RoPE: rows that are not flat + delta
+            return "XD-RoPE positions are not supported yet"
         if getattr(r.drafter, "use_heterogeneous_vocab", False):
             return "a drafter with a heterogeneous vocabulary"
         if mc.logits_processors:
@@ -154,6 +184,22 @@ class V1RunnerView:
     def positions(self, T: int) -> torch.Tensor:
         """The step's positions as vLLM computed them (num_computed + query index)."""
         return self.runner.positions[:T]
+
+    def tree_positions(self, positions: torch.Tensor, flat: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """The target's position input for a tree verify of `depths` [R, N] (a new tensor).
+
+        `positions` is what vLLM hands the model: flat [T_pad], or with M-RoPE [3, T_pad], where
+        every draft token's three rows hold flat + the request's delta (`_calc_mrope_positions`,
+        completion branch). A node's rotary position is its root's (vLLM's value at slot 0) plus
+        its depth in every row; `flat` [T] (start + depth) stays what the slot mapping reads."""
+        out = positions.clone()
+        if positions.dim() == 1:
+            out[: flat.shape[0]] = flat
+            return out
+        R, N = depths.shape
+        rows = out[:, : R * N].view(out.shape[0], R, N)
+        rows.copy_(rows[:, :, :1] + depths.to(out.dtype).unsqueeze(0))
+        return out
 
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.runner.positions[logits_indices]
@@ -188,7 +234,13 @@ class V1RunnerView:
     def drafter_root_positions(self, R: int) -> torch.Tensor:
         """Position of each request's bonus token in the drafter's current forward ([R])."""
         L = self.drafter_draft_len()
-        return self.runner.drafter.positions[: R * (1 + L)].view(R, 1 + L)[:, 0]
+        pos = self.runner.drafter.positions[: R * (1 + L)].view(R, 1 + L)[:, 0]
+        if not getattr(self.runner, "uses_mrope", False):
+            return pos
+        # The drafter runs on M-RoPE's T row (flat + delta, `dflash.py` set_inputs_first_pass): back to
+        # the token index (test support reads it; a host read of the per-request deltas).
+        deltas = [self.runner.requests[q].mrope_position_delta or 0 for q in self.req_ids(R)]
+        return pos - torch.tensor(deltas, dtype=pos.dtype, device=pos.device)
 
     def prompt_token_ids(self, req_id: str) -> list[int]:
         return list(self.runner.requests[req_id].prompt_token_ids or ())

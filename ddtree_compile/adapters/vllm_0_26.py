@@ -28,7 +28,8 @@ What differs from 0.32 (everything else is the same code, checked line by line):
   active, and `full_graph_tokens` tells the round when a step replays one.
 - Engines the round does not serve yet: async scheduling (ON by default for DFlash on CUDA,
   `config/vllm.py:1059-1107`), pure FULL mode (mixed batches in FULL graphs), Mamba prefix
-  caching (`mamba_cache_mode != "none"`), dynamic speculative decoding, XD-RoPE.
+  caching (`mamba_cache_mode != "none"`), dynamic speculative decoding, XD-RoPE, and every
+  engine on Model Runner V2.
 - CPU-only helpers (`force_cpu_attn_isa`, the CPU GDN state layout) were not ported.
 """
 
@@ -51,6 +52,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     model_module_ids,
     patch_after,
     patch_before,
+    refuse_ddtree_on_runner_v2,
     replace_round_members,
     sampler_output,
     sampling_unsupported_reason,
@@ -64,13 +66,14 @@ LINE = "0.26"
 # The class patches (plus a refusal on Model Runner V2)
 # ---------------------------------------------------------------------------------------------
 
-def install_kv_cache_hook(on_kv_caches_ready) -> bool:
+def install_kv_cache_hook(on_kv_caches_ready, on_runner_v2) -> bool:
     """Patch `GPUModelRunner.initialize_kv_cache` once per process: after the original (the caches
     exist), call `on_kv_caches_ready(runner)`. Returns False if already patched.
 
     0.26: profiling calls (`is_profiling=True`, a minimal cache freed right after,
     `gpu_model_runner.py:6439-6463`, `:6505-6537`) are skipped. Model Runner V2's
-    `initialize_kv_cache` (`v1/worker/gpu/model_runner.py:411`) is patched to refuse DDTree once."""
+    `initialize_kv_cache` (`v1/worker/gpu/model_runner.py:411`) is patched to refuse DDTree once
+    (v1_runner.refuse_ddtree_on_runner_v2)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def after(runner, args, kwargs):
@@ -79,9 +82,7 @@ def install_kv_cache_hook(on_kv_caches_ready) -> bool:
 
     if not patch_after(GPUModelRunner, "initialize_kv_cache", after):
         return False
-    runner_v2 = _runner_v2()
-    if runner_v2 is not None:
-        patch_after(runner_v2, "initialize_kv_cache", _refuse_on_v2)
+    refuse_ddtree_on_runner_v2("0.26", on_runner_v2)
     return True
 
 
@@ -106,26 +107,6 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
     return patch_before(GPUModelRunner, "profile_run", lambda runner, args, kwargs: on_memory_profile(runner))
 
 
-def _runner_v2():
-    try:
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
-    except Exception:  # Model Runner V2 needs Triton; absent builds simply have no V2 engines
-        return None
-    return RunnerV2
-
-
-def _refuse_on_v2(runner, args, kwargs) -> None:
-    from ddtree_compile.integration.config import KEY
-
-    extra = getattr(runner.vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and extra.get(KEY) is not None:
-        from ddtree_compile.integration.metrics import refuse_once
-
-        refuse_once("vLLM 0.26 runs this engine on Model Runner V2, which has no DDTree round hooks "
-                    "(they exist in the V1 GPUModelRunner only)",
-                    "it runs as flat DFlash; set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner")
-
-
 # ---------------------------------------------------------------------------------------------
 # The round's hooks on one runner instance
 # ---------------------------------------------------------------------------------------------
@@ -141,25 +122,27 @@ def install_round_hooks(runner, hooks: dict) -> dict:
 
 
 def _static_positions_forward(runner, original):
-    """`original` (the runner's `_model_forward`), called with positions that live in
-    `runner.positions` (`gpu_model_runner.py:763`, the buffer `_preprocess` hands the model,
-    `:3607`). Positions given in another tensor are copied in for the forward and the flat ones
-    put back after it: `propose_draft_token_ids` reads them again (`:5195`)."""
+    """`original` (the runner's `_model_forward`), called with positions that live in the buffer
+    `_preprocess` hands the model (`:3602-3607`): `runner.positions` (`:763`), or with M-RoPE
+    `runner.mrope_positions.gpu` ([3, max_tokens + 1], `:811-825`). Positions given in another
+    tensor are copied in for the forward and vLLM's values put back after it:
+    `propose_draft_token_ids` reads them again (`:5195`; the drafter takes M-RoPE's T row)."""
 
     def forward(input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **kw):
-        buf = runner.positions
-        if (positions is None or positions.dim() != 1 or positions.device != buf.device
-                or positions.data_ptr() == buf.data_ptr() or positions.shape[0] > buf.shape[0]):
+        buf = runner.mrope_positions.gpu if getattr(runner, "uses_mrope", False) else runner.positions
+        if (positions is None or positions.dim() != buf.dim() or positions.device != buf.device
+                or positions.data_ptr() == buf.data_ptr() or positions.shape[-1] > buf.shape[-1]
+                or positions.shape[:-1] != buf.shape[:-1]):
             return original(input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
                             inputs_embeds=inputs_embeds, **kw)
-        n = positions.shape[0]
-        saved = buf[:n].clone()
-        buf[:n].copy_(positions)
+        n = positions.shape[-1]
+        saved = buf[..., :n].clone()
+        buf[..., :n].copy_(positions)
         try:
-            return original(input_ids=input_ids, positions=buf[:n], intermediate_tensors=intermediate_tensors,
+            return original(input_ids=input_ids, positions=buf[..., :n], intermediate_tensors=intermediate_tensors,
                             inputs_embeds=inputs_embeds, **kw)
         finally:
-            buf[:n].copy_(saved)
+            buf[..., :n].copy_(saved)
 
     forward.__wrapped__ = original
     return forward
@@ -248,8 +231,6 @@ class RunnerView(V1RunnerView):
         shared = super().unsupported_features()  # M-RoPE, vocab, logits processors, Mamba prefix caching
         if shared:
             return shared
-        if getattr(r, "uses_xdrope_dim", 0) > 0:  # :528
-            return "XD-RoPE positions are not supported yet"
         sc = vc.speculative_config
         if sc is not None and sc.uses_dynamic_speculative_decoding():  # config/speculative.py:1336
             return "dynamic speculative decoding (the scheduler picks the draft count per batch)"

@@ -33,6 +33,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     model_module_ids,
     patch_after,
     patch_before,
+    refuse_ddtree_on_runner_v2,
     replace_round_members,
     sampler_output,
     sampling_unsupported_reason,
@@ -46,12 +47,16 @@ LINE = "0.32"
 # The class patches
 # ---------------------------------------------------------------------------------------------
 
-def install_kv_cache_hook(on_kv_caches_ready) -> bool:
+def install_kv_cache_hook(on_kv_caches_ready, on_runner_v2) -> bool:
     """Patch `GPUModelRunner.initialize_kv_cache` once per process: after the original (the caches
-    exist), call `on_kv_caches_ready(runner)`. Returns False if already patched."""
+    exist), call `on_kv_caches_ready(runner)`; Model Runner V2's is patched to refuse DDTree once.
+    Returns False if already patched."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    return patch_after(GPUModelRunner, "initialize_kv_cache", lambda runner, args, kwargs: on_kv_caches_ready(runner))
+    if not patch_after(GPUModelRunner, "initialize_kv_cache", lambda runner, args, kwargs: on_kv_caches_ready(runner)):
+        return False
+    refuse_ddtree_on_runner_v2("0.32", on_runner_v2)  # V2 is 0.32's default runner on CUDA (`v1/worker/gpu/model_runner.py:605`)
+    return True
 
 
 def install_model_load_hook(on_model_load) -> bool:

@@ -33,18 +33,16 @@ def register() -> None:
         return
     adapter.install_model_load_hook(_on_model_load)
     adapter.install_memory_profile_hook(_on_memory_profile)
-    adapter.install_kv_cache_hook(_on_kv_caches_ready)
+    adapter.install_kv_cache_hook(_on_kv_caches_ready, _on_runner_v2)
 
 
 def _on_model_load(runner) -> None:
     """Before the model loads: an engine whose graphs the tree pass rewrites defines the `ddtree::`
     mirror ops now. The pass defines them when it rewrites a graph, but a warm start loads the
     rewritten graph from vLLM's compile cache without running the pass, and that graph calls them
-    (the H100 warm start of `precompile` failed with "'ddtree' object has no attribute
-    'qwen_gdn_attention_core'"). That is a DDTree engine, and also an engine without DDTree whose
-    compilation_config installs the pass (flat DFlash in the benchmark, compiled alike: the mirror
-    ops run vLLM's op when no tree is being verified); the H100 side-by-side warm start of such a
-    flat DFlash engine died the same way."""
+    (without them it fails with "'ddtree' object has no attribute ..."). That is a DDTree engine,
+    and also an engine without DDTree whose compilation_config installs the pass (e.g. a flat
+    DFlash engine compiled alike: the mirror ops run vLLM's op when no tree is being verified)."""
     from ddtree_compile.integration import config
     from ddtree_compile.passes.entry import tree_verify_pass
 
@@ -65,6 +63,15 @@ def _on_memory_profile(runner) -> None:
         from ddtree_compile.integration.round import workspace
 
         workspace.reserve(runner, cfg)
+
+
+def _on_runner_v2(runner, reason: str, advice: str) -> None:
+    """The adapter's hook on a runner DDTree has no round for: refused once if the engine asked for DDTree."""
+    from ddtree_compile.integration import config
+    from ddtree_compile.integration.metrics import refuse_once
+
+    if config.parse(runner.vllm_config.additional_config) is not None:
+        refuse_once(reason, advice)
 
 
 def _on_kv_caches_ready(runner) -> None:

@@ -109,8 +109,12 @@ def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def write_tiny_dflash_drafter(target_dir, out_dir, *, seed=0) -> pathlib.Path:
+def write_tiny_dflash_drafter(target_dir, out_dir, *, seed=0, layer_types=None, sliding_window=64) -> pathlib.Path:
     """Write a tiny DFlash drafter (vLLM arch `DFlashDraftModel`) that fits `target_dir`.
+
+    `layer_types` (e.g. ["sliding_attention", "full_attention"], the Qwen3.6 drafter's mix) sets one
+    decoder layer per entry; a mix of sliding and full layers makes vLLM 0.26 run the engine on Model
+    Runner V2 (`config/vllm.py` `_dflash_needs_multi_kv_group`). Default: one full-attention layer.
 
     Layout follows vLLM's qwen3_dflash.py: Qwen3 decoder layers without embed_tokens or
     lm_head (both are shared from the target), plus `fc` (concatenated target hidden states
@@ -123,7 +127,13 @@ def write_tiny_dflash_drafter(target_dir, out_dir, *, seed=0) -> pathlib.Path:
     tcfg = tcfg.get("text_config", tcfg)  # a multimodal target: the drafter fits its language model
     n_target = tcfg["num_hidden_layers"]
     target_layer_ids = sorted({1, n_target - 2} & set(range(n_target))) or [0]
-    cfg = Qwen3Config(num_hidden_layers=1, **{**_COMMON, "vocab_size": tcfg["vocab_size"]})
+    allowed = ("sliding_attention", "full_attention")
+    if layer_types is not None and (not layer_types or any(t not in allowed for t in layer_types)):
+        raise ValueError(f"layer_types={layer_types!r}: a non-empty list of {', '.join(allowed)}")
+    extra = {} if layer_types is None else dict(layer_types=list(layer_types), sliding_window=sliding_window,
+                                                use_sliding_window=True, max_window_layers=0)
+    cfg = Qwen3Config(num_hidden_layers=len(layer_types or [None]), **{**_COMMON, "vocab_size": tcfg["vocab_size"]},
+                      **extra)
     cfg.block_size = 16  # DDTree drafts L = block_size - 1 positions; vLLM 0.32 ignores it
     cfg.num_target_layers = n_target
     cfg.target_hidden_size = tcfg["hidden_size"]

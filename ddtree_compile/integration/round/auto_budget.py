@@ -18,19 +18,17 @@ more tokens per second at this batch size.
   the proposal that chose its kind to the next proposal (its drafting, vLLM's output processing and
   scheduling, its verify). Not a window inside it: the tree's round is free of host syncs, so the
   host waits for the tree's verify wherever vLLM next syncs, outside any window around the verify,
-  while vLLM's chain verify syncs inside it (on the H100, 4B shape, c=16, a verify-start-to-next-
-  proposal window read tree@16 = 13.9 ms against chain@16 = 22-39 ms, while the tree's steps took
-  34 ms and flat DFlash's 22-25 ms; the tree always won). A lower quantile because interference
-  (and an idle engine between requests) only ever adds time: with a
-  median, a few first-call stalls among few samples held a kind's cost up for many steps (the H100's
-  dense 4B auto run still read tree@4 = 1151 ms after its first cell; a tree step there takes ~24 ms).
+  while vLLM's chain verify syncs inside it: a window around the verify would undercount the tree's
+  step and not the chain's. A lower quantile because interference (a first-call compile, a stall,
+  an idle engine between requests) only ever adds time: with a median, a few stalls among few
+  samples would hold a kind's cost up for many steps.
 - A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried;
   while the chain wins, every `probe_interval`-th step verifies the tree anyway so its acceptance
   keeps being measured (a drafter can get better); while the tree wins, every
   `probe_interval * _CHAIN_PROBE_FACTOR`-th step verifies the chain, so a chain cost whose every
-  sample was a stall is measured again (the H100 dense 4B run kept chain@1 = 313 ms, against ~20 ms
-  at c=2, for all of its cells: a kind that loses is never timed again without a probe). Rarer than
-  tree probes: the chain has no acceptance to learn, and on hybrids its step is the slower one.
+  sample was a stall is measured again (a kind that loses is never timed again without a probe).
+  Rarer than tree probes: the chain has no acceptance to learn, and on hybrids its step is the
+  slower one.
 
 Only two buckets: vLLM 0.26 captures FULL CUDA graphs for one uniform decode length (1 + K tokens
 per request) per engine, and K = B on hybrids, so the tree runs in those graphs and the chain

@@ -125,9 +125,7 @@ class VerifyStage:
     # -- the target forward -----------------------------------------------------------------------
     def forward(self, step: Step, original_forward, input_ids=None, positions=None, intermediate_tensors=None,
                 inputs_embeds=None, **kw):
-        T = step.R * step.N
-        pos = positions.clone()
-        pos[..., :T] = step.positions
+        pos = self.ctx.view.tree_positions(positions, step.positions, step.tree.depths)
         rows = self.graphs.replay_rows(adapters.current().full_graph_tokens())
         meta = step.meta if rows is None else self.graphs.fill(rows, step)
         self._forward_metadata(step, meta, rows)

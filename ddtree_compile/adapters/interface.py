@@ -1,0 +1,107 @@
+"""The runner interface: everything the round reads or writes of a vLLM model runner, declared once.
+
+The round (integration/round/) holds a `RunnerView` and calls only what is declared here; each
+adapter implements it for one runner and release line (v1_runner.V1RunnerView for the V1
+`GPUModelRunner` of 0.26 and 0.32, subclassed per release). tests/test_adapters.py checks that every
+`view.<name>` the package uses is declared here and that each adapter implements all of it.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+
+class RunnerView(abc.ABC):
+    """One engine's model runner as the round sees it, under names that do not depend on vLLM's."""
+
+    # set by the implementation's __init__
+    runner: object  # the vLLM runner itself: only adapters and engine bookkeeping touch it
+    vllm_config: object
+    device: torch.device
+    dtype: torch.dtype
+    max_num_reqs: int
+    eager: bool  # no compiled graph: the ops are redirected to the tree ops in Python
+
+    # -- refusals --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def unsupported_features(self) -> str | None:
+        """An engine feature the round does not serve (logged once, counted, flat DFlash), or None."""
+
+    # -- the step's requests ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def num_reqs(self) -> int: ...
+
+    @abc.abstractmethod
+    def req_ids(self, R: int) -> list[str]: ...
+
+    @abc.abstractmethod
+    def live_req_ids(self) -> set[str]: ...
+
+    @abc.abstractmethod
+    def sampling_params(self, req_id: str): ...
+
+    @abc.abstractmethod
+    def temperatures_host(self, R: int): ...
+
+    @abc.abstractmethod
+    def prompt_token_ids(self, req_id: str) -> list[int]: ...
+
+    # -- positions and the verify batch ------------------------------------------------------------
+    @abc.abstractmethod
+    def positions(self, T: int) -> torch.Tensor:
+        """Flat positions of the step's T tokens (slot mapping, tree attention context)."""
+
+    @abc.abstractmethod
+    def tree_positions(self, positions: torch.Tensor, flat: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """The target's position input of a tree verify: flat, or rotary rows (M-RoPE) at root + depth."""
+
+    @abc.abstractmethod
+    def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def input_ids(self) -> torch.Tensor:
+        """The step's input-id buffer (the drafter reads it after the verify)."""
+
+    @abc.abstractmethod
+    def set_num_accepted(self, R: int, committed: torch.Tensor) -> None:
+        """Hybrids: where the next step reads GDN state and conv window (vLLM's lazy commit)."""
+
+    # -- layers, KV and GDN state addressing ---------------------------------------------------------
+    @abc.abstractmethod
+    def layer(self, name: str): ...
+
+    @abc.abstractmethod
+    def classify_layers(self) -> tuple[list[str], list[str], list[str]]:
+        """(attention, Qwen GatedDeltaNet, other sequence-state layers) of the target."""
+
+    @abc.abstractmethod
+    def kv_cache_groups(self) -> list[list[str]]: ...
+
+    @abc.abstractmethod
+    def block_table(self, layer_name: str, R: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def gdn_takes_short_drafts(self) -> bool: ...
+
+    @abc.abstractmethod
+    def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state_indices int32 [R, 1+K], num_accepted int32 [R]) of a pure spec-decode GDN batch."""
+
+    # -- the drafter -----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def drafter_draft_len(self) -> int: ...
+
+    @abc.abstractmethod
+    def drafter_compute_logits(self, hidden_states) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def drafter_root_positions(self, R: int) -> torch.Tensor:
+        """Token index of each request's bonus token in the drafter's current forward ([R])."""
+
+    @abc.abstractmethod
+    def wrap_drafter_logits(self, fn) -> None: ...
+
+    @abc.abstractmethod
+    def unwrap_drafter_logits(self) -> None: ...
