@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 import torch
-from test_passes_driver import ModelDriver, Seq, make_tree, replay_paths, root_path
+from _passes_driver import ModelDriver, Seq, make_tree, replay_paths, root_path
 
 import ddtree_compile
 from ddtree_compile import adapters
