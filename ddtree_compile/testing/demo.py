@@ -29,6 +29,12 @@ import tempfile
 import time
 
 
+# GDN state cache in float32 for both engines: with the model's bf16, no speculation rounds the state
+# after every token and a verify after each accepted path, so two drafters (different accepted paths)
+# can round a near-tie apart; in float32 the random and the harness drafter give the same tokens.
+STATE = {"mamba_ssm_cache_dtype": "float32"}
+
+
 def _env() -> None:
     # In-process engine (the per-round printer reads the live runner); no model hub, ever.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -82,14 +88,14 @@ def run_demo(kind: str = "qwen3_5", budget: int = 16, top_k: int = 4, draft_len:
                                                num_speculative_tokens=draft_len)))
 
     t0 = time.perf_counter()
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True))
+    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, **STATE))
     try:
         reference = harness.generate_with_logprobs(llm, prompts, max_tokens)
     finally:
         harness.shutdown(llm)
     t_ref = time.perf_counter() - t0
 
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, **switch))
+    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, **STATE, **switch))
     try:
         state = find_state(llm)
         if state is None:
