@@ -5,7 +5,8 @@ reference and the argument checks the launcher shares. ops.py registers every `d
 (CPU kernel = the reference, CUDA kernel = the launcher, fake = the checks); import it to use them.
 
     op / path                 kernel module       reference module
-    ddtree::tree_attention    tree_attention.py   tree_attention_ref.py
+    ddtree::tree_attention    tree_attention.py   tree_attention_ref.py  (tree_attention_scratch: the
+                                                                       same, partials in the caller's scratch)
     ddtree::kv_compact        kv_compact.py       kv_compact_ref.py
     ddtree::tree_conv1d       tree_conv.py        tree_conv_ref.py
     ddtree::tree_gdn          tree_gdn.py         tree_gdn_ref.py

@@ -34,30 +34,42 @@ Tensor = torch.Tensor
 # ------------------------------------------------------------------ tree attention (paged KV cache)
 
 
-# `scratch` (optional): the CUDA kernel's split-KV partials, owned by the caller (tree_attention.py).
-@torch.library.custom_op("ddtree::tree_attention", mutates_args=("out", "scratch"))
+@torch.library.custom_op("ddtree::tree_attention", mutates_args=("out",))
 def tree_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                    context_lens: Tensor, ancestor_bits: Tensor, depths: Tensor, out: Tensor,
-                   softmax_scale: float, sliding_window: int, logits_soft_cap: float,
-                   scratch: Optional[Tensor] = None) -> None:
+                   softmax_scale: float, sliding_window: int, logits_soft_cap: float) -> None:
+    tree_attention_reference(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
+                             softmax_scale, sliding_window, logits_soft_cap)
+
+
+# The same op with the CUDA kernel's split-KV partials in the caller's `scratch` (tree_attention.py), which
+# it mutates. An op of its own, not an optional argument of the one above: torch 2.11 (vLLM 0.26's) indexes
+# a mutated argument that a call leaves out, and fails.
+@torch.library.custom_op("ddtree::tree_attention_scratch", mutates_args=("out", "scratch"))
+def tree_attention_scratch(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                           context_lens: Tensor, ancestor_bits: Tensor, depths: Tensor, out: Tensor,
+                           softmax_scale: float, sliding_window: int, logits_soft_cap: float, scratch: Tensor) -> None:
     check_scratch(scratch, query.device)
     tree_attention_reference(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
                              softmax_scale, sliding_window, logits_soft_cap)
 
 
-@tree_attention.register_kernel("cuda")
 def _tree_attention_cuda(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
                          softmax_scale, sliding_window, logits_soft_cap, scratch=None) -> None:
     launch_tree_attention(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
                           softmax_scale, sliding_window, logits_soft_cap, scratch)
 
 
-@tree_attention.register_fake
 def _tree_attention_fake(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
                          softmax_scale, sliding_window, logits_soft_cap, scratch=None) -> None:
     check_tree_attention_args(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths,
                               out, softmax_scale, sliding_window, logits_soft_cap)
     check_scratch(scratch, query.device)
+
+
+for _op in (tree_attention, tree_attention_scratch):
+    _op.register_kernel("cuda")(_tree_attention_cuda)
+    _op.register_fake(_tree_attention_fake)
 
 
 # ------------------------------------------------------------------ commit-time K/V compaction

@@ -10,8 +10,9 @@
         depths,         # [R, N] int32/int64: tree depth of each slot (0 for root and padding)
         out,            # [R*N, Hq, D], written in place (mutated; the op returns nothing)
         softmax_scale: float, sliding_window: int (<= 0: none), logits_soft_cap: float (<= 0: none),
-        scratch=None,   # 1-D fp32, >= bucket_scratch_elems(...): the split-KV partials (mutated)
     ) -> None
+    torch.ops.ddtree.tree_attention_scratch(..., logits_soft_cap, scratch)  # the same, with the split-KV
+        # partials in `scratch` (1-D fp32, >= bucket_scratch_elems(...) elements; mutated)
 
 Semantics and the plain torch reference (the op's CPU kernel): tree_attention_ref.py. The verify
 tokens' K/V must already sit in the cache at positions context_len + j. The op's CUDA kernel is

@@ -61,16 +61,18 @@ def _force_bucket_path(llm, monkeypatch):
 
 def _scratch_everywhere(monkeypatch) -> list:
     """Plan and allocate tree attention's scratch as on CUDA; the scratch of every tree-attention call."""
-    import ddtree_compile.templates.ops  # noqa: F401  registers ddtree::tree_attention
+    import ddtree_compile.templates.ops  # noqa: F401  registers the ddtree::tree_attention ops
 
     monkeypatch.setattr(tree_attention, "uses_scratch", lambda device: True)
-    seen, op = [], torch.ops.ddtree.tree_attention
+    seen = []
+    for name in ("tree_attention", "tree_attention_scratch"):
+        op = getattr(torch.ops.ddtree, name)
 
-    def recording(*args):
-        seen.append(args[11])  # (..., logits_soft_cap, scratch): as integration/tree_ops.py calls it
-        return op(*args)
+        def recording(*args, op=op):
+            seen.append(args[11] if len(args) > 11 else None)  # (..., logits_soft_cap[, scratch]): as tree_ops calls it
+            return op(*args)
 
-    monkeypatch.setattr(torch.ops.ddtree, "tree_attention", recording)
+        monkeypatch.setattr(torch.ops.ddtree, name, recording)
     return seen
 
 

@@ -410,11 +410,12 @@ def test_op_cpu_dispatches_to_reference():
     torch.ops.ddtree.tree_attention(*_op_args(t, out))
     assert torch.equal(out, run_ref(t, dtype=t["query"].dtype))
     scratch = torch.full((64,), float("nan"))  # the reference needs none: a scratch is accepted, left alone
-    torch.ops.ddtree.tree_attention(*_op_args(t, out), scratch)
+    out.fill_(float("nan"))
+    torch.ops.ddtree.tree_attention_scratch(*_op_args(t, out), scratch)
     assert torch.equal(out, run_ref(t, dtype=t["query"].dtype)) and scratch.isnan().all()
     for bad in (scratch.half(), scratch.view(8, 8), scratch[1:]):  # dtype, shape, a misaligned start
         with pytest.raises(ValueError, match="`scratch`"):
-            torch.ops.ddtree.tree_attention(*_op_args(t, out), bad)
+            torch.ops.ddtree.tree_attention_scratch(*_op_args(t, out), bad)
 
 
 def test_op_opcheck_and_compile():
@@ -422,9 +423,9 @@ def test_op_opcheck_and_compile():
 
     t = make_case({**BASE, "N": 4, "ctx": (5, 3), "seed": 23})
     out = torch.zeros_like(t["query"])
-    for args in (_op_args(t, out), _op_args(t, out) + (torch.zeros(32),)):
-        torch.library.opcheck(torch.ops.ddtree.tree_attention.default, args,
-                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    for op, args in ((torch.ops.ddtree.tree_attention, _op_args(t, out)),
+                     (torch.ops.ddtree.tree_attention_scratch, _op_args(t, out) + (torch.zeros(32),))):
+        torch.library.opcheck(op.default, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
     def f(q, kc, vc, bt, cl, bits, depths):
         o = torch.empty_like(q)

@@ -40,7 +40,7 @@ def kv_layout(layer):
 
 def _attention_tree(meta, original, query, key, value, output, layer_name, output_scale=None,
                     output_block_scale=None, kv_cache_dummy_dep=None):
-    import ddtree_compile.templates.ops  # noqa: F401  registers ddtree::tree_attention
+    import ddtree_compile.templates.ops  # noqa: F401  registers ddtree::tree_attention(_scratch)
 
     if output_scale is not None or output_block_scale is not None:
         raise NotImplementedError("tree attention: fused output quantization is not supported")
@@ -54,10 +54,13 @@ def _attention_tree(meta, original, query, key, value, output, layer_name, outpu
     ctx_lens = meta.context_lens if meta.context_lens is not None else attn_metadata.seq_lens[:R] - N
     k_cache, v_cache, block_table = kv_layout(layer).logical_blocks(kv_cache, p.head_size,
                                                                     attn_metadata.block_table[:R].to(torch.int32))
-    torch.ops.ddtree.tree_attention(
-        query[:T].view(T, p.num_heads, p.head_size), k_cache, v_cache, block_table, ctx_lens,
-        meta.ancestor_bits, meta.depths, output[:T].view(T, p.num_heads, p.head_size), p.scale,
-        p.sliding_window, p.logits_soft_cap, meta.attn_scratch)
+    args = (query[:T].view(T, p.num_heads, p.head_size), k_cache, v_cache, block_table, ctx_lens,
+            meta.ancestor_bits, meta.depths, output[:T].view(T, p.num_heads, p.head_size), p.scale,
+            p.sliding_window, p.logits_soft_cap)
+    if meta.attn_scratch is None:
+        torch.ops.ddtree.tree_attention(*args)
+    else:  # the engine's scratch (round/workspace.py): the split-KV partials at fixed addresses
+        torch.ops.ddtree.tree_attention_scratch(*args, meta.attn_scratch)
 
 
 def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest):
