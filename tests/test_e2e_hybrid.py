@@ -13,8 +13,12 @@ GDN op runs only in bf16).
 * Qwen3.5 (dense MLP) is gated strictly. The tiny Qwen3-Next routes each token to 2 of 4 experts:
   a 1-ulp float32 difference anywhere (even replay vs snapshot commits of the same path) can flip a
   routing near-tie and change a later logit by > 1 nat, and vLLM's own flat DFlash already differs
-  from no speculation at its first token there. On Qwen3-Next the gates are reported, and asserted
-  only where the numerics are the same (tree vs its own chain, random drafter) plus the exact state check.
+  from no speculation at its first token there. On Qwen3-Next the gates are asserted only where the
+  numerics are the same (tree vs its own chain, random drafter) plus the exact state check; the
+  gates against vLLM's engines run on Qwen3.5 only (`test_regret_gate_against_vllm` is not
+  parametrized with Qwen3-Next: no gate there could fail for a DDTree bug rather than a routing flip,
+  since its own control does not pass it: vLLM's flat DFlash against no speculation diverged at a
+  regret of 0.81 nat, DDTree against either at up to 0.38, on this CPU).
 * After every tree commit, each GDN layer's committed state is compared, in float32, with a replay of
   the committed path from the state the verify started from (through the template reference
   `gdn_update_ref`), and the conv window with the path's last inputs: bf16 noise cannot hide a wrong
@@ -136,14 +140,14 @@ def vllm_references(dirs):
     return refs
 
 
+@pytest.mark.parametrize("dirs", ["qwen3_5"], indirect=True)  # Qwen3-Next: see the module docstring
 @pytest.mark.parametrize("ref", ["flat DFlash", "no speculation"])
 def test_regret_gate_against_vllm(runs, vllm_references, ref, dirs):
-    strict = STRICT[dirs["kind"]]
-    _gate(vllm_references[ref], runs["random"], f"tree (random drafter) vs {ref}", strict)
-    _gate(vllm_references[ref], runs["harness"], f"tree (harness drafter) vs {ref}", strict)
-    if ref == "no speculation":  # control: vLLM's own flat DFlash against no speculation
-        _gate(vllm_references[ref], [t for t, _ in vllm_references["flat DFlash"]], "control: flat DFlash vs "
-              "no speculation", strict=False)
+    _gate(vllm_references[ref], runs["random"], f"tree (random drafter) vs {ref}")
+    _gate(vllm_references[ref], runs["harness"], f"tree (harness drafter) vs {ref}")
+    if ref == "no speculation":  # control: vLLM's own flat DFlash passes the same gate
+        _gate(vllm_references[ref], [t for t, _ in vllm_references["flat DFlash"]],
+              "control: flat DFlash vs no speculation")
 
 
 SEGMENT_TOL = 1.0  # nat; see the docstring below
