@@ -120,7 +120,7 @@ def test_the_mirror_ops_exist_before_the_model_loads():
 def test_runner_v2_advice_names_the_way_out():
     from types import SimpleNamespace as NS
 
-    from ddtree_compile.adapters.v1_runner import _v2_advice
+    from ddtree_compile.adapters.runner_v2 import _v2_advice
 
     def cfg(layer_types):
         return NS(speculative_config=NS(draft_model_config=NS(hf_config=NS(layer_types=layer_types))))
@@ -139,7 +139,7 @@ def test_a_ddtree_engine_on_runner_v2_is_refused_once_and_counted(monkeypatch):
 
     import vllm.v1.worker.gpu.model_runner as v2
 
-    from ddtree_compile.adapters.v1_runner import refuse_ddtree_on_runner_v2
+    from ddtree_compile.adapters.runner_v2 import refuse_ddtree_on_runner_v2
     from ddtree_compile.integration import metrics, plugin
 
     plugin.register()

@@ -54,7 +54,11 @@ def _llm(dirs, **kw):
 
     # max_model_len above prompt + 500 + drafts: vLLM truncates drafts near the limit, and its CPU GDN
     # spec kernel cannot roll the conv buffer for fewer drafts than num_speculative_tokens (flat DFlash too).
-    return LLM(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, max_model_len=1024, **kw))
+    # The GDN state cache in float32 (`mamba_ssm_cache_dtype`) in every engine: in bf16, engines that
+    # accept different paths round the state at different points, and this tie-heavy tiny model turned
+    # that alone into tree-vs-chain divergences at tokens 33-134 on a CPU with the vec KV layout.
+    return LLM(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, max_model_len=1024,
+                                        mamba_ssm_cache_dtype="float32", **kw))
 
 
 def _ddtree(dirs, top_k, gdn_state="replay"):

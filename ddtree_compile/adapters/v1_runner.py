@@ -61,34 +61,6 @@ def _patch(cls, name: str, before=None, after=None) -> bool:
     return True
 
 
-def refuse_ddtree_on_runner_v2(line: str, on_runner_v2) -> None:
-    """Patch Model Runner V2's `initialize_kv_cache` (if this build has V2): `on_runner_v2(runner,
-    reason, advice)` runs once its caches exist. V2 has none of the round hooks: the caller refuses
-    DDTree there (logged once, counted) and the engine runs flat DFlash."""
-    try:
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
-    except Exception:  # Model Runner V2 needs Triton; builds without it have no V2 engines
-        return
-
-    def after(runner, args, kwargs) -> None:
-        on_runner_v2(runner, f"vLLM {line} runs this engine on Model Runner V2, which has no DDTree round hooks "
-                     "(they exist in the V1 GPUModelRunner only)", _v2_advice(runner.vllm_config))
-
-    patch_after(RunnerV2, "initialize_kv_cache", after)
-
-
-def _v2_advice(vllm_config) -> str:
-    """What a user of a V2 engine can do: V1 is a way out unless the drafter forces V2 (0.26:
-    `config/vllm.py:564-568`, `_dflash_needs_multi_kv_group` `:593-603`; V1 then raises in
-    `qwen3_dflash.py:103-113`; 0.32 the same, `qwen3_dflash.py:156-166`)."""
-    draft = getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None)
-    layer_types = set(getattr(getattr(draft, "hf_config", None), "layer_types", None) or ())
-    if {"sliding_attention", "full_attention"} <= layer_types:
-        return ("it runs as flat DFlash: its DFlash drafter mixes sliding-window and full attention layers, "
-                "which vLLM serves on Model Runner V2 only")
-    return "it runs as flat DFlash; set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner"
-
-
 def replace_round_members(runner, hooks: dict) -> dict:
     """Replace the members named by ROUND_HOOKS on `runner` (instance level) with `hooks[name]`;
     returns the originals by the same names."""

@@ -52,12 +52,12 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     model_module_ids,
     patch_after,
     patch_before,
-    refuse_ddtree_on_runner_v2,
     replace_round_members,
     sampler_output,
     sampling_unsupported_reason,
     shutdown_engine,
 )
+from .runner_v2 import refuse_ddtree_on_runner_v2  # Model Runner V2: refused
 
 LINE = "0.26"
 
@@ -73,7 +73,7 @@ def install_kv_cache_hook(on_kv_caches_ready, on_runner_v2) -> bool:
     0.26: profiling calls (`is_profiling=True`, a minimal cache freed right after,
     `gpu_model_runner.py:6439-6463`, `:6505-6537`) are skipped. Model Runner V2's
     `initialize_kv_cache` (`v1/worker/gpu/model_runner.py:411`) is patched to refuse DDTree once
-    (v1_runner.refuse_ddtree_on_runner_v2)."""
+    (runner_v2.refuse_ddtree_on_runner_v2)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def after(runner, args, kwargs):

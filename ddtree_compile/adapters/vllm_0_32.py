@@ -33,12 +33,12 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     model_module_ids,
     patch_after,
     patch_before,
-    refuse_ddtree_on_runner_v2,
     replace_round_members,
     sampler_output,
     sampling_unsupported_reason,
     shutdown_engine,
 )
+from .runner_v2 import refuse_ddtree_on_runner_v2  # Model Runner V2: refused
 
 LINE = "0.32"
 
