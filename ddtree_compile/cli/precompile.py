@@ -106,8 +106,8 @@ def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_
             od = NeverRightDrafter().install(llm)
             try:
                 for R in buckets:
-                    # warm-up outside the table: a batch shape's first steps compile kernels (the H100's
-                    # batch-2 row read 82 ms per round against 42 ms at batch 4 with batch 1 warmed only)
+                    # warm-up outside the table: a batch shape's first steps compile kernels, which would
+                    # otherwise be timed as that bucket's round cost
                     timed_steps(llm, prompts[:R], 4)
                     before = metrics.collect(llm)[0]
                     r = timed_steps(llm, prompts[:R], max_tokens)
