@@ -116,6 +116,7 @@ class V1RunnerView(RunnerView):
         self.dtype = runner.model_config.dtype
         self.max_num_reqs = runner.max_num_reqs
         self.eager = runner.vllm_config.compilation_config.mode == 0  # NONE: no compiled graph to rewrite
+        self._deltas: tuple = ((), None)  # (request ids, their M-RoPE deltas on the device)
 
     def unsupported_features(self) -> str | None:
         """An engine feature the round does not serve on either release, or None."""
@@ -210,9 +211,13 @@ class V1RunnerView(RunnerView):
         if not getattr(self.runner, "uses_mrope", False):
             return pos
         # The drafter runs on M-RoPE's T row (flat + delta, `dflash.py` set_inputs_first_pass): back to
-        # the token index (test support reads it; a host read of the per-request deltas).
-        deltas = [self.runner.requests[q].mrope_position_delta or 0 for q in self.req_ids(R)]
-        return pos - torch.tensor(deltas, dtype=pos.dtype, device=pos.device)
+        # the token index. A request's delta never changes: the device copy of the batch's deltas is
+        # made once per batch composition, not once per drafter call (precompile times every round).
+        ids = tuple(self.req_ids(R))
+        if self._deltas[0] != ids:
+            deltas = [self.runner.requests[q].mrope_position_delta or 0 for q in ids]
+            self._deltas = (ids, torch.tensor(deltas, dtype=pos.dtype, device=pos.device))
+        return pos - self._deltas[1]
 
     def prompt_token_ids(self, req_id: str) -> list[int]:
         return list(self.runner.requests[req_id].prompt_token_ids or ())
