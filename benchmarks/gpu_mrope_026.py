@@ -12,6 +12,8 @@ Parts (each adds its section to the JSON at --out, so parts can run in separate 
   graph replays per kind.
 - `flat`: vLLM's own flat DFlash with the same drafter, gated against `ddtree`'s reference (same
   command): the control for the gates.
+- `fp8kv`: DDTree on an FP8 KV cache (`kv_cache_dtype="fp8"`): refused at start-up (logged, counted),
+  the engine serves as flat DFlash.
 - `mixed`: DDTree with a drafter mixing sliding and full attention (the Qwen3.6 drafter's shape), which
   forces Model Runner V2: what DDTree does there (today: refused at start-up, logged and counted, the
   engine runs flat DFlash) and that the engine serves text and images.
@@ -74,8 +76,8 @@ def _gates(ref, got):
     return [harness.regret_gate((r["tokens"], r["lps"]), g["tokens"], TOL) for r, g in zip(ref, got)]
 
 
-def _engine(dirs, drafter=None, flat=False):
-    llm, start = base._engine(dirs["target"], drafter, hybrid=True, flat=flat, **MM)
+def _engine(dirs, drafter=None, flat=False, **kw):
+    llm, start = base._engine(dirs["target"], drafter, hybrid=True, flat=flat, **MM, **kw)
     from ddtree_compile.integration import engines
 
     runner = engines.find_runner(llm)
@@ -170,6 +172,28 @@ def part_mixed(dirs, prompts, out):
         engines.shutdown(llm)
 
 
+def part_fp8kv(dirs, prompts, out):
+    """DDTree asked for on an FP8 KV cache: refused when the engine starts (tree attention reads bf16/fp16
+    K/V), logged once and counted, and the engine serves text and images as flat DFlash."""
+    from ddtree_compile.integration import engines, metrics
+
+    before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
+    llm, out["engine"] = _engine(dirs, dirs["full"], kv_cache_dtype="fp8")
+    try:
+        out["attached"] = engines.find_state(llm) is not None
+        out["fallbacks_at_start"] = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items()
+                                     if v != before.get(k, 0)}
+        got = {k: _generate(llm, p) for k, p in prompts.items()}
+        out["served_tokens"] = {k: sum(len(g["tokens"]) for g in v) for k, v in got.items()}
+    finally:
+        engines.shutdown(llm)
+    out["ok"] = (not out["attached"] and any("quantized KV cache" in k for k in out["fallbacks_at_start"])
+                 and all(n == MAX_TOKENS * len(prompts[k]) for k, n in out["served_tokens"].items()))
+
+
+PARTS = {"ddtree": part_ddtree, "flat": part_flat, "mixed": part_mixed, "fp8kv": part_fp8kv}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -200,14 +224,9 @@ def main(argv=None) -> int:
             out = {}
             t0 = time.perf_counter()
             try:
-                if part == "ddtree":
-                    part_ddtree(dirs, prompts, out)
-                elif part == "flat":
-                    part_flat(dirs, prompts, out)
-                elif part == "mixed":
-                    part_mixed(dirs, prompts, out)
-                else:
-                    raise SystemExit(f"--parts: {part!r} is not one of ddtree, flat, mixed")
+                if part not in PARTS:
+                    raise SystemExit(f"--parts: {part!r} is not one of {', '.join(PARTS)}")
+                PARTS[part](dirs, prompts, out)
             except Exception as e:  # keep going; the error goes in the JSON
                 out.update(error=repr(e), traceback=traceback.format_exc()[-4000:])
                 print(out["traceback"], file=sys.stderr)

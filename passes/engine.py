@@ -75,7 +75,7 @@ class RewriteEngine:
         self.active: list[_Active] = []
         for rule, src in rules_mod.load_rules(rows, platform, vllm_version):
             try:
-                repl = tree_ops.register_mirror(src, tree_ops.tree_impl_for(rule.tree_impl, rule.source_packet))
+                repl = tree_ops.register_mirror(src, rule.tree_impl)
             except Exception as e:
                 raise rules_mod.RuleError(f"rule {rule.name!r}: cannot register {rule.replacement} "
                                           f"for {rule.source}: {e}") from e

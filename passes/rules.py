@@ -10,9 +10,10 @@ Each row (a plain dict, validated by `load_rules`) says:
   source      the op overload matched in the post-grad graph, as a plain call or inside
               auto_functionalized(...): "namespace::op.overload"
   defined_in  "module[:function]" that registers `source` (imported / called before lookup)
-  tree_impl   the tree implementation of the op (integration/tree_ops.py TREE_IMPLS); the pass
-              swaps `source` for `ddtree::<op>`, a mirror with the same schema that runs it during
-              a tree verify. A row whose implementation is missing, or does not serve its op, is
+  tree_impl   the tree implementation of the op, by reference (integration/tree_ops.py: ATTENTION,
+              GDN); the pass swaps `source` for its mirror `ddtree::<op>` (tree_ops.mirror_name),
+              same schema, which runs that implementation during a tree verify. A row whose
+              implementation is not one of tree_ops.TREE_IMPLS, or does not serve its op, is
               refused when the pass loads.
 
 Ops that carry sequence state but have no tree implementation are not rows: they are listed in
@@ -31,6 +32,8 @@ import importlib
 import json
 from dataclasses import dataclass
 
+from ddtree_compile.integration.tree_ops import ATTENTION, GDN, mirror_name, tree_impl_for
+
 PLATFORMS = ("cpu", "cuda", "rocm", "xpu")
 
 _ATTN_MOD = "vllm.model_executor.layers.attention.attention"
@@ -39,16 +42,16 @@ _GDN_CPU_MOD = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:register_
 
 RULES: tuple[dict, ...] = (
     dict(name="attention", platforms=("cpu", "cuda", "rocm"), vllm="0.32",
-         source="vllm::unified_attention_with_output.default", defined_in=_ATTN_MOD, tree_impl="attention"),
+         source="vllm::unified_attention_with_output.default", defined_in=_ATTN_MOD, tree_impl=ATTENTION),
     dict(name="gdn_cpu", platforms=("cpu",), vllm="0.32",
-         source="vllm::cpu_gdn_attention_core.default", defined_in=_GDN_CPU_MOD, tree_impl="gdn"),
+         source="vllm::cpu_gdn_attention_core.default", defined_in=_GDN_CPU_MOD, tree_impl=GDN),
     dict(name="gdn_cuda", platforms=("cuda", "rocm"), vllm="0.32",
-         source="vllm::qwen_gdn_attention_core.default", defined_in=_GDN_CUDA_MOD, tree_impl="gdn"),
+         source="vllm::qwen_gdn_attention_core.default", defined_in=_GDN_CUDA_MOD, tree_impl=GDN),
     # vLLM 0.26 (CUDA): the same ops and schemas (docs/vllm_0_26.md (b)); no fused-norm GDN variant.
     dict(name="attention_026", platforms=("cuda",), vllm="0.26",
-         source="vllm::unified_attention_with_output.default", defined_in=_ATTN_MOD, tree_impl="attention"),
+         source="vllm::unified_attention_with_output.default", defined_in=_ATTN_MOD, tree_impl=ATTENTION),
     dict(name="gdn_cuda_026", platforms=("cuda",), vllm="0.26",
-         source="vllm::qwen_gdn_attention_core.default", defined_in=_GDN_CUDA_MOD, tree_impl="gdn"),
+         source="vllm::qwen_gdn_attention_core.default", defined_in=_GDN_CUDA_MOD, tree_impl=GDN),
 )
 
 # Ops that carry per-token sequence state (a tree verify would change their meaning) and have no
@@ -87,7 +90,7 @@ class Rule:
     vllm: str
     source: str
     defined_in: str
-    tree_impl: str
+    tree_impl: object  # tree_ops.TreeImpl
 
     @property
     def source_packet(self) -> str:
@@ -97,7 +100,7 @@ class Rule:
     @property
     def replacement(self) -> str:
         """The mirror op the source becomes: "ddtree::<op>"."""
-        return "ddtree::" + self.source_packet.split("::", 1)[1]
+        return mirror_name(self.source_packet)
 
     def applies_to(self, platform: str, vllm_line: str) -> bool:
         return platform in self.platforms and self.vllm == vllm_line
@@ -105,7 +108,6 @@ class Rule:
 
 def parse_rule(row: dict) -> Rule:
     import ddtree_compile.adapters as adapters
-    from ddtree_compile.integration.tree_ops import tree_impl_for
 
     name = row.get("name", "<unnamed>")
     missing = [f for f in _FIELDS if f not in row]
@@ -143,7 +145,7 @@ def parse_rules(rows=None) -> tuple[Rule, ...]:
 def rules_digest(rows=None) -> str:
     """Canonical JSON of the table (what the pass uuid hashes)."""
     rows = RULES if rows is None else rows
-    return json.dumps(list(rows), sort_keys=True, default=list)
+    return json.dumps(list(rows), sort_keys=True, default=lambda o: getattr(o, "name", None) or list(o))
 
 
 def resolve_op(qualified: str):

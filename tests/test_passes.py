@@ -40,15 +40,17 @@ def test_table_rows_parse_and_each_names_a_working_implementation():
     rules = rules_mod.parse_rules()
     assert [r.name for r in rules] == [row["name"] for row in rules_mod.RULES]
     for r in rules:
-        assert r.source_packet in TREE_IMPLS[r.tree_impl].serves
+        assert r.tree_impl in TREE_IMPLS and r.source_packet in r.tree_impl.serves
         assert r.replacement == "ddtree::" + r.source_packet.split("::")[1]
 
 
 def test_a_row_without_a_working_implementation_is_refused_when_the_pass_loads():
-    with pytest.raises(rules_mod.RuleError, match=r"rule 'fused': tree_impl 'gdn_fused' does not exist; known: "
-                                                  r"attention, gdn"):
-        engine_mod.RewriteEngine((_row(name="fused", tree_impl="gdn_fused"),))
-    fused = _row(name="fused", platforms=("cuda",), tree_impl="gdn",
+    from ddtree_compile.integration.tree_ops import GDN
+
+    with pytest.raises(rules_mod.RuleError, match=r"rule 'fused': tree_impl 'gdn' is not a tree implementation; "
+                                                  r"allowed: tree_ops.ATTENTION, tree_ops.GDN"):
+        engine_mod.RewriteEngine((_row(name="fused", tree_impl="gdn"),))  # a name, not the implementation
+    fused = _row(name="fused", platforms=("cuda",), tree_impl=GDN,
                  source="vllm::qwen_gdn_attention_core_fused_norm_packed.default")
     with pytest.raises(rules_mod.RuleError, match=r"rule 'fused': tree_impl 'gdn' does not serve "
                                                   r"vllm::qwen_gdn_attention_core_fused_norm_packed"):
@@ -88,7 +90,7 @@ def test_a_vllm_outside_the_window_is_refused():
 @pytest.mark.parametrize("field,value,msg", [
     ("platforms", ("tpu",), "platforms"),
     ("source", "unified_attention_with_output", "must look like"),
-    ("tree_impl", None, "tree_impl None does not exist"),
+    ("tree_impl", None, "tree_impl None is not a tree implementation"),
     ("vllm", ">=0.32", r"vllm '>=0.32' is not a release line with an adapter; allowed values: 0.32, 0.26"),
 ])
 def test_malformed_rows_are_rejected(field, value, msg):

@@ -165,3 +165,44 @@ def test_vllm_private_names_only_in_the_adapters(name):
 def test_modules_stay_short(name):
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)} has {lines} lines (> {MAX_LINES}): split it"
+
+
+# Fields of vLLM's objects (configs, runner, input batch, scheduler output, sampler and attention
+# metadata) that the round reads: outside the adapters only the runner interface names them.
+VLLM_FIELDS = {
+    "vllm_config", "speculative_config", "model_config", "compilation_config", "scheduler_config", "cache_config",
+    "parallel_config", "input_batch", "drafter", "speculator", "rejection_sampler", "requests", "kv_cache_config",
+    "static_forward_context", "scheduled_spec_decode_tokens", "sampled_token_ids", "logprobs_tensors", "all_greedy",
+    "num_draft_tokens", "draft_token_ids", "logits_indices", "max_spec_len", "seq_lens", "spec_state_indices_tensor",
+    "num_accepted_tokens", "mrope_positions", "inductor_compile_config", "additional_config",
+}
+# Names that hold vLLM objects where vLLM hands them to a hook: read only through the interface.
+VLLM_OBJECTS = {"runner", "scheduler_output", "sampling_metadata", "spec_decode_metadata", "attn_metadata",
+                "spec_metadata", "vllm_config"}
+OUTSIDE_ADAPTERS = sorted(m for m in PRODUCT if ".adapters" not in m and ".cli" not in m)
+
+
+def _vllm_reads(path: pathlib.Path) -> list[str]:
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base = node.value.id if isinstance(node.value, ast.Name) else None
+        if node.attr in VLLM_FIELDS or base in VLLM_OBJECTS:
+            bad.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return bad
+
+
+@pytest.mark.parametrize("name", OUTSIDE_ADAPTERS)
+def test_vllm_objects_are_read_only_through_the_adapters(name):
+    """The round talks to vLLM through the runner interface (adapters/interface.py): no module outside
+    ddtree_compile/adapters/ reads a field of a vLLM object or an attribute of what vLLM hands a hook.
+    (The CLI drives the public `vllm.LLM` API and is not checked.)"""
+    bad = _vllm_reads(MODULES[name])
+    assert not bad, f"{MODULES[name].relative_to(ROOT)} reads vLLM objects: {bad}"
+
+
+def test_a_vllm_read_would_be_found(tmp_path):
+    (tmp_path / "m.py").write_text("def f(runner, md, x):\n    a = runner.positions\n    b = md.seq_lens[:3]\n"
+                                   "    return x.view.positions(a)\n")
+    assert _vllm_reads(tmp_path / "m.py") == ["runner.positions (line 2)", "md.seq_lens (line 3)"]

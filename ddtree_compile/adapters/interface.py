@@ -9,8 +9,38 @@ adapter implements it for one runner and release line (v1_runner.V1RunnerView fo
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine settings the round checks and sizes itself by, read once from vLLM's config by the
+    adapter (`engine_settings`), so no module outside the adapters reads vLLM's config objects."""
+
+    spec_method: str | None  # speculative_config.method (None: no speculation)
+    num_speculative_tokens: int = 0  # vLLM's draft slots per request (K)
+    draft_block_size: int | None = None  # the DFlash drafter's block size (L + 1)
+    padded_drafter_batch: bool = True
+    is_hybrid: bool = False  # a target with GatedDeltaNet (Mamba-like) layers
+    compiled: bool = True  # compilation mode != NONE: there is a graph for the tree pass to rewrite
+    post_grad_pass: object = None  # compilation_config.inductor_passes['post_grad_custom_post_pass'] (name)
+    additional_config: dict = field(default_factory=dict)
+    seed: int = 0
+    model: str = ""
+    draft_model: str = ""
+    max_num_seqs: int = 1
+    served_model_name: str = ""
+
+
+@dataclass(frozen=True)
+class SpecBatch:
+    """The drafts of a verify as vLLM's rejection sampler gets them."""
+
+    drafts_per_request: list[int]
+    draft_tokens: torch.Tensor  # [sum(drafts_per_request)], request after request
+    sample_rows: torch.Tensor  # the rows of the step's hidden states whose logits are sampled
 
 
 class RunnerView(abc.ABC):
@@ -18,7 +48,7 @@ class RunnerView(abc.ABC):
 
     # set by the implementation's __init__
     runner: object  # the vLLM runner itself: only adapters and engine bookkeeping touch it
-    vllm_config: object
+    settings: EngineSettings
     device: torch.device
     dtype: torch.dtype
     max_num_reqs: int
@@ -44,6 +74,27 @@ class RunnerView(abc.ABC):
 
     @abc.abstractmethod
     def temperatures_host(self, R: int): ...
+
+    @abc.abstractmethod
+    def scheduled_drafts(self, scheduler_output) -> dict[str, list[int]]:
+        """Request id -> the drafts the scheduler put in this step (absent: none)."""
+
+    # -- the sampler's inputs and output -----------------------------------------------------------
+    @abc.abstractmethod
+    def vllm_sampler(self):
+        """vLLM's own rejection sampler (chain rows, fallbacks)."""
+
+    @abc.abstractmethod
+    def sampling_temperature(self, sampling_metadata) -> torch.Tensor | None:
+        """Per-request temperatures [R] of the step, or None when every request is greedy."""
+
+    @abc.abstractmethod
+    def spec_batch(self, spec_metadata) -> SpecBatch | None:
+        """The verify's drafts, or None on a step that verifies none."""
+
+    @abc.abstractmethod
+    def sampled_tokens(self, sampler_output) -> tuple[torch.Tensor, object]:
+        """(sampled token ids [R, 1+K] with -1 after the accepted ones, logprobs or None) of vLLM's sampler."""
 
     @abc.abstractmethod
     def prompt_token_ids(self, req_id: str) -> list[int]: ...

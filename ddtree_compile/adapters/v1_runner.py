@@ -8,11 +8,12 @@ and docs/vllm_0_26.md (0.26) cite the lines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from .interface import RunnerView
+from .engine import engine_settings
+from .forward import forward_attn_metadata
+from .interface import RunnerView, SpecBatch
 
 _PATCHED = "_ddtree_patched"
 
@@ -74,34 +75,6 @@ def replace_round_members(runner, hooks: dict) -> dict:
     return originals
 
 
-@dataclass(frozen=True)
-class AttentionParams:
-    """What tree attention reads of an attention layer's impl; `unsupported` names a feature it lacks."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    scale: float
-    sliding_window: int  # 0: none
-    logits_soft_cap: float  # 0.0: none
-    unsupported: str | None
-
-
-@dataclass(frozen=True)
-class GdnParams:
-    """What the tree GDN op reads of a Qwen GatedDeltaNet layer (per tensor-parallel rank)."""
-
-    num_k_heads: int
-    head_k_dim: int
-    num_v_heads: int
-    head_v_dim: int
-    conv_bias: torch.Tensor | None
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
-    activation: str
-    prefix: str
-
-
 class V1RunnerView(RunnerView):
     """The runner state the round reads and writes, under names that do not depend on vLLM's.
 
@@ -111,7 +84,7 @@ class V1RunnerView(RunnerView):
 
     def __init__(self, runner):
         self.runner = runner
-        self.vllm_config = runner.vllm_config
+        self.settings = engine_settings(runner.vllm_config)
         self.device = runner.device
         self.dtype = runner.model_config.dtype
         self.max_num_reqs = runner.max_num_reqs
@@ -153,6 +126,25 @@ class V1RunnerView(RunnerView):
 
     def temperatures_host(self, R: int):
         return self.runner.input_batch.temperature_cpu[:R]
+
+    def scheduled_drafts(self, scheduler_output) -> dict[str, list[int]]:
+        return scheduler_output.scheduled_spec_decode_tokens
+
+    def vllm_sampler(self):
+        return self.runner.rejection_sampler
+
+    def sampling_temperature(self, sampling_metadata) -> torch.Tensor | None:
+        temp = sampling_metadata.temperature
+        return None if sampling_metadata.all_greedy or temp is None else temp
+
+    def spec_batch(self, spec_metadata) -> SpecBatch | None:
+        if spec_metadata is None or spec_metadata.max_spec_len == 0:
+            return None
+        return SpecBatch(list(spec_metadata.num_draft_tokens), spec_metadata.draft_token_ids,
+                         spec_metadata.logits_indices)
+
+    def sampled_tokens(self, sampler_output) -> tuple[torch.Tensor, object]:
+        return sampler_output.sampled_token_ids, sampler_output.logprobs_tensors
 
     def positions(self, T: int) -> torch.Tensor:
         """The step's positions as vLLM computed them (num_computed + query index)."""
@@ -254,7 +246,7 @@ class V1RunnerView(RunnerView):
 
     # -- forward-time metadata (inside set_forward_context) -----------------------------------------
     def block_table(self, layer_name: str, R: int) -> torch.Tensor:
-        return _forward_attn_metadata()[layer_name].block_table[:R]
+        return forward_attn_metadata()[layer_name].block_table[:R]
 
     def gdn_takes_short_drafts(self) -> bool:
         """Whether vLLM's GDN verify takes fewer drafts per request than num_speculative_tokens.
@@ -265,7 +257,7 @@ class V1RunnerView(RunnerView):
 
     def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(state_indices int32 [R, 1+K], num_accepted int32 [R]) of a pure spec-decode GDN batch."""
-        g = _forward_attn_metadata()[self.layer(layer_name).prefix]
+        g = forward_attn_metadata()[self.layer(layer_name).prefix]
         if g.num_spec_decodes != R or g.num_prefills or g.num_decodes:
             raise RuntimeError(f"DDTree: the GDN metadata of a tree step is not a pure spec batch (spec "
                                f"{g.num_spec_decodes}, prefills {g.num_prefills}, decodes {g.num_decodes})")
@@ -278,50 +270,6 @@ def sampler_output(sampled_token_ids: torch.Tensor, logprobs_tensors=None):
     from vllm.v1.outputs import SamplerOutput
 
     return SamplerOutput(sampled_token_ids=sampled_token_ids, logprobs_tensors=logprobs_tensors)
-
-
-def _forward_attn_metadata():
-    from vllm.forward_context import get_forward_context
-
-    return get_forward_context().attn_metadata
-
-
-def attention_context(layer_name):
-    """(attention metadata, layer, kv_cache) of an attention layer, from the op's layer_name."""
-    from vllm.model_executor.layers.attention.attention import get_attention_context
-    from vllm.utils.torch_utils import _resolve_layer_name
-
-    attn_metadata, layer, kv_cache, _ = get_attention_context(_resolve_layer_name(layer_name))
-    return attn_metadata, layer, kv_cache
-
-
-def attention_backend(layer) -> tuple[str, str | None]:
-    """(backend name, the CPU ISA vLLM picked for the layer's KV layout or None)."""
-    return layer.attn_backend.get_name(), getattr(layer, "isa", None)
-
-
-def gdn_context(layer_name):
-    """(layer name, layer, GDN attention metadata) of a GDN op's layer_name."""
-    from vllm.forward_context import get_forward_context
-    from vllm.utils.torch_utils import _resolve_layer_name
-
-    name = _resolve_layer_name(layer_name)
-    fctx = get_forward_context()
-    layer = fctx.no_compile_layers[name]
-    return name, layer, fctx.attn_metadata[layer.prefix]
-
-
-def gdn_params(layer) -> GdnParams:
-    tp = getattr(layer, "tp_size", 1)
-    return GdnParams(layer.num_k_heads // tp, layer.head_k_dim, layer.num_v_heads // tp, layer.head_v_dim,
-                     layer.conv1d.bias, layer.A_log, layer.dt_bias, layer.activation, layer.prefix)
-
-
-def attention_splitting_ops() -> list[str]:
-    """vLLM's attention-like ops: the piecewise split points, and ops a tree verify must not leave."""
-    from vllm.config.compilation import CompilationConfig
-
-    return list(CompilationConfig._attention_ops)
 
 
 def find_runner(llm):

@@ -35,20 +35,24 @@ What differs from 0.32 (everything else is the same code, checked line by line):
 
 from __future__ import annotations
 
+from .forward import (  # noqa: F401  inside the replacement ops: forward context, layers
+    AttentionParams,
+    GdnParams,
+    attention_backend,
+    attention_batch,
+    attention_context,
+    attention_splitting_ops,
+    gdn_context,
+    gdn_params,
+    gdn_spec_rows,
+)
 from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapter
     OPAQUE_ARG_TYPES,
     ROUND_HOOKS,
-    AttentionParams,
-    GdnParams,
     V1RunnerView,
-    attention_backend,
-    attention_context,
-    attention_splitting_ops,
     cleanup_distributed,
     drop_compiled_model_hooks,
     find_runner,
-    gdn_context,
-    gdn_params,
     model_module_ids,
     patch_after,
     patch_before,
@@ -57,6 +61,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     sampling_unsupported_reason,
     shutdown_engine,
 )
+from .engine import engine_settings, engine_switches, settings_of, tp_rank  # noqa: F401
 from .runner_v2 import refuse_ddtree_on_runner_v2  # Model Runner V2: refused
 
 LINE = "0.26"

@@ -12,6 +12,8 @@ reason is logged once per process and counted (metrics.PROCESS_STARTUP_FALLBACKS
 
 from __future__ import annotations
 
+import ddtree_compile.adapters as adapters
+
 _DONE = False
 
 
@@ -20,7 +22,6 @@ def register() -> None:
     if _DONE:
         return
     _DONE = True
-    from ddtree_compile import adapters
     from ddtree_compile.integration import prometheus
     from ddtree_compile.integration.metrics import refuse_once
 
@@ -46,9 +47,8 @@ def _on_model_load(runner) -> None:
     from ddtree_compile.integration import config
     from ddtree_compile.passes.entry import tree_verify_pass
 
-    vc = runner.vllm_config
-    installed = vc.compilation_config.inductor_compile_config.get("post_grad_custom_post_pass") is tree_verify_pass
-    if installed or config.parse(vc.additional_config) is not None:
+    extra, post_grad_pass = adapters.current().engine_switches(runner)
+    if post_grad_pass is tree_verify_pass or config.parse(extra) is not None:
         tree_verify_pass.engine()  # resolves the rule table, registering every active rule's mirror op
 
 
@@ -58,7 +58,7 @@ def _on_memory_profile(runner) -> None:
     attach allocates them in that space."""
     from ddtree_compile.integration import config
 
-    cfg = config.parse(runner.vllm_config.additional_config)
+    cfg = config.parse(adapters.current().engine_switches(runner)[0])
     if cfg is not None:
         from ddtree_compile.integration.round import workspace
 
@@ -70,7 +70,7 @@ def _on_runner_v2(runner, reason: str, advice: str) -> None:
     from ddtree_compile.integration import config
     from ddtree_compile.integration.metrics import refuse_once
 
-    if config.parse(runner.vllm_config.additional_config) is not None:
+    if config.parse(adapters.current().engine_switches(runner)[0]) is not None:
         refuse_once(reason, advice)
 
 
@@ -79,10 +79,10 @@ def _on_kv_caches_ready(runner) -> None:
     from ddtree_compile.integration import config
     from ddtree_compile.integration.round import attach
 
-    cfg = config.parse(runner.vllm_config.additional_config)
+    cfg = config.parse(adapters.current().engine_switches(runner)[0])
     if cfg is None:
         return
-    if getattr(runner, "drafter", None) is None:
+    if adapters.current().settings_of(runner).spec_method is None:
         raise ValueError("DDTree (additional_config['ddtree']) needs a speculative_config with a DFlash drafter")
     attach(runner, cfg)
     from ddtree_compile.integration.prometheus import start_exporter

@@ -29,6 +29,8 @@ import shutil
 import tempfile
 import threading
 
+import ddtree_compile.adapters as adapters
+
 ENV, OWNER = "DDTREE_METRICS_DIR", "DDTREE_METRICS_OWNER"
 EXPORT_INTERVAL = float(os.environ.get("DDTREE_METRICS_INTERVAL", "1.0"))
 PREFIX = "vllm:ddtree_"
@@ -77,13 +79,12 @@ def start_exporter(runner) -> None:
     state = state_of(runner)
     if state is None:
         return
-    _MODEL[id(state.metrics)] = str(runner.vllm_config.model_config.served_model_name)
+    A = adapters.current()
+    _MODEL[id(state.metrics)] = A.settings_of(runner).served_model_name
     folder = os.environ.get(ENV)
     if not folder or os.environ.get(OWNER) == str(os.getpid()) or id(state.metrics) in _EXPORTERS:
         return  # no front collector, or the same process: the collector reads the live runner
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    if get_tensor_model_parallel_rank() != 0:
+    if A.tp_rank() != 0:
         return  # the same rounds as rank 0 (module docstring)
     t = threading.Thread(target=_export_loop, args=(state.metrics, folder), daemon=True, name="ddtree-metrics")
     _EXPORTERS[id(state.metrics)] = t

@@ -63,7 +63,7 @@ class TreeVerifyMetadata:
                                              the round passes its engine's (round/workspace.py);
                                              None: each CUDA call allocates its own
     gdn            GdnVerify or None         GatedDeltaNet addressing; None: vLLM's defaults
-    calls          op name -> tree-mode calls (the round checks every layer ran its tree op)
+    calls          tree implementation (tree_ops.TreeImpl) -> tree-mode calls (the round checks every layer ran its tree op)
     """
 
     ancestor_bits: torch.Tensor

@@ -1,8 +1,9 @@
 """The op swap, in one place: `ddtree::` mirror ops, their tree implementations, the eager redirect.
 
-The tree-verify pass (passes/) rewrites `vllm::X` to `ddtree::X`; each row of passes/rules.py names
-the tree implementation of its op (TREE_IMPLS below), and the pass refuses a row whose
-implementation does not exist or does not serve that op when it loads, not at the first verify.
+The tree-verify pass (passes/) rewrites `vllm::X` to `ddtree::X` (`mirror_name`); each row of
+passes/rules.py holds the tree implementation of its op (ATTENTION, GDN below) by reference, and the
+pass refuses a row whose implementation is not one of them or does not serve that op when it loads,
+not at the first verify.
 `ddtree::X` is registered with X's exact schema (copied from the installed op), so every argument,
 the `layer_name` graph input and auto_functionalized's mutation bookkeeping stay as they were.
 At run time a mirror op
@@ -51,9 +52,9 @@ def _attention_tree(meta, original, query, key, value, output, layer_name, outpu
         raise NotImplementedError(f"tree attention: {p.unsupported} is not supported")
     R, N = meta.num_requests, meta.num_slots
     T = R * N
-    ctx_lens = meta.context_lens if meta.context_lens is not None else attn_metadata.seq_lens[:R] - N
-    k_cache, v_cache, block_table = kv_layout(layer).logical_blocks(kv_cache, p.head_size,
-                                                                    attn_metadata.block_table[:R].to(torch.int32))
+    seq_lens, block_table = A.attention_batch(attn_metadata, R)
+    ctx_lens = meta.context_lens if meta.context_lens is not None else seq_lens - N
+    k_cache, v_cache, block_table = kv_layout(layer).logical_blocks(kv_cache, p.head_size, block_table)
     args = (query[:T].view(T, p.num_heads, p.head_size), k_cache, v_cache, block_table, ctx_lens,
             meta.ancestor_bits, meta.depths, output[:T].view(T, p.num_heads, p.head_size), p.scale,
             p.sliding_window, p.logits_soft_cap)
@@ -77,11 +78,12 @@ def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest)
     conv, ssm, weight = A.gdn_state_views(layer)
     state_indices, num_accepted = g.for_layer(g.state_indices, name), g.for_layer(g.num_accepted, name)
     if state_indices is None or num_accepted is None:
-        if md.spec_state_indices_tensor is None:
+        spec = A.gdn_spec_rows(md, R)
+        if spec is None:
             raise ValueError("tree GDN: no state_indices in TreeVerifyMetadata.gdn and the batch is not "
                              "a vLLM spec-decode batch (schedule the verify with num_speculative_tokens = B)")
-        state_indices = md.spec_state_indices_tensor[:R] if state_indices is None else state_indices
-        num_accepted = md.num_accepted_tokens[:R] if num_accepted is None else num_accepted
+        state_indices = spec[0] if state_indices is None else state_indices
+        num_accepted = spec[1] if num_accepted is None else num_accepted
     width = weight.shape[-1]
     if g.tree_meta is None or g.tree_meta.width != width:
         g.tree_meta = gdn_step.make_gdn_meta(meta.parents, width)
@@ -105,25 +107,32 @@ def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest)
 
 @dataclass(frozen=True)
 class TreeImpl:
+    name: str  # what reports and the rule digest call it
     fn: object  # (meta, original, *args)
     serves: tuple[str, ...]  # the source ops ("ns::op") whose argument lists `fn` takes
 
 
-# rule row's tree_impl -> implementation. A row naming anything else is refused when the pass loads.
-TREE_IMPLS = {
-    "attention": TreeImpl(_attention_tree, ("vllm::unified_attention_with_output",)),
-    "gdn": TreeImpl(_gdn_tree, ("vllm::cpu_gdn_attention_core", "vllm::qwen_gdn_attention_core")),
-}
+# The tree implementations a rule row (passes/rules.py) refers to, and the reach check
+# (round/checks.py) counts by: the same objects, no names to keep in step.
+ATTENTION = TreeImpl("attention", _attention_tree, ("vllm::unified_attention_with_output",))
+GDN = TreeImpl("gdn", _gdn_tree, ("vllm::cpu_gdn_attention_core", "vllm::qwen_gdn_attention_core"))
+TREE_IMPLS = (ATTENTION, GDN)
 
 
-def tree_impl_for(impl_name: str, source_op: str) -> TreeImpl:
-    """The implementation a rule row names, checked to serve the row's source op; ValueError if not."""
-    if impl_name not in TREE_IMPLS:
-        raise ValueError(f"tree_impl {impl_name!r} does not exist; known: {', '.join(sorted(TREE_IMPLS))}")
-    impl = TREE_IMPLS[impl_name]
+def tree_impl_for(impl, source_op: str) -> TreeImpl:
+    """A rule row's implementation, checked to be one of TREE_IMPLS and to serve the row's source op;
+    ValueError if not."""
+    if not any(impl is t for t in TREE_IMPLS):
+        raise ValueError(f"tree_impl {impl!r} is not a tree implementation; allowed: "
+                         f"{', '.join('tree_ops.' + t.name.upper() for t in TREE_IMPLS)}")
     if source_op not in impl.serves:
-        raise ValueError(f"tree_impl {impl_name!r} does not serve {source_op} (it serves {', '.join(impl.serves)})")
+        raise ValueError(f"tree_impl {impl.name!r} does not serve {source_op} (it serves {', '.join(impl.serves)})")
     return impl
+
+
+def mirror_name(source_op: str) -> str:
+    """The mirror op of a source op: "vllm::X" -> "ddtree::X" (the pass rewrites to it; register_mirror defines it)."""
+    return "ddtree::" + source_op.split("::", 1)[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,19 +145,18 @@ _REGISTERED: dict[str, torch._ops.OpOverload] = {}
 
 def register_mirror(original: torch._ops.OpOverload, impl: TreeImpl) -> torch._ops.OpOverload:
     """Define `ddtree::<original's name>` with `original`'s schema (idempotent); returns its overload."""
-    name = original._schema.name.split("::", 1)[1]
+    name = mirror_name(original._schema.name).split("::", 1)[1]
     if name in _REGISTERED:
         if _REGISTERED[name] is not original:
             raise RuntimeError(f"ddtree::{name} already mirrors {_REGISTERED[name]}, not {original}")
         return getattr(torch.ops.ddtree, name).default
     _LIB.define(name + _schema_signature(original), tags=tuple(original.tags))
-    op_name = f"ddtree::{name}"
 
     def run(*args, **kwargs):
         meta = tree_context.current_tree_verify()
         if meta is None:
             return original(*args, **kwargs)
-        meta.calls[op_name] = meta.calls.get(op_name, 0) + 1
+        meta.calls[impl] = meta.calls.get(impl, 0) + 1
         return impl.fn(meta, original, *args, **kwargs)
 
     returns_nothing = len(original._schema.returns) == 0
@@ -198,7 +206,7 @@ def redirect_ops_for_eager(active_rules) -> dict[str, object]:
         src_ns, src_name = rule.source_packet.split("::")
         if src_name in _REDIRECTED:
             continue
-        register_mirror(source, tree_impl_for(rule.tree_impl, rule.source_packet))
+        register_mirror(source, rule.tree_impl)
         ns = getattr(torch.ops, src_ns)
         _REDIRECTED[src_name] = (ns, getattr(ns, src_name))
         setattr(ns, src_name, getattr(torch.ops.ddtree, src_name))

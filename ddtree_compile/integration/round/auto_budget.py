@@ -197,11 +197,11 @@ class AutoBudget:
                 "step_ms": {f"{k}@{b}": 1e3 * c for (k, b), c in sorted(self.costs.items())}}
 
 
-def from_config(cfg, metrics, vllm_config, tree_budget: int, draft_len: int) -> AutoBudget:
-    """The policy of a budget "auto" engine, with the cost table's priors when one is found."""
-    sc = vllm_config.speculative_config
-    path = cfg.cost_table or cost_table_path(vllm_config.model_config.model, sc.draft_model_config.model, cfg.top_k,
-                                             draft_len, vllm_config.scheduler_config.max_num_seqs)
+def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int) -> AutoBudget:
+    """The policy of a budget "auto" engine (settings: adapters.EngineSettings), with the cost table's
+    priors when one is found."""
+    path = cfg.cost_table or cost_table_path(settings.model, settings.draft_model, cfg.top_k, draft_len,
+                                             settings.max_num_seqs)
     path = pathlib.Path(path)
     priors, found = {}, None
     if path.is_file():

@@ -7,24 +7,25 @@ needs a feature the tree walk lacks gets a reason (it is verified as a chain by 
 
 from __future__ import annotations
 
+import torch
+
 from ... import adapters
 from .. import config as config_mod
-from ..tree_ops import kv_layout
+from ..tree_ops import ATTENTION, GDN, kv_layout
 
 
 class UnsupportedEngine(RuntimeError):
     """The engine cannot run DDTree (it starts as flat DFlash); the message says why."""
 
 
-def validate(vllm_config, cfg: config_mod.DDTreeConfig) -> tuple[int, int]:
-    """Start-up checks of the DDTree settings against vLLM's; returns (draft_len L, vLLM's K)."""
-    sc = vllm_config.speculative_config
-    if sc is None or sc.method != "dflash":
-        method = None if sc is None else sc.method
+def validate(settings, cfg: config_mod.DDTreeConfig) -> tuple[int, int]:
+    """Start-up checks of the DDTree settings against the engine's (adapters.EngineSettings); returns
+    (draft_len L, vLLM's K)."""
+    if settings.spec_method != "dflash":
         raise ValueError(f"DDTree (additional_config['ddtree']) needs speculative_config method 'dflash' "
-                         f"(a DFlash drafter), got method {method!r}")
-    K = sc.num_speculative_tokens
-    block = getattr(sc.draft_model_config.hf_config, "block_size", None)
+                         f"(a DFlash drafter), got method {settings.spec_method!r}")
+    K = settings.num_speculative_tokens
+    block = settings.draft_block_size
     L = cfg.draft_len if cfg.draft_len is not None else min(K, (block - 1) if block and block > 1 else K)
     if L > K:
         raise ValueError(f"additional_config['ddtree']['draft_len'] = {L} exceeds speculative_config."
@@ -35,12 +36,12 @@ def validate(vllm_config, cfg: config_mod.DDTreeConfig) -> tuple[int, int]:
         raise ValueError(f"additional_config['ddtree']['{field}'] = {cfg.tree_budget} needs speculative_config."
                          f"num_speculative_tokens >= {b_eff} (vLLM sizes its draft slots from it), got {K}; "
                          f"ddtree_compile.vllm_kwargs sets it for you")
-    if vllm_config.model_config.is_hybrid and K != b_eff:
+    if settings.is_hybrid and K != b_eff:
         raise ValueError(
             f"hybrid (GatedDeltaNet) target: the tree needs one state/conv slot per node, so "
             f"speculative_config.num_speculative_tokens must equal the budget ({b_eff}), got {K}; this needs "
             f"budget >= num_speculative_tokens (the draft length {L}) on hybrid models")
-    if sc.disable_padded_drafter_batch:
+    if not settings.padded_drafter_batch:
         raise ValueError("DDTree needs vLLM's padded drafter batch: leave speculative_config."
                          "disable_padded_drafter_batch off")
     return L, K
@@ -55,21 +56,29 @@ def classify_layers(view) -> dict:
 
 
 def check_engine(view, attn_layers) -> None:
-    cc = view.vllm_config.compilation_config
-    if cc.mode != 0 and "tree_verify_pass" not in str(cc.inductor_passes.get("post_grad_custom_post_pass", "")):
+    s = view.settings
+    if s.compiled and "tree_verify_pass" not in str(s.post_grad_pass or ""):
         raise UnsupportedEngine("a compiled engine without the tree-verify pass (compilation_config.inductor_passes"
                                 "['post_grad_custom_post_pass'] = 'ddtree_compile.tree_verify_pass'; "
                                 "ddtree_compile.vllm_kwargs sets it)")
     reason = view.unsupported_features()
     if reason is not None:
         raise UnsupportedEngine(reason)
+    if view.device.type == "cuda" and view.dtype not in (torch.bfloat16, torch.float16):
+        raise UnsupportedEngine(f"a {view.dtype} model on CUDA (the Triton tree attention takes bfloat16 or "
+                                f"float16; pass dtype='bfloat16')")
     A = adapters.current()
     for name in attn_layers:
         layer = view.layer(name)
+        # What tree attention cannot read (a quantized KV cache, ALiBi, sinks, chunked local attention)
+        # is refused here, once, not by the first tree verify's op.
+        params = A.attention_params(layer)
+        if params.unsupported:
+            raise UnsupportedEngine(f"attention layer {name}: {params.unsupported} is not supported by tree attention")
         try:
             layout = kv_layout(layer)
             if not layout.packed:
-                layout.views(layer.kv_cache, A.attention_params(layer).head_size)
+                layout.views(layer.kv_cache, params.head_size)
         except NotImplementedError as e:
             raise UnsupportedEngine(f"attention backend {A.attention_backend(layer)[0]}: {e}") from e
 
@@ -82,10 +91,9 @@ def unsupported_reason(sp) -> str | None:
 def check_reached(ctx, calls: dict, what: str = "the tree verify") -> None:
     """Every attention and GDN layer ran its tree template through the ddtree ops during a forward
     whose Python ran (eager, PIECEWISE, or a FULL graph's capture): never a silent causal verify."""
-    attn = sum(v for k, v in calls.items() if k.endswith("attention_with_output"))
-    gdn = sum(v for k, v in calls.items() if "gdn_attention_core" in k)
+    attn, gdn = calls.get(ATTENTION, 0), calls.get(GDN, 0)
     if attn != len(ctx.attn_layers) or gdn != len(ctx.gdn_layers):
         raise RuntimeError(
             f"DDTree: {what} reached {attn}/{len(ctx.attn_layers)} attention and {gdn}/{len(ctx.gdn_layers)} "
-            f"GatedDeltaNet layers through the ddtree ops ({calls}); the graph was not rewritten (is the "
+            f"GatedDeltaNet layers through the ddtree ops; the graph was not rewritten (is the "
             f"tree-verify pass in compilation_config.inductor_passes?)")

@@ -49,7 +49,7 @@ class GraphBuckets:
         # vLLM's uniform decode batch is 1 + K tokens per request: trees of B + 1 slots only when
         # K == B (vllm_kwargs sets it so whenever B >= L); otherwise tree verifies are not uniform,
         # never replay a FULL graph, and those graphs keep the original ops.
-        self.K = ctx.view.vllm_config.speculative_config.num_speculative_tokens
+        self.K = ctx.view.settings.num_speculative_tokens
 
     def _buffers(self):
         if self._buf is None:

@@ -49,7 +49,7 @@ def attach(runner, cfg: config_mod.DDTreeConfig) -> "DDTreeRound | None":
     if state_of(runner) is not None:
         return state_of(runner)
     view = adapters.current().RunnerView(runner)
-    draft_len, num_spec = validate(view.vllm_config, cfg)
+    draft_len, num_spec = validate(view.settings, cfg)
     try:
         layers = classify_layers(view)
         check_engine(view, layers["attention"])
@@ -77,7 +77,7 @@ class DDTreeRound:
             PROCESS_STARTUP_FALLBACKS[reason] += 1
             logger.warning("DDTree: %s; verifying the tree of auto_budget=%d nodes every step.", reason, spec.budget)
         elif cfg.auto:
-            ctx.auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.vllm_config, spec.budget, draft_len)
+            ctx.auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.settings, spec.budget, draft_len)
         self.build, self.verify = BuildStage(ctx), VerifyStage(ctx)
         self.walk, self.commit = WalkStage(ctx), CommitStage(ctx)
         self.pending: Pending | None = None
@@ -87,7 +87,7 @@ class DDTreeRound:
         self._orig = adapters.current().install_round_hooks(runner, {
             "propose": self._on_propose, "sample_draft_tokens": self.build.sample_draft_tokens,
             "prepare_inputs": self._on_prepare_inputs, "model_forward": self._on_model_forward,
-            "rejection_sampler": TreeSampler(self._on_sample, runner.rejection_sampler),
+            "rejection_sampler": TreeSampler(self._on_sample, view.vllm_sampler()),
             "update_states": self._on_update_states, "propose_draft_token_ids": self._on_propose_draft_token_ids,
         })
         adapters.current().install_graph_capture(runner, self.verify.graphs.capture)
@@ -137,7 +137,7 @@ class DDTreeRound:
     def _on_prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = self._orig["prepare_inputs"](scheduler_output, num_scheduled_tokens)
         pending, self.pending = self.pending, None
-        self.step = self.verify.prepare(pending, scheduler_output.scheduled_spec_decode_tokens,
+        self.step = self.verify.prepare(pending, self.ctx.view.scheduled_drafts(scheduler_output),
                                         num_scheduled_tokens)
         return out
 

@@ -79,7 +79,7 @@ class RoundContext:
         self.gdn_groups = self._groups(self.gdn_layers)
         self._reasons: dict[str, str | None] = {}
         self._seeds: dict[str, int] = {}
-        self._rng = random.Random(view.vllm_config.model_config.seed or 0)
+        self._rng = random.Random(view.settings.seed)
         self._logged: set[str] = set()
 
     def _groups(self, layer_names) -> dict[int, list[str]]:

@@ -33,8 +33,8 @@ class WalkStage:
         elif any(step.chain_rows):
             chain_out = original(metadata, draft_probs, logits.clone(), sampling_metadata)
         logits3 = logits[: R * N].view(R, N, -1)
-        temp = sampling_metadata.temperature
-        if sampling_metadata.all_greedy or temp is None:
+        temp = ctx.view.sampling_temperature(sampling_metadata)
+        if temp is None:
             target = logits3.argmax(-1)
         else:
             seeds = ctx.h2d([ctx.seed(q) for q in ctx.view.req_ids(R)], torch.int64)
@@ -45,7 +45,7 @@ class WalkStage:
         accepted, num_acc, order = walk.accepted, walk.num_accepted, walk.order
         if chain_out is not None:
             cr = ~step.tree_rows
-            c_tok = chain_out.sampled_token_ids
+            c_tok = ctx.view.sampled_tokens(chain_out)[0]
             tokens = torch.where(cr.unsqueeze(1), _pad_cols(c_tok.to(tokens.dtype), B + 1), tokens)
             c_num = (c_tok != -1).sum(1)  # accepted drafts + 1 = path length including the root
             idx = torch.arange(W, device=ctx.device).expand(R, W)
@@ -57,7 +57,7 @@ class WalkStage:
         step.walk = WalkResult(accepted, num_acc, walk.bonus, tokens, order, walk.off_chain)
         self._record_metrics(step)
         ctx.metrics.add_time("walk", time.perf_counter() - t0)
-        logprobs = chain_out.logprobs_tensors if chain_out is not None else None
+        logprobs = ctx.view.sampled_tokens(chain_out)[1] if chain_out is not None else None
         return adapters.current().sampler_output(tokens.to(torch.int32), logprobs)
 
     def _sample_chain_step(self, original, metadata, draft_probs, logits, sampling_metadata):
@@ -66,11 +66,12 @@ class WalkStage:
         sample-and-walk as tree rows, on chain-shaped trees. vLLM 0.32's CPU random rejection kernel
         is not lossless for DFlash's drafts (tests/test_e2e_sampling.py measures it), and this keeps
         a request's samples independent of how its rounds were batched."""
-        temp = sampling_metadata.temperature
         ctx = self.ctx
-        if metadata is None or sampling_metadata.all_greedy or temp is None or metadata.max_spec_len == 0:
+        temp = ctx.view.sampling_temperature(sampling_metadata)
+        spec = ctx.view.spec_batch(metadata)
+        if spec is None or temp is None:
             return original(metadata, draft_probs, logits, sampling_metadata)
-        ks = list(metadata.num_draft_tokens)
+        ks = spec.drafts_per_request
         R = len(ks)
         host_temp = ctx.view.temperatures_host(R)
         req_ids = ctx.view.req_ids(R)
@@ -90,7 +91,7 @@ class WalkStage:
             cu += k
         rows_t = ctx.h2d(rows, torch.int64)
         lg = logits_in[rows_t]  # [R, N, V]
-        dt = metadata.draft_token_ids
+        dt = spec.draft_tokens
         tokens = torch.cat([torch.zeros(R, 1, dtype=torch.int64, device=ctx.device),
                             (dt[ctx.h2d(drafts, torch.int64)] if dt.numel() else
                              torch.zeros(R, K, dtype=torch.int64, device=ctx.device)).long()], 1)
@@ -101,12 +102,13 @@ class WalkStage:
         depths = torch.where(live, j, 0)
         tree = TreeBatch(tokens, parents, depths, torch.zeros(R, N, device=ctx.device), k_t,
                          pack_bits(ancestor_closure(parents, K)), max_depth=K)
-        pos = ctx.view.verify_positions(metadata.logits_indices)[rows_t] + 1
+        pos = ctx.view.verify_positions(spec.sample_rows)[rows_t] + 1
         seeds = ctx.h2d([ctx.seed(q) for q in req_ids], torch.int64)
         walk = walk_tree(tree, sample_target_tokens(lg, temp[:R], seeds, pos))
         redo_t = ctx.h2d(redo, torch.bool)
-        ours = _pad_cols(walk.tokens, out.sampled_token_ids.shape[1]).to(out.sampled_token_ids.dtype)
-        out.sampled_token_ids.copy_(torch.where(redo_t.unsqueeze(1), ours, out.sampled_token_ids))
+        sampled = ctx.view.sampled_tokens(out)[0]  # written in place: vLLM's output object is returned as is
+        ours = _pad_cols(walk.tokens, sampled.shape[1]).to(sampled.dtype)
+        sampled.copy_(torch.where(redo_t.unsqueeze(1), ours, sampled))
         return out
 
     def _record_metrics(self, step: Step) -> None:

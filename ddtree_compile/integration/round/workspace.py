@@ -80,7 +80,7 @@ def plan(runner, cfg) -> int:
     from .checks import UnsupportedEngine, classify_layers, validate
 
     view = adapters.current().RunnerView(runner)
-    draft_len, _ = validate(view.vllm_config, cfg)
+    draft_len, _ = validate(view.settings, cfg)
     try:
         layers = classify_layers(view)
     except UnsupportedEngine:
@@ -92,7 +92,8 @@ def reserve(runner, cfg) -> int:
     """Hold `plan`'s bytes on the runner's device until attach (vLLM's profile counts them)."""
     size = plan(runner, cfg)
     if size and getattr(runner, _RESERVE, None) is None:
-        setattr(runner, _RESERVE, torch.empty(size, dtype=torch.uint8, device=runner.device))
+        device = adapters.current().RunnerView(runner).device
+        setattr(runner, _RESERVE, torch.empty(size, dtype=torch.uint8, device=device))
     return size
 
 
