@@ -17,8 +17,12 @@ SHAPES = {
 VOCAB = 248320
 
 
-def write_shaped(shape: str, root: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """Config-only target and drafter folders (load_format="dummy" makes the weights)."""
+def write_shaped(shape: str, root: pathlib.Path, experts: int = 1) -> tuple[pathlib.Path, pathlib.Path]:
+    """Config-only target and drafter folders (load_format="dummy" makes the weights).
+
+    experts > 1 (tensor parallel: vLLM's Qwen3-Next MoE block refuses a tensor-parallel size above
+    its number of experts): the last layer's MoE has `experts` experts of 1/experts the width, every
+    token taking all of them (top-k = experts), so its FLOPs stay those of the one dense MLP."""
     from transformers import Qwen3Config, Qwen3NextConfig
 
     s = SHAPES[shape]
@@ -28,8 +32,9 @@ def write_shaped(shape: str, root: pathlib.Path) -> tuple[pathlib.Path, pathlib.
     # is a one-expert MoE of the same width and the others are plain MLPs (`mlp_only_layers`). A
     # one-expert MoE in every layer would time vLLM's fused_moe Triton kernel instead of the cuBLAS
     # GEMMs of a dense model: on the H100 it cost 13.6 ms per round at 16 tokens and 24.1 ms at 33.
-    cfg = Qwen3NextConfig(vocab_size=VOCAB, full_attention_interval=4, num_experts=1, num_experts_per_tok=1,
-                          moe_intermediate_size=s["intermediate_size"], mlp_only_layers=list(range(n - 1)),
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, full_attention_interval=4, num_experts=experts,
+                          num_experts_per_tok=experts, moe_intermediate_size=s["intermediate_size"] // experts,
+                          mlp_only_layers=list(range(n - 1)),
                           shared_expert_intermediate_size=512, decoder_sparse_step=1, linear_conv_kernel_dim=4,
                           linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768,
                           tie_word_embeddings=False, torch_dtype="bfloat16", **s)
@@ -74,6 +79,8 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -
             kw["dtype"] = "float32"
     if args.target != "tiny":
         kw["load_format"] = "dummy"
+    if getattr(args, "tensor_parallel_size", 1) > 1:  # one worker process per rank (runners via collective_rpc)
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
     if spec is not None:
         kw["speculative_config"] = spec
         # DDTree's round runs in vLLM's synchronous loop; flat DFlash runs in the same loop (vLLM 0.26
@@ -92,11 +99,17 @@ def sharpen(llm) -> None:
     input token's embedding plus ~1e-3 per layer), tie lm_head to it and make the final norm the
     identity: greedy repeats the last prompt token with a margin of ~10^3 in the logits. Same
     shapes, same kernels, so the same costs; the oracle decides what is accepted, not the text."""
-    import torch
-
     from ddtree_compile.integration import engines
 
-    model = engines.find_runner(llm).get_model()
+    engines.on_runners(llm, _sharpen_runner)  # every rank (tensor parallel: each its own shards)
+
+
+def _sharpen_runner(runner) -> None:
+    """sharpen() on one rank: embed_tokens and lm_head are both vocab-parallel with the same padding,
+    so each rank ties its own shards; the final norm is replicated."""
+    import torch
+
+    model = runner.get_model()
     with torch.no_grad():
         emb = model.model.embed_tokens.weight
         emb.mul_(1000.0)
@@ -149,11 +162,53 @@ def warm_up(llm, prompts, conc) -> None:
 
 def install_oracle(llm, reference, prof, prompts, conc):
     """The oracle drafter of profile `prof` on this engine, warmed up; returns it (to uninstall)."""
+    from ddtree_compile.integration import engines
     from ddtree_compile.testing import oracle
 
-    od = oracle.OracleDrafter(reference, prof, seed=1).install(llm)
+    if engines.find_runner(llm) is not None:
+        od = oracle.OracleDrafter(reference, prof, seed=1).install(llm)
+    else:  # tensor parallel: an oracle on every rank; each draws the same ranks, so every rank builds the same trees
+        engines.on_runners(llm, _attach_oracle, reference, prof, 1)
+        od = _WorkerOracles(llm)
     warm_up(llm, prompts, conc)
     return od
+
+
+class _WorkerOracles:
+    """The oracles of a multiprocess engine's ranks (install_oracle), uninstalled together."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def uninstall(self) -> None:
+        from ddtree_compile.integration import engines
+
+        engines.on_runners(self.llm, _detach_oracle)
+
+
+def _attach_oracle(runner, reference, prof, seed) -> None:
+    from ddtree_compile.testing import oracle
+
+    runner._bench_oracle = oracle.OracleDrafter(reference, prof, seed=seed).attach(runner)
+
+
+def _detach_oracle(runner) -> None:
+    od = runner.__dict__.pop("_bench_oracle", None)
+    if od is not None:
+        od.uninstall()
+
+
+def ddtree_attached(llm) -> bool:
+    """DDTree's round is attached on every rank of `llm` (in-process or tensor parallel)."""
+    from ddtree_compile.integration import engines
+
+    return all(engines.on_runners(llm, _has_round))
+
+
+def _has_round(runner) -> bool:
+    from ddtree_compile.integration.engines import state_of
+
+    return state_of(runner) is not None
 
 
 def spec_of(budget, args, drafter) -> tuple[dict, dict]:
@@ -169,9 +224,9 @@ def spec_of(budget, args, drafter) -> tuple[dict, dict]:
 
 def attached(llm, mode, budget, result) -> bool:
     """A DDTree mode whose round did not attach is reported as an error row, not timed as flat."""
-    from ddtree_compile.integration import engines, metrics
+    from ddtree_compile.integration import metrics
 
-    if budget and engines.find_state(llm) is None:
+    if budget and not ddtree_attached(llm):
         result["runs"].append({"mode": mode, "error": "DDTree did not attach",
                                "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS)})
         return False

@@ -8,7 +8,7 @@ import os
 import time
 
 import _e2e_cells as cells
-from _e2e_engine import install_oracle, start_engine
+from _e2e_engine import ddtree_attached, install_oracle, start_engine
 
 
 def side_by_side(modes, profiles, setup, result, save) -> None:
@@ -122,7 +122,7 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
     try:
         plugin.register()
         llm, start = start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"], mode=mode)
-        conn.send(("ok", {"start_s": start, "attached": not budget or engines.find_state(llm) is not None,
+        conn.send(("ok", {"start_s": start, "attached": not budget or ddtree_attached(llm),
                           "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid()}))
     except Exception:
         conn.send(("error", traceback.format_exc()[-2000:]))

