@@ -89,3 +89,17 @@ def tiny_fp32_reference(tmp_path_factory, request):
         harness.shutdown(ref_llm)
     return {"root": root, "target": target, "drafter": drafter, "llm": llm, "ref": outs,
             "reference": harness.reference_from_outputs(prompts, outs)}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/bench_e2e_gpu.py as a module (loading it puts benchmarks/ on sys.path: its helper
+    modules import by name)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -5,25 +5,14 @@ equal the reference (float32: lossless), DDTree's rounds were tree rounds, and t
 (tokens per round, break-even gain, ratios) are there and consistent."""
 
 import importlib
-import importlib.util
 import json
 import math
 import os
-import pathlib
 
 import pytest
 
 from ddtree_compile.testing import oracle
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", ROOT / "benchmarks" / "bench_e2e_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # puts benchmarks/ on sys.path: its helper modules import by name
-    return mod
 
 
 def test_bench_e2e_smoke(bench, tmp_path):

@@ -5,27 +5,16 @@ on every rank. Here the tiny hybrid (Qwen3.5 text: no MoE, which vLLM refuses at
 sharpened too, so the no-speculation reference and every engine's greedy repeat the last prompt token
 with a wide margin, whatever TP=2's bf16 numerics do. Slow: three TP=2 engines on 2 cores."""
 
-import importlib.util
 import json
 import os
-import pathlib
 
 import pytest
 
 from ddtree_compile.testing import oracle
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORES = sorted(os.sched_getaffinity(0))
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(len(CORES) < 2, reason=f"tensor parallel needs 2 CPU cores, this process has {CORES}")]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", ROOT / "benchmarks" / "bench_e2e_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # puts benchmarks/ on sys.path: its helper modules import by name
-    return mod
 
 
 def _norm_zeroed(runner) -> bool:
