@@ -33,6 +33,9 @@ def enable() -> None:
     """Let this process's vLLM run Model Runner V2 on CPU; call before anything imports vllm."""
     if "vllm.triton_utils" in sys.modules:
         raise RuntimeError("runner_v2_cpu.enable() must run before vllm is imported in this process")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("runner_v2_cpu.enable(): triton was imported without TRITON_INTERPRET=1 (importing "
+                           "ddtree_compile imports it); set TRITON_INTERPRET=1 in the environment first")
     os.environ.update(ENV)
     import triton.backends as backends
 

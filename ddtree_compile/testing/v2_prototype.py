@@ -282,7 +282,7 @@ def make_harness(runner, reference, patterns=None, seed=0):
         V = logits.shape[-1]
         rs = runner.req_states
         ib = state["batch"]
-        out = torch.full((R, L, V), H.LOW, dtype=torch.float32)
+        out = torch.full((R, L, V), H.LOW, dtype=torch.float32, device=logits.device)
         bp = bonus_pos.tolist()
         for r in range(R):
             req_id = ib.req_ids[r]
