@@ -8,7 +8,6 @@ and docs/vllm_0_26.md (0.26) cite the lines.
 
 from __future__ import annotations
 
-
 import torch
 
 from .engine import engine_settings
