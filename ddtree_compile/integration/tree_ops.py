@@ -105,7 +105,7 @@ def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest)
         meta.gdn = g
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity: rules and the reach check hold the same objects (cheap hash per layer)
 class TreeImpl:
     name: str  # what reports and the rule digest call it
     fn: object  # (meta, original, *args)
