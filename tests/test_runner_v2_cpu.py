@@ -11,11 +11,9 @@ serves as vLLM's own flat DFlash on V2, drafts accepted:
   vLLM itself forces V2 for it, and refuses it on V1): the advice says V1 is no way out.
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
+
+from ddtree_compile.testing import runner_v2_cpu
 
 SCRIPT = r"""
 import json, pathlib, sys, tempfile
@@ -63,11 +61,7 @@ print("RESULT " + json.dumps(out, default=str))
 
 @pytest.fixture(scope="module")
 def v2_run(tmp_path_factory):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=1200,
-                          cwd=tmp_path_factory.mktemp("v2"))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return runner_v2_cpu.run_script(SCRIPT, tmp_path_factory.mktemp("v2"))
 
 
 def _drafts(spec: dict) -> float:

@@ -8,11 +8,9 @@ speculation token for token, with tree steps, sibling paths and K/V moves counte
 with the commit's K/V compaction switched off must leave that equality (the test can fail).
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
+
+from ddtree_compile.testing import runner_v2_cpu
 
 SCRIPT = r"""
 import json, pathlib, tempfile
@@ -57,11 +55,7 @@ print("RESULT " + json.dumps(out, default=str))
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=1200,
-                          cwd=tmp_path_factory.mktemp("v2proto"))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return runner_v2_cpu.run_script(SCRIPT, tmp_path_factory.mktemp("v2proto"))
 
 
 def test_ddtree_on_v2_equals_no_speculation_with_trees_walked(run):

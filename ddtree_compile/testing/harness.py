@@ -56,11 +56,17 @@ class DraftHarness(DrafterLogitsHook):
         view = self._view
         L = view.drafter_draft_len()
         R = logits.shape[0] // L
-        V = logits.shape[-1]
-        bonus_pos = view.drafter_root_positions(R).tolist()  # test-only host sync
+        req_ids = view.req_ids(R)
+        out = self.draft_logits(req_ids, [tuple(view.prompt_token_ids(q)) for q in req_ids],
+                                view.drafter_root_positions(R).tolist(), L, logits.shape[-1])  # test-only host sync
+        return out.to(logits.dtype).to(logits.device)
+
+    def draft_logits(self, req_ids, prompts, bonus_pos, L: int, V: int) -> torch.Tensor:
+        """Drafter logits [R*L, V] (float32, CPU) of a batch: request ids, prompts (tuples) and each bonus
+        token's position, read from whichever runner drafts (V1 here, V2 in testing/v2_prototype.py)."""
+        R = len(req_ids)
         out = torch.full((R, L, V), LOW, dtype=torch.float32)
-        for r, req_id in enumerate(view.req_ids(R)):
-            prompt = tuple(view.prompt_token_ids(req_id))
+        for r, (req_id, prompt) in enumerate(zip(req_ids, prompts)):
             ref = self.reference.get(prompt)
             n = self.rounds.get(req_id, 0)
             self.rounds[req_id] = n + 1
@@ -70,7 +76,7 @@ class DraftHarness(DrafterLogitsHook):
                 idx = bonus_pos[r] + d
                 truth = ref[idx] if ref is not None and idx < len(ref) else None
                 out[r, d - 1] = self._row(V, truth, _rank(pattern, d), pattern, d, prompt, self.rounds[req_id])
-        return out.view(R * L, V).to(logits.dtype).to(logits.device)
+        return out.view(R * L, V)
 
     def _row(self, V, truth, rank, pattern, d, prompt, round_no) -> torch.Tensor:
         # Seeded by the prompt, never the request id: vLLM appends a random suffix to every request

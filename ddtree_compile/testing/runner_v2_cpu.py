@@ -15,7 +15,9 @@ process run slower. Tests start V2 engines in a subprocess (tests/test_runner_v2
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import types
 
@@ -46,3 +48,12 @@ def enable() -> None:
         backends.backends.pop("cpu", None)
     if not tu.HAS_TRITON:
         raise RuntimeError("vllm.triton_utils.HAS_TRITON stayed false: this vLLM checks Triton differently")
+
+
+def run_script(script: str, cwd) -> dict:
+    """Run `script` in a fresh Python (it calls `enable()` itself and prints one line "RESULT <json>");
+    returns that JSON. AssertionError with the script's stderr if it fails or prints none."""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=1200, cwd=cwd)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])

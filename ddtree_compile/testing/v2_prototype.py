@@ -279,26 +279,14 @@ def make_harness(runner, reference, patterns=None, seed=0):
     state = {"batch": None}
 
     def fn(logits, R, L, bonus_pos):
-        V = logits.shape[-1]
-        rs = runner.req_states
-        ib = state["batch"]
-        out = torch.full((R, L, V), H.LOW, dtype=torch.float32, device=logits.device)
-        bp = bonus_pos.tolist()
+        rs, ib = runner.req_states, state["batch"]
+        req_ids = list(ib.req_ids[:R])
+        prompts = []
         for r in range(R):
-            req_id = ib.req_ids[r]
             idx = int(ib.idx_mapping_np[r])
-            plen = int(rs.prompt_len.np[idx])
-            prompt = tuple(rs.all_token_ids.gpu[idx, :plen].tolist())
-            ref = dh.reference.get(prompt)
-            n = dh.rounds.get(req_id, 0)
-            dh.rounds[req_id] = n + 1
-            pattern = dh.patterns[(n + r) % len(dh.patterns)]
-            dh.used.append((req_id, n, pattern))
-            for d in range(1, L + 1):
-                i = bp[r] + d
-                truth = ref[i] if ref is not None and i < len(ref) else None
-                out[r, d - 1] = dh._row(V, truth, H._rank(pattern, d), pattern, d, prompt, dh.rounds[req_id])
-        return out.view(R * L, V).to(logits.dtype)
+            prompts.append(tuple(rs.all_token_ids.gpu[idx, : int(rs.prompt_len.np[idx])].tolist()))
+        out = dh.draft_logits(req_ids, prompts, bonus_pos.tolist(), L, logits.shape[-1])
+        return out.to(logits.dtype).to(logits.device)
 
     fn.state = state
     fn.dh = dh
