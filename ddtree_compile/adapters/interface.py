@@ -2,7 +2,8 @@
 
 The round (integration/round/) holds a `RunnerView` and calls only what is declared here; each
 adapter implements it for one runner and release line (v1_runner.V1RunnerView for the V1
-`GPUModelRunner` of 0.26 and 0.32, subclassed per release). tests/test_adapters.py checks that every
+`GPUModelRunner` of 0.26 and 0.32, subclassed per release; runner_v2.V2RunnerView for Model Runner
+V2 of both, a subclass of the V1 view that shares its forward-time reads). tests/test_adapters.py checks that every
 `view.<name>` the package uses is declared here and that each adapter implements all of it.
 """
 
@@ -59,6 +60,26 @@ class RunnerView(abc.ABC):
     def unsupported_features(self) -> str | None:
         """An engine feature the round does not serve (logged once, counted, flat DFlash), or None."""
 
+    @abc.abstractmethod
+    def budget_auto_unsupported(self) -> str | None:
+        """Why budget "auto" cannot verify a chain step here (the round then verifies the tree every
+        step, logged once, counted), or None."""
+
+    @abc.abstractmethod
+    def has_drafter(self) -> bool:
+        """The engine runs a DFlash drafter whose logits the round (and the test harnesses) can read."""
+
+    # -- the round's hooks on this runner --------------------------------------------------------
+    @abc.abstractmethod
+    def install_round_hooks(self, hooks: dict) -> dict:
+        """Install the round's hooks (named as v1_runner.ROUND_HOOKS, called with V1's arguments) on
+        this runner instance; returns the originals under the same names, callable the same way."""
+
+    @abc.abstractmethod
+    def install_graph_capture(self, capture) -> bool:
+        """Make the runner capture its FULL decode graphs with `capture(num_tokens, capturing)`'s tree
+        context active; False when the engine has no such graphs."""
+
     # -- the step's requests ---------------------------------------------------------------------
     @abc.abstractmethod
     def num_reqs(self) -> int: ...
@@ -77,7 +98,8 @@ class RunnerView(abc.ABC):
 
     @abc.abstractmethod
     def scheduled_drafts(self, scheduler_output) -> dict[str, list[int]]:
-        """Request id -> the drafts the scheduler put in this step (absent: none)."""
+        """Request id -> the drafts the scheduler put in this step (absent: none; the round reads
+        only how many). `scheduler_output` is what the runner's prepare-inputs hook was called with."""
 
     # -- the sampler's inputs and output -----------------------------------------------------------
     @abc.abstractmethod
@@ -97,6 +119,16 @@ class RunnerView(abc.ABC):
         """(sampled token ids [R, 1+K] with -1 after the accepted ones, logprobs or None) of vLLM's sampler."""
 
     @abc.abstractmethod
+    def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None):
+        """What the rejection sampler hands the runner for a tree step: sampled ids [R, 1+K] (the
+        accepted path + bonus, -1 after)."""
+
+    @abc.abstractmethod
+    def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor):
+        """vLLM's sampler output with rows `rows` (bool [R]) replaced by `tokens` [R, 1+K] (path +
+        bonus, -1 after) of verifies of `drafts` [R] drafts; returns the output the runner gets."""
+
+    @abc.abstractmethod
     def prompt_token_ids(self, req_id: str) -> list[int]: ...
 
     # -- positions and the verify batch ------------------------------------------------------------
@@ -104,9 +136,22 @@ class RunnerView(abc.ABC):
     def positions(self, T: int) -> torch.Tensor:
         """Flat positions of the step's T tokens (slot mapping, tree attention context)."""
 
-    @abc.abstractmethod
     def tree_positions(self, positions: torch.Tensor, flat: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """The target's position input of a tree verify: flat, or rotary rows (M-RoPE) at root + depth."""
+        """The target's position input for a tree verify of `depths` [R, N] (a new tensor).
+
+        `positions` is what vLLM hands the model: flat [T_pad], or with M-RoPE [3, T_pad], where
+        every draft token's three rows hold flat + the request's delta (both runners: V1's
+        `_calc_mrope_positions` completion branch, V2's rope state for decode tokens). A node's
+        rotary position is its root's (vLLM's value at slot 0) plus its depth in every row; `flat`
+        [T] (start + depth) stays what the slot mapping reads."""
+        out = positions.clone()
+        if positions.dim() == 1:
+            out[: flat.shape[0]] = flat
+            return out
+        R, N = depths.shape
+        rows = out[:, : R * N].view(out.shape[0], R, N)
+        rows.copy_(rows[:, :, :1] + depths.to(out.dtype).unsqueeze(0))
+        return out
 
     @abc.abstractmethod
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor: ...
@@ -132,9 +177,6 @@ class RunnerView(abc.ABC):
 
     @abc.abstractmethod
     def block_table(self, layer_name: str, R: int) -> torch.Tensor: ...
-
-    @abc.abstractmethod
-    def gdn_takes_short_drafts(self) -> bool: ...
 
     @abc.abstractmethod
     def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:

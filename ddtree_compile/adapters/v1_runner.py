@@ -109,6 +109,15 @@ class V1RunnerView(RunnerView):
                     f"run hybrids with enable_prefix_caching=False")
         return None
 
+    def budget_auto_unsupported(self) -> str | None:
+        if self.settings.is_hybrid and not self.gdn_takes_short_drafts():
+            return ("budget 'auto' on a hybrid (GatedDeltaNet) target: its chain steps need vLLM's GDN verify to "
+                    "take fewer drafts than num_speculative_tokens, which this platform's kernels do not")
+        return None
+
+    def has_drafter(self) -> bool:
+        return getattr(self.runner, "drafter", None) is not None
+
     # -- requests of the current step -----------------------------------------------------------
     def num_reqs(self) -> int:
         return self.runner.input_batch.num_reqs
@@ -145,25 +154,18 @@ class V1RunnerView(RunnerView):
     def sampled_tokens(self, sampler_output) -> tuple[torch.Tensor, object]:
         return sampler_output.sampled_token_ids, sampler_output.logprobs_tensors
 
+    def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None):
+        return sampler_output(sampled_token_ids, logprobs_tensors)
+
+    def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor):
+        """V1 counts the sampled tokens itself (the -1 padding): the ids are replaced in place."""
+        sampled = sampler_output.sampled_token_ids
+        sampled.copy_(torch.where(rows.unsqueeze(1), tokens.to(sampled.dtype), sampled))
+        return sampler_output
+
     def positions(self, T: int) -> torch.Tensor:
         """The step's positions as vLLM computed them (num_computed + query index)."""
         return self.runner.positions[:T]
-
-    def tree_positions(self, positions: torch.Tensor, flat: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """The target's position input for a tree verify of `depths` [R, N] (a new tensor).
-
-        `positions` is what vLLM hands the model: flat [T_pad], or with M-RoPE [3, T_pad], where
-        every draft token's three rows hold flat + the request's delta (`_calc_mrope_positions`,
-        completion branch). A node's rotary position is its root's (vLLM's value at slot 0) plus
-        its depth in every row; `flat` [T] (start + depth) stays what the slot mapping reads."""
-        out = positions.clone()
-        if positions.dim() == 1:
-            out[: flat.shape[0]] = flat
-            return out
-        R, N = depths.shape
-        rows = out[:, : R * N].view(out.shape[0], R, N)
-        rows.copy_(rows[:, :, :1] + depths.to(out.dtype).unsqueeze(0))
-        return out
 
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.runner.positions[logits_indices]
@@ -229,9 +231,9 @@ class V1RunnerView(RunnerView):
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
         from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
-        drafter_layers = set(getattr(self.runner.drafter, "_draft_attn_layer_names", ()) or ())
+        drafter_layers = self._drafter_layer_names()
         attn, gdn, other = [], [], []
-        for name, layer in self.runner.compilation_config.static_forward_context.items():
+        for name, layer in self.runner.vllm_config.compilation_config.static_forward_context.items():
             if name in drafter_layers or not isinstance(layer, AttentionLayerBase):
                 continue  # the drafter's own layers; MoE runners and other stateless modules
             if isinstance(layer, Attention):
@@ -242,6 +244,9 @@ class V1RunnerView(RunnerView):
                 other.append(f"{name} ({type(layer).__name__})")
         return attn, gdn, other
 
+
+    def _drafter_layer_names(self) -> set[str]:
+        return set(getattr(self.runner.drafter, "_draft_attn_layer_names", ()) or ())
 
     # -- forward-time metadata (inside set_forward_context) -----------------------------------------
     def block_table(self, layer_name: str, R: int) -> torch.Tensor:

@@ -8,9 +8,10 @@ What differs from 0.32 (everything else is the same code, checked line by line):
 
 - Runner choice: dense attention-only targets default to Model Runner V2
   (`config/vllm.py:605-622`, `not model_config.is_moe`), which has none of the seven round
-  hooks; hybrids default to V1 (`:613-614`). `VLLM_USE_V2_MODEL_RUNNER=0` forces V1 for both
-  (`config/vllm.py:550-553`, `envs.py:1922`). A V2 engine with DDTree switched on is refused
-  once (logged, counted) by the hook below instead of silently running flat DFlash.
+  hooks; hybrids default to V1 (`:613-614`), except with a DFlash drafter mixing sliding and
+  full attention (V2 only). `VLLM_USE_V2_MODEL_RUNNER=0` forces V1 for both (`config/vllm.py:550-553`,
+  `envs.py:1922`). V2 engines get the round through runner_v2.py (eager engines; the rest is
+  refused once at attach, logged and counted).
 - `initialize_kv_cache(kv_cache_config, is_profiling=False)` (`gpu_model_runner.py:7562`) is
   also called on a throw-away minimal cache for CUDA-graph memory profiling
   (`:6462`, from `profile_cudagraph_memory` `:6576`); the hook attaches on the real call only.
@@ -28,8 +29,8 @@ What differs from 0.32 (everything else is the same code, checked line by line):
   active, and `full_graph_tokens` tells the round when a step replays one.
 - Engines the round does not serve yet: async scheduling (ON by default for DFlash on CUDA,
   `config/vllm.py:1059-1107`), pure FULL mode (mixed batches in FULL graphs), Mamba prefix
-  caching (`mamba_cache_mode != "none"`), dynamic speculative decoding, XD-RoPE, and every
-  engine on Model Runner V2.
+  caching (`mamba_cache_mode != "none"`), dynamic speculative decoding, XD-RoPE, and Model Runner
+  V2 engines with torch.compile or CUDA graphs (runner_v2.py).
 - CPU-only helpers (`force_cpu_attn_isa`, the CPU GDN state layout) were not ported.
 """
 
@@ -62,7 +63,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     shutdown_engine,
 )
 from .engine import engine_settings, engine_switches, settings_of, tp_rank  # noqa: F401
-from .runner_v2 import refuse_ddtree_on_runner_v2  # Model Runner V2: refused
+from .runner_v2 import V2RunnerView, is_runner_v2, patch_kv_caches_ready, patch_profile_run
 
 LINE = "0.26"
 
@@ -71,14 +72,13 @@ LINE = "0.26"
 # The class patches (plus a refusal on Model Runner V2)
 # ---------------------------------------------------------------------------------------------
 
-def install_kv_cache_hook(on_kv_caches_ready, on_runner_v2) -> bool:
+def install_kv_cache_hook(on_kv_caches_ready) -> bool:
     """Patch `GPUModelRunner.initialize_kv_cache` once per process: after the original (the caches
     exist), call `on_kv_caches_ready(runner)`. Returns False if already patched.
 
     0.26: profiling calls (`is_profiling=True`, a minimal cache freed right after,
     `gpu_model_runner.py:6439-6463`, `:6505-6537`) are skipped. Model Runner V2's
-    `initialize_kv_cache` (`v1/worker/gpu/model_runner.py:411`) is patched to refuse DDTree once
-    (runner_v2.refuse_ddtree_on_runner_v2)."""
+    `initialize_kv_cache` (`v1/worker/gpu/model_runner.py:411`) is patched the same way (runner_v2.py)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def after(runner, args, kwargs):
@@ -87,7 +87,7 @@ def install_kv_cache_hook(on_kv_caches_ready, on_runner_v2) -> bool:
 
     if not patch_after(GPUModelRunner, "initialize_kv_cache", after):
         return False
-    refuse_ddtree_on_runner_v2("0.26", on_runner_v2)
+    patch_kv_caches_ready(on_kv_caches_ready)
     return True
 
 
@@ -109,7 +109,10 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
     if already patched."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    return patch_before(GPUModelRunner, "profile_run", lambda runner, args, kwargs: on_memory_profile(runner))
+    if not patch_before(GPUModelRunner, "profile_run", lambda runner, args, kwargs: on_memory_profile(runner)):
+        return False
+    patch_profile_run(on_memory_profile)  # Model Runner V2's (`v1/worker/gpu/model_runner.py:673`)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +227,14 @@ def full_graph_tokens() -> int | None:
 
 
 class RunnerView(V1RunnerView):
-    """V1RunnerView plus the engine features this release's round does not serve."""
+    """V1RunnerView plus 0.26's hook installation and the engine features this release's round does
+    not serve."""
+
+    def install_round_hooks(self, hooks: dict) -> dict:
+        return install_round_hooks(self.runner, hooks)
+
+    def install_graph_capture(self, capture) -> bool:
+        return install_graph_capture(self.runner, capture)
 
     def unsupported_features(self) -> str | None:
         """An engine feature the round does not serve (the shared checks, then 0.26's own), or None."""
@@ -304,3 +314,8 @@ def force_cpu_attn_isa(isa: str | None) -> None:
         return
     raise NotImplementedError(f"force_cpu_attn_isa({isa!r}): the vLLM 0.26 adapter targets CUDA "
                               f"(FLASH_ATTN / TRITON_ATTN have no CPU ISA layouts); use vLLM 0.32 for CPU runs")
+
+
+def view_of(runner):
+    """The RunnerView of either model runner."""
+    return V2RunnerView(runner) if is_runner_v2(runner) else RunnerView(runner)

@@ -43,7 +43,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     shutdown_engine,
 )
 from .engine import engine_settings, engine_switches, settings_of, tp_rank  # noqa: F401
-from .runner_v2 import refuse_ddtree_on_runner_v2  # Model Runner V2: refused
+from .runner_v2 import V2RunnerView, is_runner_v2, patch_kv_caches_ready, patch_profile_run
 
 LINE = "0.32"
 
@@ -52,15 +52,15 @@ LINE = "0.32"
 # The class patches
 # ---------------------------------------------------------------------------------------------
 
-def install_kv_cache_hook(on_kv_caches_ready, on_runner_v2) -> bool:
+def install_kv_cache_hook(on_kv_caches_ready) -> bool:
     """Patch `GPUModelRunner.initialize_kv_cache` once per process: after the original (the caches
-    exist), call `on_kv_caches_ready(runner)`; Model Runner V2's is patched to refuse DDTree once.
-    Returns False if already patched."""
+    exist), call `on_kv_caches_ready(runner)`; Model Runner V2's the same (runner_v2.py). Returns
+    False if already patched."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if not patch_after(GPUModelRunner, "initialize_kv_cache", lambda runner, args, kwargs: on_kv_caches_ready(runner)):
         return False
-    refuse_ddtree_on_runner_v2("0.32", on_runner_v2)  # V2 is 0.32's default runner on CUDA (`v1/worker/gpu/model_runner.py:605`)
+    patch_kv_caches_ready(on_kv_caches_ready)  # V2 is 0.32's default runner on CUDA (`v1/worker/gpu/model_runner.py:605`)
     return True
 
 
@@ -88,7 +88,10 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
     it reads the process RSS that sizes the KV cache. Returns False if already patched."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    return patch_before(GPUModelRunner, "profile_run", lambda runner, args, kwargs: on_memory_profile(runner))
+    if not patch_before(GPUModelRunner, "profile_run", lambda runner, args, kwargs: on_memory_profile(runner)):
+        return False
+    patch_profile_run(on_memory_profile)  # Model Runner V2's
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +112,19 @@ def full_graph_tokens() -> int | None:
 
 
 class RunnerView(V1RunnerView):
-    """V1RunnerView as it is: 0.32 has no engine feature the shared `unsupported_features` misses."""
+    """V1RunnerView with 0.32's hook installation: 0.32 has no engine feature the shared
+    `unsupported_features` misses."""
+
+    def install_round_hooks(self, hooks: dict) -> dict:
+        return install_round_hooks(self.runner, hooks)
+
+    def install_graph_capture(self, capture) -> bool:
+        return install_graph_capture(self.runner, capture)
+
+
+def view_of(runner):
+    """The RunnerView of either model runner."""
+    return V2RunnerView(runner) if is_runner_v2(runner) else RunnerView(runner)
 
 
 # ---------------------------------------------------------------------------------------------

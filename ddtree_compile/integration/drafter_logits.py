@@ -34,9 +34,10 @@ class DrafterLogitsHook:
     def attach(self, runner):
         from ddtree_compile import adapters
 
-        if getattr(runner, "drafter", None) is None:
+        view = adapters.current().view_of(runner)
+        if not view.has_drafter():
             raise ValueError(f"the {self.label} needs an engine with a DFlash drafter")
-        self._view = adapters.current().RunnerView(runner)
+        self._view = view
         self._view.wrap_drafter_logits(self._compute_logits)
         return self
 

@@ -34,7 +34,7 @@ def register() -> None:
         return
     adapter.install_model_load_hook(_on_model_load)
     adapter.install_memory_profile_hook(_on_memory_profile)
-    adapter.install_kv_cache_hook(_on_kv_caches_ready, _on_runner_v2)
+    adapter.install_kv_cache_hook(_on_kv_caches_ready)
 
 
 def _on_model_load(runner) -> None:
@@ -63,15 +63,6 @@ def _on_memory_profile(runner) -> None:
         from ddtree_compile.integration.round import workspace
 
         workspace.reserve(runner, cfg)
-
-
-def _on_runner_v2(runner, reason: str, advice: str) -> None:
-    """The adapter's hook on a runner DDTree has no round for: refused once if the engine asked for DDTree."""
-    from ddtree_compile.integration import config
-    from ddtree_compile.integration.metrics import refuse_once
-
-    if config.parse(adapters.current().engine_switches(runner)[0]) is not None:
-        refuse_once(reason, advice)
 
 
 def _on_kv_caches_ready(runner) -> None:

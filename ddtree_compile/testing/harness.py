@@ -63,7 +63,7 @@ class DraftHarness(DrafterLogitsHook):
 
     def draft_logits(self, req_ids, prompts, bonus_pos, L: int, V: int) -> torch.Tensor:
         """Drafter logits [R*L, V] (float32, CPU) of a batch: request ids, prompts (tuples) and each bonus
-        token's position, read from whichever runner drafts (V1 here, V2 in testing/v2_prototype.py)."""
+        token's position, read from the runner's view (either model runner)."""
         R = len(req_ids)
         out = torch.full((R, L, V), LOW, dtype=torch.float32)
         for r, (req_id, prompt) in enumerate(zip(req_ids, prompts)):

@@ -27,7 +27,7 @@ if PATH:
         if state_of(runner) is None:
             return
         h = DraftHarness({(): []})
-        h._view = view = adapters.current().RunnerView(runner)
+        h._view = view = adapters.current().view_of(runner)
 
         def reference():
             if os.path.exists(PATH):

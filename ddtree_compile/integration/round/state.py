@@ -48,7 +48,7 @@ def attach(runner, cfg: config_mod.DDTreeConfig) -> "DDTreeRound | None":
     """
     if state_of(runner) is not None:
         return state_of(runner)
-    view = adapters.current().RunnerView(runner)
+    view = adapters.current().view_of(runner)
     draft_len, num_spec = validate(view.settings, cfg)
     try:
         layers = classify_layers(view)
@@ -71,9 +71,8 @@ class DDTreeRound:
         spec = cfg.tree_spec(draft_len)
         self.metrics = DDTreeMetrics(min(draft_len, spec.budget), view.device, cfg.log_interval)
         self.ctx = ctx = RoundContext(view, cfg, spec, draft_len, layers, self.metrics)
-        if cfg.auto and ctx.hybrid and not view.gdn_takes_short_drafts():
-            reason = ("budget 'auto' on a hybrid (GatedDeltaNet) target: its chain steps need vLLM's GDN verify to "
-                      "take fewer drafts than num_speculative_tokens, which this platform's kernels do not")
+        reason = view.budget_auto_unsupported() if cfg.auto else None
+        if reason is not None:
             PROCESS_STARTUP_FALLBACKS[reason] += 1
             logger.warning("DDTree: %s; verifying the tree of auto_budget=%d nodes every step.", reason, spec.budget)
         elif cfg.auto:
@@ -84,13 +83,13 @@ class DDTreeRound:
         self.step: Step | None = None
         self.round_hooks: list = []  # demo/tests: fn(round, step) after each tree step's commit (host reads)
         self.metrics.kv_layouts = sorted({kv_layout(ctx.layer(n)).name for n in ctx.attn_layers})
-        self._orig = adapters.current().install_round_hooks(runner, {
+        self._orig = view.install_round_hooks({
             "propose": self._on_propose, "sample_draft_tokens": self.build.sample_draft_tokens,
             "prepare_inputs": self._on_prepare_inputs, "model_forward": self._on_model_forward,
             "rejection_sampler": TreeSampler(self._on_sample, view.vllm_sampler()),
             "update_states": self._on_update_states, "propose_draft_token_ids": self._on_propose_draft_token_ids,
         })
-        adapters.current().install_graph_capture(runner, self.verify.graphs.capture)
+        view.install_graph_capture(self.verify.graphs.capture)
         ws = self.verify.workspace
         if ws.nbytes:
             logger.info("DDTree: workspace %.2f GiB (GDN records and depth stack, tree-attention scratch; %s during "

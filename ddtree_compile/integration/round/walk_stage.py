@@ -7,7 +7,6 @@ import time
 
 import torch
 
-from ... import adapters
 from ...core.sampling import sample_target_tokens
 from ...core.tree import TreeBatch, WalkResult, ancestor_closure, pack_bits
 from ...core.walk import drafter_order, walk_tree
@@ -58,7 +57,7 @@ class WalkStage:
         self._record_metrics(step)
         ctx.metrics.add_time("walk", time.perf_counter() - t0)
         logprobs = ctx.view.sampled_tokens(chain_out)[1] if chain_out is not None else None
-        return adapters.current().sampler_output(tokens.to(torch.int32), logprobs)
+        return ctx.view.sampler_output(tokens.to(torch.int32), logprobs)
 
     def _sample_chain_step(self, original, metadata, draft_probs, logits, sampling_metadata):
         """A plain chain verify (whole-step fallback, warm-up): vLLM's sampler, except that rows which
@@ -105,11 +104,8 @@ class WalkStage:
         pos = ctx.view.verify_positions(spec.sample_rows)[rows_t] + 1
         seeds = ctx.h2d([ctx.seed(q) for q in req_ids], torch.int64)
         walk = walk_tree(tree, sample_target_tokens(lg, temp[:R], seeds, pos))
-        redo_t = ctx.h2d(redo, torch.bool)
-        sampled = ctx.view.sampled_tokens(out)[0]  # written in place: vLLM's output object is returned as is
-        ours = _pad_cols(walk.tokens, sampled.shape[1]).to(sampled.dtype)
-        sampled.copy_(torch.where(redo_t.unsqueeze(1), ours, sampled))
-        return out
+        width = ctx.view.sampled_tokens(out)[0].shape[1]
+        return ctx.view.replace_sampled(out, _pad_cols(walk.tokens, width), ctx.h2d(redo, torch.bool), k_t)
 
     def _record_metrics(self, step: Step) -> None:
         walk = step.walk

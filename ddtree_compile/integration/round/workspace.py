@@ -79,7 +79,7 @@ def plan(runner, cfg) -> int:
     will not serve; attach then logs and counts why)."""
     from .checks import UnsupportedEngine, classify_layers, validate
 
-    view = adapters.current().RunnerView(runner)
+    view = adapters.current().view_of(runner)
     draft_len, _ = validate(view.settings, cfg)
     try:
         layers = classify_layers(view)
@@ -92,7 +92,7 @@ def reserve(runner, cfg) -> int:
     """Hold `plan`'s bytes on the runner's device until attach (vLLM's profile counts them)."""
     size = plan(runner, cfg)
     if size and getattr(runner, _RESERVE, None) is None:
-        device = adapters.current().RunnerView(runner).device
+        device = adapters.current().view_of(runner).device
         setattr(runner, _RESERVE, torch.empty(size, dtype=torch.uint8, device=device))
     return size
 

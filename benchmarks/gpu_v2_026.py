@@ -1,0 +1,220 @@
+"""DDTree on vLLM 0.26's Model Runner V2 (CUDA): the users' model pair and an attention-only target.
+
+    python benchmarks/gpu_v2_026.py --out benchmarks/results/gpu_v2_026_h100.json
+
+Parts (each adds its section to the JSON at --out, written after every part):
+- `hybrid`: the tiny multimodal Qwen3.5 (`Qwen3_5ForConditionalGeneration`, M-RoPE, GatedDeltaNet + full
+  attention) with a DFlash drafter mixing sliding and full attention (vLLM serves it on V2 only), eager,
+  text and image prompts: no speculation on V2 (reference, log-probs); DDTree with the random drafter,
+  then the drafter harness with the committed GDN state checked against an fp32 replay, then seeded
+  sampling (repeat, alone vs in a batch); vLLM's own flat DFlash on V2 beside it as the control for the
+  regret gates.
+- `qwen3`: the attention-only Qwen3 on V2 by vLLM's own choice (no environment override), eager:
+  reference, DDTree random + harness, seeded sampling.
+- `refused`: the hybrid pair with vLLM's default CUDA graphs: DDTree refused at attach (V2's tree
+  verify runs eagerly so far), logged once and counted; the engine serves as flat DFlash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vLLM's own runner choice: V2 for all three
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from gpu_mrope_026 import _gates, _generate, _prompts  # noqa: E402  (the same prompts and gates)
+
+BUDGET, TOP_K, DRAFT_LEN, TOL = 16, 4, 7, 0.2
+MIXED = ["sliding_attention", "full_attention"]
+MM = {"skip_tokenizer_init": False, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 1},
+      "mamba_ssm_cache_dtype": "float32"}
+
+
+def _engine(target, drafter=None, flat=False, eager=True, hybrid=True, **kw):
+    from vllm import LLM
+
+    from ddtree_compile.integration import config, engines
+    from ddtree_compile.testing import models
+
+    args = models.tiny_llm_kwargs(target, dtype="bfloat16", async_scheduling=False, enforce_eager=eager,
+                                  **(MM if hybrid else {}), **kw)
+    extra = {"gdn_prefill_backend": "triton"} if hybrid else {}
+    if flat:
+        args["speculative_config"] = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": DRAFT_LEN}
+    elif drafter is not None:
+        switch = config.vllm_kwargs(drafter, budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
+        args["speculative_config"] = switch["speculative_config"]
+        extra.update(switch["additional_config"])
+        if not eager:
+            args["compilation_config"] = switch["compilation_config"]
+    if extra:
+        args["additional_config"] = extra
+    t0 = time.perf_counter()
+    llm = LLM(**args)
+    runner = engines.find_runner(llm)
+    mc = runner.vllm_config.model_config
+    return llm, {"start_s": time.perf_counter() - t0, "runner": f"{type(runner).__module__}.{type(runner).__name__}",
+                 "architecture": mc.architectures[0], "uses_mrope": bool(mc.uses_mrope),
+                 "cudagraph_mode": str(runner.vllm_config.compilation_config.cudagraph_mode),
+                 "compilation_mode": str(runner.vllm_config.compilation_config.mode)}
+
+
+def _ddtree_runs(llm, ref, prompts, out, state_check: bool):
+    """Random drafter, then the harness (GDN state check on hybrids), then seeded sampling; per kind."""
+    from ddtree_compile.integration import engines, metrics
+    from ddtree_compile.testing import harness
+
+    state = engines.find_state(llm)
+    out["attached"] = state is not None
+    out["fallbacks_at_start"] = dict(metrics.PROCESS_STARTUP_FALLBACKS)
+    if state is None:
+        return
+    check = harness.GdnStateCheck()
+    reference = {tuple(r["prompt"]): r["prompt"] + r["tokens"] for v in ref.values() for r in v}
+    for kind, p in prompts.items():
+        c0 = metrics.collect(llm)[0]
+        got = _generate(llm, p)
+        c1 = metrics.collect(llm)[0]
+        if state_check:
+            state.debug_gdn_records = True
+            state.commit_hooks.append(check)
+        h = harness.DraftHarness(reference).install(llm)
+        try:
+            guided = _generate(llm, p)
+        finally:
+            h.uninstall()
+            if state_check:
+                state.commit_hooks.remove(check)
+                state.debug_gdn_records = False
+        c2 = metrics.collect(llm)[0]
+        out[kind] = {"gates_random": _gates(ref[kind], got), "gates_harness": _gates(ref[kind], guided),
+                     "counters_random": metrics.counters_delta(c1, c0), "counters_harness": metrics.counters_delta(c2, c1)}
+    if state_check:
+        out["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths, "max_rel_err": check.max_err}
+    allp = [q for v in prompts.values() for q in v]
+    seeded = _generate(llm, allp, temperature=1.0, seed=1234)
+    again = _generate(llm, allp, temperature=1.0, seed=1234)
+    alone = [_generate(llm, [q], temperature=1.0, seed=1234)[0] for q in allp[1:4]]
+    out["seeded_repeat_equal"] = [s["tokens"] for s in seeded] == [s["tokens"] for s in again]
+    out["seeded_alone_equal"] = [s["tokens"] for s in alone] == [s["tokens"] for s in seeded[1:4]]
+    out["counters_total"] = metrics.collect(llm)[0]
+    out["ok"] = bool(
+        all(all(g["ok"] for g in out[k]["gates_random"] + out[k]["gates_harness"])
+            and out[k]["counters_random"]["tree_steps"] > 0 and out[k]["counters_harness"]["sibling_rounds"] > 0
+            for k in prompts)
+        and (not state_check or out["state_check"]["paths"] > 0)
+        and out["seeded_repeat_equal"] and out["seeded_alone_equal"])
+
+
+def _reference(target, prompts, out, hybrid=True):
+    from ddtree_compile.integration import engines
+
+    llm, out["reference_engine"] = _engine(target, hybrid=hybrid)
+    try:
+        ref = {k: _generate(llm, p, logprobs=5) for k, p in prompts.items()}
+    finally:
+        engines.shutdown(llm)
+    out["reference"] = {k: [r["tokens"] for r in v] for k, v in ref.items()}
+    return ref
+
+
+def part_hybrid(dirs, prompts, out):
+    from ddtree_compile.integration import engines
+
+    ref = _reference(dirs["target"], prompts, out)
+    llm, out["ddtree_engine"] = _engine(dirs["target"], dirs["mixed"])
+    try:
+        _ddtree_runs(llm, ref, prompts, out, state_check=True)
+    finally:
+        engines.shutdown(llm)
+    llm, out["flat_engine"] = _engine(dirs["target"], dirs["mixed"], flat=True)
+    try:
+        got = {k: _generate(llm, p) for k, p in prompts.items()}
+    finally:
+        engines.shutdown(llm)
+    out["flat_gates"] = {k: _gates(ref[k], got[k]) for k in prompts}
+
+
+def part_qwen3(dirs, prompts, out):
+    from ddtree_compile.integration import engines
+
+    text = {"text": prompts["text"]}
+    ref = _reference(dirs["qwen3"], text, out, hybrid=False)
+    llm, out["ddtree_engine"] = _engine(dirs["qwen3"], dirs["qwen3_mixed"], hybrid=False)
+    try:
+        _ddtree_runs(llm, ref, text, out, state_check=False)
+    finally:
+        engines.shutdown(llm)
+
+
+def part_refused(dirs, prompts, out):
+    from ddtree_compile.integration import engines, metrics
+
+    before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
+    llm, out["engine"] = _engine(dirs["target"], dirs["mixed"], eager=False)
+    try:
+        out["attached"] = engines.find_state(llm) is not None
+        out["fallbacks_at_start"] = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items()
+                                     if v != before.get(k, 0)}
+        got = {k: _generate(llm, p) for k, p in prompts.items()}
+        out["served_tokens"] = {k: sum(len(g["tokens"]) for g in v) for k, v in got.items()}
+    finally:
+        engines.shutdown(llm)
+    out["ok"] = not out["attached"] and any("CUDA graphs" in k for k in out["fallbacks_at_start"])
+
+
+PARTS = {"hybrid": part_hybrid, "qwen3": part_qwen3, "refused": part_refused}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="hybrid,qwen3,refused")
+    args = ap.parse_args(argv)
+    import torch
+    import vllm
+
+    from ddtree_compile.integration import plugin
+    from ddtree_compile.testing import models
+
+    plugin.register()
+    path = pathlib.Path(args.out)
+    result = json.loads(path.read_text()) if path.exists() else {}
+    result.update({"command": "python benchmarks/gpu_v2_026.py --out " + args.out, "vllm": vllm.__version__,
+                   "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
+                   "budget": BUDGET, "top_k": TOP_K, "draft_len": DRAFT_LEN})
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        target = models.write_tiny_vl_model(root / "target", seed=4)
+        qwen3 = models.write_tiny_model("qwen3", root / "qwen3")
+        dirs = {"target": target, "qwen3": qwen3,
+                "mixed": models.write_tiny_dflash_drafter(target, root / "mixed", seed=4, layer_types=MIXED),
+                "qwen3_mixed": models.write_tiny_dflash_drafter(qwen3, root / "qwen3_mixed", layer_types=MIXED)}
+        prompts = _prompts()
+        for part in args.parts.split(","):
+            out = {}
+            t0 = time.perf_counter()
+            try:
+                if part not in PARTS:
+                    raise SystemExit(f"--parts: {part!r} is not one of {', '.join(PARTS)}")
+                PARTS[part](dirs, prompts, out)
+            except Exception as e:  # keep going; the error goes in the JSON
+                out.update(error=repr(e), traceback=traceback.format_exc()[-4000:])
+                print(out["traceback"], file=sys.stderr)
+            out["wall_s"] = time.perf_counter() - t0
+            result[part] = out
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1, default=str))
+            print(f"[{part}] done in {out['wall_s']:.0f} s: " + json.dumps(
+                {k: out.get(k) for k in ("ok", "attached", "error", "fallbacks_at_start")}, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
