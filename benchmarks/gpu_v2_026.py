@@ -1,6 +1,7 @@
 """DDTree on vLLM 0.26's Model Runner V2 (CUDA): the users' model pair and an attention-only target.
 
-    python benchmarks/gpu_v2_026.py --out benchmarks/results/gpu_v2_026_h100.json
+    python benchmarks/gpu_v2_026.py --out benchmarks/results/gpu_v2_026_h200.json --parts hybrid_graphs,qwen3_graphs
+    python benchmarks/gpu_v2_026.py --out benchmarks/results/gpu_v2_026_h200.json --parts hybrid,qwen3
 
 Parts (each adds its section to the JSON at --out, written after every part):
 - `hybrid`: the tiny multimodal Qwen3.5 (`Qwen3_5ForConditionalGeneration`, M-RoPE, GatedDeltaNet + full
@@ -11,8 +12,9 @@ Parts (each adds its section to the JSON at --out, written after every part):
   regret gates.
 - `qwen3`: the attention-only Qwen3 on V2 by vLLM's own choice (no environment override), eager:
   reference, DDTree random + harness, seeded sampling.
-- `refused`: the hybrid pair with vLLM's default CUDA graphs: DDTree refused at attach (V2's tree
-  verify runs eagerly so far), logged once and counted; the engine serves as flat DFlash.
+- `hybrid_graphs`, `qwen3_graphs`: the same with torch.compile (the tree pass) and vLLM's default
+  FULL_AND_PIECEWISE CUDA graphs: tree verifies replay FULL graphs captured with the tree ops
+  (`graph_steps`), the drafter runs eagerly (its graphs are for K queries, DDTree drafts L).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def _engine(target, drafter=None, flat=False, eager=True, hybrid=True, **kw):
         args["speculative_config"] = switch["speculative_config"]
         extra.update(switch["additional_config"])
         if not eager:
-            args["compilation_config"] = switch["compilation_config"]
+            args["compilation_config"] = dict(switch["compilation_config"])
     if extra:
         args["additional_config"] = extra
     t0 = time.perf_counter()
@@ -65,7 +67,7 @@ def _engine(target, drafter=None, flat=False, eager=True, hybrid=True, **kw):
                  "compilation_mode": str(runner.vllm_config.compilation_config.mode)}
 
 
-def _ddtree_runs(llm, ref, prompts, out, state_check: bool):
+def _ddtree_runs(llm, ref, prompts, out, state_check: bool, graphs: bool = False):
     """Random drafter, then the harness (GDN state check on hybrids), then seeded sampling; per kind."""
     from ddtree_compile.integration import engines, metrics
     from ddtree_compile.testing import harness
@@ -97,85 +99,86 @@ def _ddtree_runs(llm, ref, prompts, out, state_check: bool):
                      "counters_random": metrics.counters_delta(c1, c0), "counters_harness": metrics.counters_delta(c2, c1)}
     if state_check:
         out["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths, "max_rel_err": check.max_err}
-    allp = [q for v in prompts.values() for q in v]
-    seeded = _generate(llm, allp, temperature=1.0, seed=1234)
-    again = _generate(llm, allp, temperature=1.0, seed=1234)
-    alone = [_generate(llm, [q], temperature=1.0, seed=1234)[0] for q in allp[1:4]]
-    out["seeded_repeat_equal"] = [s["tokens"] for s in seeded] == [s["tokens"] for s in again]
-    out["seeded_alone_equal"] = [s["tokens"] for s in alone] == [s["tokens"] for s in seeded[1:4]]
+    out.update(_seeded(llm, prompts))
     out["counters_total"] = metrics.collect(llm)[0]
     out["ok"] = bool(
         all(all(g["ok"] for g in out[k]["gates_random"] + out[k]["gates_harness"])
             and out[k]["counters_random"]["tree_steps"] > 0 and out[k]["counters_harness"]["sibling_rounds"] > 0
+            and (not graphs or out[k]["counters_random"]["graph_steps"] > 0)
             for k in prompts)
         and (not state_check or out["state_check"]["paths"] > 0)
         and out["seeded_repeat_equal"] and out["seeded_alone_equal"])
 
 
+def _seeded(llm, prompts) -> dict:
+    """Seeded sampling (temperature 1, one seed): the batch twice, and requests 1-3 alone."""
+    from ddtree_compile.testing import harness
+
+    allp = [q for v in prompts.values() for q in v]
+    seeded = [s["tokens"] for s in _generate(llm, allp, temperature=1.0, seed=1234)]
+    again = [s["tokens"] for s in _generate(llm, allp, temperature=1.0, seed=1234)]
+    alone = [_generate(llm, [q], temperature=1.0, seed=1234)[0]["tokens"] for q in allp[1:4]]
+    return {"seeded_repeat_equal": seeded == again, "seeded_alone_equal": alone == seeded[1:4],
+            "seeded_alone_first_divergence": [harness.first_divergence(a, b) for a, b in zip(alone, seeded[1:4])]}
+
+
+_REFS: dict = {}  # (target, prompt kinds) -> the no-speculation outputs (one reference engine per command)
+
+
 def _reference(target, prompts, out, hybrid=True):
     from ddtree_compile.integration import engines
 
-    llm, out["reference_engine"] = _engine(target, hybrid=hybrid)
-    try:
-        ref = {k: _generate(llm, p, logprobs=5) for k, p in prompts.items()}
-    finally:
-        engines.shutdown(llm)
+    key = (str(target), tuple(prompts))
+    if key not in _REFS:
+        llm, info = _engine(target, hybrid=hybrid)
+        try:
+            _REFS[key] = (info, {k: _generate(llm, p, logprobs=5) for k, p in prompts.items()})
+        finally:
+            engines.shutdown(llm)
+    out["reference_engine"], ref = _REFS[key]
     out["reference"] = {k: [r["tokens"] for r in v] for k, v in ref.items()}
     return ref
 
 
-def part_hybrid(dirs, prompts, out):
+def part_hybrid(dirs, prompts, out, eager=True):
     from ddtree_compile.integration import engines
 
     ref = _reference(dirs["target"], prompts, out)
-    llm, out["ddtree_engine"] = _engine(dirs["target"], dirs["mixed"])
+    llm, out["ddtree_engine"] = _engine(dirs["target"], dirs["mixed"], eager=eager)
     try:
-        _ddtree_runs(llm, ref, prompts, out, state_check=True)
+        _ddtree_runs(llm, ref, prompts, out, state_check=True, graphs=not eager)
     finally:
         engines.shutdown(llm)
-    llm, out["flat_engine"] = _engine(dirs["target"], dirs["mixed"], flat=True)
-    try:
+    llm, out["flat_engine"] = _engine(dirs["target"], dirs["mixed"], flat=True, eager=eager)
+    try:  # the control: vLLM's own flat DFlash, gated and seeded alike
         got = {k: _generate(llm, p) for k, p in prompts.items()}
+        out["flat_seeded"] = _seeded(llm, prompts)
     finally:
         engines.shutdown(llm)
     out["flat_gates"] = {k: _gates(ref[k], got[k]) for k in prompts}
 
 
-def part_qwen3(dirs, prompts, out):
+def part_qwen3(dirs, prompts, out, eager=True):
     from ddtree_compile.integration import engines
 
     text = {"text": prompts["text"]}
     ref = _reference(dirs["qwen3"], text, out, hybrid=False)
-    llm, out["ddtree_engine"] = _engine(dirs["qwen3"], dirs["qwen3_mixed"], hybrid=False)
+    llm, out["ddtree_engine"] = _engine(dirs["qwen3"], dirs["qwen3_mixed"], hybrid=False, eager=eager)
     try:
-        _ddtree_runs(llm, ref, text, out, state_check=False)
+        _ddtree_runs(llm, ref, text, out, state_check=False, graphs=not eager)
     finally:
         engines.shutdown(llm)
 
 
-def part_refused(dirs, prompts, out):
-    from ddtree_compile.integration import engines, metrics
-
-    before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
-    llm, out["engine"] = _engine(dirs["target"], dirs["mixed"], eager=False)
-    try:
-        out["attached"] = engines.find_state(llm) is not None
-        out["fallbacks_at_start"] = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items()
-                                     if v != before.get(k, 0)}
-        got = {k: _generate(llm, p) for k, p in prompts.items()}
-        out["served_tokens"] = {k: sum(len(g["tokens"]) for g in v) for k, v in got.items()}
-    finally:
-        engines.shutdown(llm)
-    out["ok"] = not out["attached"] and any("CUDA graphs" in k for k in out["fallbacks_at_start"])
-
-
-PARTS = {"hybrid": part_hybrid, "qwen3": part_qwen3, "refused": part_refused}
+PARTS = {"hybrid": part_hybrid, "qwen3": part_qwen3,
+         "hybrid_graphs": lambda d, p, o: part_hybrid(d, p, o, eager=False),
+         "qwen3_graphs": lambda d, p, o: part_qwen3(d, p, o, eager=False)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="hybrid,qwen3,refused")
+    ap.add_argument("--parts", default="hybrid_graphs,qwen3_graphs,hybrid,qwen3")
     args = ap.parse_args(argv)
     import torch
     import vllm

@@ -157,6 +157,16 @@ class RunnerView(abc.ABC):
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor: ...
 
     @abc.abstractmethod
+    def full_graph_tokens(self) -> int | None:
+        """Inside the target forward hook: the padded token count when this forward replays a FULL
+        uniform-decode CUDA graph, else None (PIECEWISE or eager: the ops' Python runs)."""
+
+    @abc.abstractmethod
+    def verify_bypasses_hooks(self) -> str | None:
+        """Why this step's target forward will run outside the round's forward hooks (the step is
+        then verified as a plain chain, counted), or None."""
+
+    @abc.abstractmethod
     def input_ids(self) -> torch.Tensor:
         """The step's input-id buffer (the drafter reads it after the verify)."""
 

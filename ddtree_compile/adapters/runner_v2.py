@@ -45,6 +45,12 @@ class _Shared:
         self.requests: dict = {}  # req_id -> (SamplingParams, prompt token ids)
         self.batch = None  # the InputBatch of the step in flight
         self.rs_rest: tuple = ()  # the rejection sampler's arguments after draft_logits (0.32: invalid_drafts)
+        self.attn_metadata: dict = {}  # layer name -> metadata of the step (model_state.prepare_attn)
+        self.desc = None  # the CUDA-graph descriptor vLLM dispatched the step to
+        self.full_desc = None  # set while a FULL graph replays (cudagraph_manager.run_fullgraph)
+        self.positions = None  # the positions tensor vLLM hands the target (model inputs)
+        self.pw = False  # set while PIECEWISE graphs run the target (cudagraph_manager.run_pw_graph)
+        self.in_forward = False  # set while the round's target forward runs (re-entry guard)
 
 
 def runner_v2_class():
@@ -105,9 +111,13 @@ class V2RunnerView(V1RunnerView):
         vc = self.runner.vllm_config
         mc, cc = vc.model_config, vc.cache_config
         mode = vc.compilation_config.cudagraph_mode
-        if vc.compilation_config.mode != 0 or (mode is not None and mode.name != "NONE"):
-            return ("Model Runner V2 with torch.compile or CUDA graphs (the tree verify on V2 runs eagerly so "
-                    "far: pass enforce_eager=True)")
+        if mode is not None and mode.has_full_cudagraphs() and not mode.separate_routine():
+            # Pure FULL also captures mixed batches as FULL graphs; the tree context is captured into
+            # the uniform-decode graphs only (install_graph_capture).
+            return (f"cudagraph_mode={mode.name} (FULL graphs for mixed batches); use FULL_AND_PIECEWISE, "
+                    f"FULL_DECODE_ONLY or PIECEWISE")
+        if getattr(getattr(self.runner, "cudagraph_manager", None), "use_breakable_cg", False):
+            return "breakable CUDA graphs of Model Runner V2 (the round hooks vLLM's compiled piecewise graphs)"
         if vc.scheduler_config.async_scheduling:
             return "async scheduling (the tree round is synchronous: pass async_scheduling=False)"
         if type(self.speculator).__name__ != "DFlashSpeculator":
@@ -222,6 +232,18 @@ class V2RunnerView(V1RunnerView):
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.batch.positions[logits_indices]
 
+    def full_graph_tokens(self) -> int | None:
+        desc = self._shared.full_desc
+        return None if desc is None else desc.num_tokens
+
+    def verify_bypasses_hooks(self) -> str | None:
+        """A compiled engine's eager forward (a batch past the CUDA-graph sizes) calls the compiled
+        model, whose Python `forward` (where eager engines are hooked) the compiled code bypasses."""
+        desc = self._shared.desc
+        if self.eager or desc is None or desc.cg_mode.name != "NONE":
+            return None
+        return "a batch larger than the CUDA-graph capture sizes (compiled V2 engine, eager forward)"
+
     def input_ids(self) -> torch.Tensor:
         return self.batch.input_ids
 
@@ -234,6 +256,11 @@ class V2RunnerView(V1RunnerView):
     # -- layers and caches -------------------------------------------------------------------------------
     def layer(self, name: str):
         return self.runner.vllm_config.compilation_config.static_forward_context[name]
+
+    def _attn_metadata(self) -> dict:
+        """The step's metadata as `model_state.prepare_attn` built it: a FULL graph replays without a
+        forward context (`run_fullgraph`), so it is not read from there."""
+        return self._shared.attn_metadata
 
     def _drafter_layer_names(self) -> set[str]:
         return set(getattr(self.speculator, "draft_attn_layer_names", ()) or ())
@@ -261,7 +288,22 @@ class V2RunnerView(V1RunnerView):
 
     # -- the round's hooks ---------------------------------------------------------------------------------
     def install_graph_capture(self, capture) -> bool:
-        return False  # eager engines only (unsupported_features)
+        """V2 captures its graphs in `cudagraph_manager.capture(model, ...)` (0.26 `cudagraph_utils.py:
+        440-565`): each FULL descriptor's warm-up and capture call `model(**inputs)` with attention
+        metadata and runtime mode NONE (PIECEWISE warm-ups build none), the capture inside
+        `torch.cuda.graph`. The model handed to it is wrapped so those calls run inside
+        `capture(num_tokens, capturing)`'s tree context, entered outside the graph."""
+        manager = getattr(self.runner, "cudagraph_manager", None)
+        mode = self.runner.vllm_config.compilation_config.cudagraph_mode
+        if manager is None or mode is None or not mode.has_full_cudagraphs():
+            return False
+        original = manager.capture
+
+        def capture_with_trees(model, *args, **kw):
+            return original(_CaptureModel(model, capture), *args, **kw)
+
+        manager.capture = capture_with_trees
+        return True
 
     def install_round_hooks(self, hooks: dict) -> dict:
         if set(hooks) != set(ROUND_HOOKS):
@@ -325,17 +367,66 @@ class V2RunnerView(V1RunnerView):
             top1, _ = hooks["sample_draft_tokens"](hidden[s.sample_indices[:n]], None)
             s.draft_tokens[:num_reqs, : L["steps"]] = top1.view(num_reqs, L["steps"]).to(s.draft_tokens.dtype)
 
+        shared = view._shared
+        prepare_attn = r.model_state.prepare_attn
+        manager = getattr(r, "cudagraph_manager", None)
+
+        def on_prepare_attn(*args, **kw):
+            shared.attn_metadata = prepare_attn(*args, **kw)
+            return shared.attn_metadata
+
         def on_prepare_inputs(input_batch, req_states):
-            view._shared.batch = input_batch
-            return hooks["prepare_inputs"](input_batch, input_batch.num_scheduled_tokens)
+            shared.batch = input_batch
+            out = hooks["prepare_inputs"](input_batch, input_batch.num_scheduled_tokens)
+            shared.positions = out.get("positions", input_batch.positions)  # what the target gets
+            return out
 
         def original_prepare_inputs(input_batch, num_scheduled_tokens):
             return prepare_inputs(input_batch, r.req_states)
 
         def on_forward(*args, **kw):
+            if shared.in_forward:
+                return forward(*args, **kw)
             if args:  # V2 calls model(**model_inputs)
                 raise TypeError("DDTree's V2 forward hook takes keyword arguments only")
+            shared.positions = kw.get("positions")
             return hooks["model_forward"](**kw)
+
+        def original_forward(**kw):
+            """The target forward vLLM chose (FULL replay, PIECEWISE graphs, eager), with the positions
+            the round hands it written into the tensor vLLM passed: graphs read fixed addresses, and
+            vLLM's values are put back after the forward (the drafter and the sampler read them)."""
+            run = (lambda **k: run_fullgraph(shared.full_desc)) if shared.full_desc is not None else \
+                (lambda **k: run_pw_graph(r.model, k)) if shared.pw else forward
+            shared.in_forward = True  # a compiled model's skip path calls `forward` again: not a second hook
+            try:
+                return _with_positions_in(shared.positions, run, kw)
+            finally:
+                shared.in_forward = False
+
+        def on_dispatch(*args, **kw):
+            shared.desc = dispatch(*args, **kw)
+            return shared.desc
+
+        def on_run_fullgraph(desc):
+            shared.full_desc = desc
+            try:
+                return hooks["model_forward"](input_ids=None, positions=shared.positions, intermediate_tensors=None,
+                                              inputs_embeds=None)
+            finally:
+                shared.full_desc = None
+
+        def on_run_pw_graph(model, model_inputs):
+            shared.pw, shared.positions = True, model_inputs.get("positions")
+            try:
+                return hooks["model_forward"](**model_inputs)
+            finally:
+                shared.pw = False
+
+        r.model_state.prepare_attn = on_prepare_attn
+        if manager is not None:
+            dispatch, run_fullgraph, run_pw_graph = manager.dispatch, manager.run_fullgraph, manager.run_pw_graph
+            manager.dispatch, manager.run_fullgraph, manager.run_pw_graph = on_dispatch, on_run_fullgraph, on_run_pw_graph
 
         class TreeRejectionSampler:
             """runner.rejection_sampler: V2's arguments in, the round's TreeSampler with V1's."""
@@ -352,10 +443,50 @@ class V2RunnerView(V1RunnerView):
         r.model_state.prepare_inputs, r.model.forward = on_prepare_inputs, on_forward
         r.rejection_sampler = TreeRejectionSampler()
         return {"propose": original_propose, "sample_draft_tokens": None,
-                "prepare_inputs": original_prepare_inputs, "model_forward": forward,
+                "prepare_inputs": original_prepare_inputs, "model_forward": original_forward,
                 "rejection_sampler": view.vllm_sampler(),
                 "update_states": lambda output_token_ids, scheduler_output: None,
                 "propose_draft_token_ids": lambda *args: None}
+
+
+class _CaptureModel:
+    """The model as V2's graph capture calls it: a FULL descriptor's warm-up and capture forwards
+    (attention metadata set, runtime mode NONE) run inside the round's tree context of that size."""
+
+    def __init__(self, model, capture):
+        self._model, self._capture = model, capture
+
+    def __call__(self, **inputs):
+        from vllm.forward_context import get_forward_context
+
+        fc = get_forward_context()
+        cm = None
+        if fc.attn_metadata is not None and fc.cudagraph_runtime_mode.name == "NONE":
+            ids = inputs.get("input_ids")
+            tokens = ids.shape[0] if ids is not None else inputs["positions"].shape[-1]
+            cm = self._capture(tokens, torch.cuda.is_current_stream_capturing())
+        if cm is None:
+            return self._model(**inputs)
+        with cm:
+            return self._model(**inputs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _with_positions_in(buf, run, kw: dict):
+    """run(**kw) with kw["positions"] copied into `buf` (vLLM's positions tensor, [T] or M-RoPE
+    [3, T]) for the call and vLLM's values restored after it."""
+    positions = kw.get("positions")
+    if buf is None or positions is None or positions is buf:
+        return run(**kw)
+    n = positions.shape[-1]
+    saved = buf[..., :n].clone()
+    buf[..., :n].copy_(positions)
+    try:
+        return run(**dict(kw, positions=buf))
+    finally:
+        buf[..., :n].copy_(saved)
 
 
 def _prompt_ids(new_req_data) -> list[int]:

@@ -170,6 +170,9 @@ class V1RunnerView(RunnerView):
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.runner.positions[logits_indices]
 
+    def verify_bypasses_hooks(self) -> str | None:
+        return None  # every target forward goes through `_model_forward`
+
     def input_ids(self) -> torch.Tensor:
         """The step's input-id buffer, which the drafter reads after the verify."""
         return self.runner.input_ids.gpu
@@ -249,8 +252,12 @@ class V1RunnerView(RunnerView):
         return set(getattr(self.runner.drafter, "_draft_attn_layer_names", ()) or ())
 
     # -- forward-time metadata (inside set_forward_context) -----------------------------------------
+    def _attn_metadata(self) -> dict:
+        """Layer name -> attention / GDN metadata of the verify being run."""
+        return forward_attn_metadata()
+
     def block_table(self, layer_name: str, R: int) -> torch.Tensor:
-        return forward_attn_metadata()[layer_name].block_table[:R]
+        return self._attn_metadata()[layer_name].block_table[:R]
 
     def gdn_takes_short_drafts(self) -> bool:
         """Whether vLLM's GDN verify takes fewer drafts per request than num_speculative_tokens.
@@ -261,7 +268,7 @@ class V1RunnerView(RunnerView):
 
     def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(state_indices int32 [R, 1+K], num_accepted int32 [R]) of a pure spec-decode GDN batch."""
-        g = forward_attn_metadata()[self.layer(layer_name).prefix]
+        g = self._attn_metadata()[self.layer(layer_name).prefix]
         if g.num_spec_decodes != R or g.num_prefills or g.num_decodes:
             raise RuntimeError(f"DDTree: the GDN metadata of a tree step is not a pure spec batch (spec "
                                f"{g.num_spec_decodes}, prefills {g.num_prefills}, decodes {g.num_decodes})")

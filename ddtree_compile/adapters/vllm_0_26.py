@@ -236,6 +236,9 @@ class RunnerView(V1RunnerView):
     def install_graph_capture(self, capture) -> bool:
         return install_graph_capture(self.runner, capture)
 
+    def full_graph_tokens(self) -> int | None:
+        return full_graph_tokens()
+
     def unsupported_features(self) -> str | None:
         """An engine feature the round does not serve (the shared checks, then 0.26's own), or None."""
         r = self.runner

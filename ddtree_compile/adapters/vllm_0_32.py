@@ -121,6 +121,9 @@ class RunnerView(V1RunnerView):
     def install_graph_capture(self, capture) -> bool:
         return install_graph_capture(self.runner, capture)
 
+    def full_graph_tokens(self) -> int | None:
+        return full_graph_tokens()
+
 
 def view_of(runner):
     """The RunnerView of either model runner."""

@@ -7,7 +7,7 @@ buckets are vLLM's capture sizes. The ddtree mirror ops choose tree vs original 
 a graph freezes at capture, so:
 
 - capture: the adapter runs vLLM's own warm-up and capture forwards of every FULL uniform size
-  inside `GraphBuckets.capture(num_tokens, capturing)`, entered outside the graph: a tree verify
+  inside `GraphBuckets.capture(num_tokens, capturing)`, whose set-up copies run outside the graph: a tree verify
   over this module's metadata tensors (chain-shaped trees over no context), so the graph records
   the tree templates and their reads of these addresses. A size whose capture did not reach every layer's tree op raises.
 - replay: the step's trees are copied into the first R rows of its bucket's tensors and the
@@ -73,9 +73,11 @@ class GraphBuckets:
         return self._metas[rows]
 
     def _neutral(self, meta: TreeVerifyMetadata, start: int) -> None:
-        """Rows start.. of the bucket: chain trees over no context."""
+        """Rows start.. of the bucket: chain trees over no context. Never recorded into a graph: a
+        capture forward entered inside the graph being captured (Model Runner V2 calls the model
+        inside `torch.cuda.graph`) finds the rows as its warm-up, run just before, left them."""
         rows = meta.num_requests
-        if start < rows:
+        if start < rows and not torch.cuda.is_current_stream_capturing():
             parents, depths, bits = self._chain
             meta.parents[start:].copy_(parents[start:rows])
             meta.depths[start:].copy_(depths[start:rows])

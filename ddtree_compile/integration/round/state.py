@@ -142,7 +142,7 @@ class DDTreeRound:
 
     def _on_model_forward(self, **kw):
         if self.step is None:
-            self.verify.graphs.check_plain_forward(adapters.current().full_graph_tokens())
+            self.verify.graphs.check_plain_forward(self.ctx.view.full_graph_tokens())
             return self._orig["model_forward"](**kw)
         return self.verify.forward(self.step, self._orig["model_forward"], **kw)
 

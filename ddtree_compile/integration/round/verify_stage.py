@@ -65,6 +65,9 @@ class VerifyStage:
             return "mixed batch (prefill or partial drafts next to trees)", False
         if any(len(drafts.get(r, ())) != self.ctx.B for r in req_ids):
             return "drafts truncated by the scheduler", False
+        bypass = self.ctx.view.verify_bypasses_hooks()
+        if bypass is not None:
+            return bypass, False
         if pending is None:
             return "drafts not from a tree (drafter skipped)", True
         if any(r not in pending.index for r in req_ids):
@@ -126,7 +129,7 @@ class VerifyStage:
     def forward(self, step: Step, original_forward, input_ids=None, positions=None, intermediate_tensors=None,
                 inputs_embeds=None, **kw):
         pos = self.ctx.view.tree_positions(positions, step.positions, step.tree.depths)
-        rows = self.graphs.replay_rows(adapters.current().full_graph_tokens())
+        rows = self.graphs.replay_rows(self.ctx.view.full_graph_tokens())
         meta = step.meta if rows is None else self.graphs.fill(rows, step)
         self._forward_metadata(step, meta, rows)
         with tree_verify(meta):
