@@ -120,11 +120,11 @@ def test_the_mirror_ops_exist_before_the_model_loads():
 
 def test_the_plugin_hooks_runner_v2_where_it_hooks_v1():
     """V2 engines reach the same attach (and workspace reservation) as V1 engines: the plugin patches
-    V2's initialize_kv_cache and profile_run in this process (tests/test_runner_v2_cpu.py runs them)."""
+    V2's initialize_kv_cache, profile_run and load_model in this process (tests/test_runner_v2_cpu.py runs them)."""
     import vllm.v1.worker.gpu.model_runner as v2
 
     from ddtree_compile.integration import plugin
 
     plugin.register()
-    for name in ("initialize_kv_cache", "profile_run"):
+    for name in ("initialize_kv_cache", "profile_run", "load_model"):
         assert getattr(getattr(v2.GPUModelRunner, name), "_ddtree_patched", False), name

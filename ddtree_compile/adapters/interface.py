@@ -71,9 +71,10 @@ class RunnerView(abc.ABC):
 
     # -- the round's hooks on this runner --------------------------------------------------------
     @abc.abstractmethod
-    def install_round_hooks(self, hooks: dict) -> dict:
+    def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
         """Install the round's hooks (named as v1_runner.ROUND_HOOKS, called with V1's arguments) on
-        this runner instance; returns the originals under the same names, callable the same way."""
+        this runner instance, for a drafter that drafts `draft_len` positions; returns the originals
+        under the same names, callable the same way."""
 
     @abc.abstractmethod
     def install_graph_capture(self, capture) -> bool:

@@ -1,28 +1,18 @@
-"""Model Runner V2 (`vllm/v1/worker/gpu/`, vLLM 0.26 and 0.32): the round's hooks and the RunnerView.
+"""Model Runner V2 (`vllm/v1/worker/gpu/`, vLLM 0.26 and 0.32): the RunnerView and the class patches.
 
-V2 has none of V1's round members, so the hooks sit on these (docs/runner_v2.md has the lines):
+V2 has none of V1's round members; runner_v2_hooks.V2RoundHooks wraps V2's own (speculator.propose
+and _generate_draft, model_state.prepare_attn / prepare_inputs, the target forward in its three
+forms: eager `model.forward`, `cudagraph_manager.run_pw_graph`, `run_fullgraph`, and the rejection
+sampler) and calls the round's hooks with V1's arguments, so build / verify / walk / commit are the
+same stages on both runners (docs/runner_v2.md has the lines of both releases).
 
-    build   speculator.propose (wrapped)          the drafter drafts L positions; the scheduler gets
-            speculator._generate_draft (replaced)   the tree's B nodes as drafts (vLLM's K = B)
-    verify  model_state.prepare_inputs (wrapped)   the step's batch: tree metadata (positions stay flat
-                                                   for the slot mapping)
-            model.forward (wrapped)                tree positions and the tree context, eager
-    walk    rejection_sampler (replaced)           V2's sampler output: sampled ids, num_sampled,
-                                                   num_rejected (post_update keeps the accepted prefix)
-    commit  start of the next speculator.propose   after V2's postprocess: K/V compaction, GDN state and
-                                                   the next read column (num_accepted_tokens_gpu),
-                                                   drafter inputs reordered (accepted path first)
-
-The round's hooks keep V1's signatures (v1_runner.ROUND_HOOKS): `install_round_hooks` calls them
-from V2's members and hands the round originals with V1's signatures, so build / verify / walk /
-commit are the same stages on both runners. What V2 keeps only on the device or not at all (a
-request's SamplingParams and prompt) is recorded when the request is added.
-
-Served: eager engines (compilation mode NONE, no CUDA graphs), greedy and seeded sampling, chain rows
-through V2's own rejection sampler with one-hot drafts (lossless: the drafts are the tree's, not
-samples of the drafter's distribution), attention-only and GatedDeltaNet hybrids, M-RoPE.
-Refused at attach (unsupported_features): compiled or CUDA-graph engines, async scheduling, custom
-logits processors, hybrid prefix caching; budget "auto" verifies the tree every step.
+Served: greedy and seeded sampling, chain rows through V2's own rejection sampler with one-hot drafts
+(lossless: the drafts are the tree's, not samples of the drafter's distribution), attention-only and
+GatedDeltaNet hybrids, M-RoPE, eager engines and torch.compile with PIECEWISE / FULL_AND_PIECEWISE
+graphs (tree verifies replay FULL graphs captured through V2's graph manager; the drafter's graphs are
+captured for L queries). Refused at attach (unsupported_features): pure FULL graphs, V2's breakable
+graphs, async scheduling, custom logits processors, hybrid prefix caching; budget "auto" verifies
+the tree every step.
 """
 
 from __future__ import annotations
@@ -31,7 +21,7 @@ import numpy as np
 import torch
 
 from .engine import engine_settings
-from .v1_runner import ROUND_HOOKS, V1RunnerView, patch_after, patch_before
+from .v1_runner import V1RunnerView, patch_after, patch_before
 
 _SHARED = "_ddtree_v2"  # on the runner instance: what every view of that runner reads (_Shared)
 
@@ -74,6 +64,13 @@ def patch_kv_caches_ready(on_kv_caches_ready) -> bool:
     cls = runner_v2_class()
     return cls is not None and patch_after(cls, "initialize_kv_cache",
                                            lambda runner, args, kwargs: on_kv_caches_ready(runner))
+
+
+def patch_load_model(on_model_load) -> bool:
+    """Before Model Runner V2's `load_model` (0.26 `model_runner.py:276`): a warm start loads the
+    compiled graph, which calls the ddtree ops, from vLLM's compile cache (as V1's)."""
+    cls = runner_v2_class()
+    return cls is not None and patch_before(cls, "load_model", lambda runner, args, kwargs: on_model_load(runner))
 
 
 def patch_profile_run(on_memory_profile) -> bool:
@@ -305,148 +302,10 @@ class V2RunnerView(V1RunnerView):
         manager.capture = capture_with_trees
         return True
 
-    def install_round_hooks(self, hooks: dict) -> dict:
-        if set(hooks) != set(ROUND_HOOKS):
-            raise ValueError(f"round hooks: expected {sorted(ROUND_HOOKS)}, got {sorted(hooks)}")
-        r, s, view = self.runner, self.speculator, self
-        propose, generate = s.propose, s._generate_draft
-        prepare_inputs, forward = r.model_state.prepare_inputs, r.model.forward
-        add_requests, remove_request = r.add_requests, r._remove_request
-        drafting = []  # non-empty while the round's propose runs the drafter for L positions
-        L = {"steps": s.num_speculative_steps}
+    def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
+        from .runner_v2_hooks import V2RoundHooks
 
-        def on_add_requests(scheduler_output):
-            out = add_requests(scheduler_output)
-            for new in scheduler_output.scheduled_new_reqs:
-                view._requests[new.req_id] = (new.sampling_params, _prompt_ids(new))
-            return out
-
-        def on_remove_request(req_id):
-            view._requests.pop(req_id, None)
-            return remove_request(req_id)
-
-        def original_propose(num_speculative_tokens, next_token_ids, v2_call):
-            """V2's propose with the speculator drafting `num_speculative_tokens` (= L) positions."""
-            args, kw = v2_call
-            K, Q = s.num_speculative_steps, s.num_query_per_req
-            s.num_speculative_steps, s.num_query_per_req = num_speculative_tokens, 1 + num_speculative_tokens
-            L["steps"] = num_speculative_tokens
-            drafting.append(True)
-            try:
-                return propose(*args, **kw)
-            finally:
-                drafting.pop()
-                s.num_speculative_steps, s.num_query_per_req = K, Q
-
-        def on_propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
-                       num_sampled, num_rejected, last_sampled, next_prefill_tokens, *args, **kw):
-            call = ((input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
-                     num_rejected, last_sampled, next_prefill_tokens, *args), kw)
-            if kw.get("dummy_run"):
-                return propose(*call[0], **call[1])
-            view._shared.batch = input_batch
-            # commit of the step just verified (V2's postprocess ran: its accepted counts are in place)
-            hooks["update_states"](None, None)
-            hidden = [last_hidden_states, *(aux_hidden_states or ())]
-            hooks["propose_draft_token_ids"](None, None, None, None, None, hidden, None, None, None)
-            R = input_batch.num_reqs
-            roots = last_sampled[input_batch.idx_mapping[:R]].reshape(R, -1)[:, 0]
-            drafts = hooks["propose"](next_token_ids=roots, v2_call=call)
-            s.draft_tokens[:R, : drafts.shape[1]] = drafts
-            return s.draft_tokens[:R]
-
-        def on_generate_draft(num_reqs, num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
-                              cudagraph_runtime_mode=None, *args, **kw):
-            if not drafting:
-                extra = () if cudagraph_runtime_mode is None else (cudagraph_runtime_mode,)
-                return generate(num_reqs, num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
-                                *extra, *args, **kw)
-            run = (num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp)
-            hidden = s._run_model(*run) if cudagraph_runtime_mode is None else s._run_model(*run, cudagraph_runtime_mode)
-            n = num_reqs * L["steps"]
-            top1, _ = hooks["sample_draft_tokens"](hidden[s.sample_indices[:n]], None)
-            s.draft_tokens[:num_reqs, : L["steps"]] = top1.view(num_reqs, L["steps"]).to(s.draft_tokens.dtype)
-
-        shared = view._shared
-        prepare_attn = r.model_state.prepare_attn
-        manager = getattr(r, "cudagraph_manager", None)
-
-        def on_prepare_attn(*args, **kw):
-            shared.attn_metadata = prepare_attn(*args, **kw)
-            return shared.attn_metadata
-
-        def on_prepare_inputs(input_batch, req_states):
-            shared.batch = input_batch
-            out = hooks["prepare_inputs"](input_batch, input_batch.num_scheduled_tokens)
-            shared.positions = out.get("positions", input_batch.positions)  # what the target gets
-            return out
-
-        def original_prepare_inputs(input_batch, num_scheduled_tokens):
-            return prepare_inputs(input_batch, r.req_states)
-
-        def on_forward(*args, **kw):
-            if shared.in_forward:
-                return forward(*args, **kw)
-            if args:  # V2 calls model(**model_inputs)
-                raise TypeError("DDTree's V2 forward hook takes keyword arguments only")
-            shared.positions = kw.get("positions")
-            return hooks["model_forward"](**kw)
-
-        def original_forward(**kw):
-            """The target forward vLLM chose (FULL replay, PIECEWISE graphs, eager), with the positions
-            the round hands it written into the tensor vLLM passed: graphs read fixed addresses, and
-            vLLM's values are put back after the forward (the drafter and the sampler read them)."""
-            run = (lambda **k: run_fullgraph(shared.full_desc)) if shared.full_desc is not None else \
-                (lambda **k: run_pw_graph(r.model, k)) if shared.pw else forward
-            shared.in_forward = True  # a compiled model's skip path calls `forward` again: not a second hook
-            try:
-                return _with_positions_in(shared.positions, run, kw)
-            finally:
-                shared.in_forward = False
-
-        def on_dispatch(*args, **kw):
-            shared.desc = dispatch(*args, **kw)
-            return shared.desc
-
-        def on_run_fullgraph(desc):
-            shared.full_desc = desc
-            try:
-                return hooks["model_forward"](input_ids=None, positions=shared.positions, intermediate_tensors=None,
-                                              inputs_embeds=None)
-            finally:
-                shared.full_desc = None
-
-        def on_run_pw_graph(model, model_inputs):
-            shared.pw, shared.positions = True, model_inputs.get("positions")
-            try:
-                return hooks["model_forward"](**model_inputs)
-            finally:
-                shared.pw = False
-
-        r.model_state.prepare_attn = on_prepare_attn
-        if manager is not None:
-            dispatch, run_fullgraph, run_pw_graph = manager.dispatch, manager.run_fullgraph, manager.run_pw_graph
-            manager.dispatch, manager.run_fullgraph, manager.run_pw_graph = on_dispatch, on_run_fullgraph, on_run_pw_graph
-
-        class TreeRejectionSampler:
-            """runner.rejection_sampler: V2's arguments in, the round's TreeSampler with V1's."""
-
-            def __call__(self_, logits, input_batch, draft_logits=None, *rest):
-                view._shared.batch, view._shared.rs_rest = input_batch, rest
-                return hooks["rejection_sampler"](input_batch, None, logits, input_batch)
-
-            def __getattr__(self_, name):
-                return getattr(view._rs_original, name)
-
-        r.add_requests, r._remove_request = on_add_requests, on_remove_request
-        s.propose, s._generate_draft = on_propose, on_generate_draft
-        r.model_state.prepare_inputs, r.model.forward = on_prepare_inputs, on_forward
-        r.rejection_sampler = TreeRejectionSampler()
-        return {"propose": original_propose, "sample_draft_tokens": None,
-                "prepare_inputs": original_prepare_inputs, "model_forward": original_forward,
-                "rejection_sampler": view.vllm_sampler(),
-                "update_states": lambda output_token_ids, scheduler_output: None,
-                "propose_draft_token_ids": lambda *args: None}
+        return V2RoundHooks(self, hooks, draft_len).install()
 
 
 class _CaptureModel:
@@ -472,26 +331,3 @@ class _CaptureModel:
 
     def __getattr__(self, name):
         return getattr(self._model, name)
-
-
-def _with_positions_in(buf, run, kw: dict):
-    """run(**kw) with kw["positions"] copied into `buf` (vLLM's positions tensor, [T] or M-RoPE
-    [3, T]) for the call and vLLM's values restored after it."""
-    positions = kw.get("positions")
-    if buf is None or positions is None or positions is buf:
-        return run(**kw)
-    n = positions.shape[-1]
-    saved = buf[..., :n].clone()
-    buf[..., :n].copy_(positions)
-    try:
-        return run(**dict(kw, positions=buf))
-    finally:
-        buf[..., :n].copy_(saved)
-
-
-def _prompt_ids(new_req_data) -> list[int]:
-    """The prompt of a new request (0.26 sends prompt_token_ids; 0.32 prompt_len + prefill ids)."""
-    ids = getattr(new_req_data, "prompt_token_ids", None)
-    if ids is not None:
-        return list(ids)
-    return list(new_req_data.prefill_token_ids[: new_req_data.prompt_len])

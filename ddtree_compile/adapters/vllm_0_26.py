@@ -63,7 +63,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     shutdown_engine,
 )
 from .engine import engine_settings, engine_switches, settings_of, tp_rank  # noqa: F401
-from .runner_v2 import V2RunnerView, is_runner_v2, patch_kv_caches_ready, patch_profile_run
+from .runner_v2 import V2RunnerView, is_runner_v2, patch_kv_caches_ready, patch_load_model, patch_profile_run
 
 LINE = "0.26"
 
@@ -98,7 +98,10 @@ def install_model_load_hook(on_model_load) -> bool:
     run). Returns False if already patched."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    return patch_before(GPUModelRunner, "load_model", lambda runner, args, kwargs: on_model_load(runner))
+    if not patch_before(GPUModelRunner, "load_model", lambda runner, args, kwargs: on_model_load(runner)):
+        return False
+    patch_load_model(on_model_load)  # Model Runner V2's (`v1/worker/gpu/model_runner.py:276`)
+    return True
 
 
 def install_memory_profile_hook(on_memory_profile) -> bool:
@@ -230,8 +233,8 @@ class RunnerView(V1RunnerView):
     """V1RunnerView plus 0.26's hook installation and the engine features this release's round does
     not serve."""
 
-    def install_round_hooks(self, hooks: dict) -> dict:
-        return install_round_hooks(self.runner, hooks)
+    def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
+        return install_round_hooks(self.runner, hooks)  # V1 sets the drafter's length per call
 
     def install_graph_capture(self, capture) -> bool:
         return install_graph_capture(self.runner, capture)

@@ -43,7 +43,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     shutdown_engine,
 )
 from .engine import engine_settings, engine_switches, settings_of, tp_rank  # noqa: F401
-from .runner_v2 import V2RunnerView, is_runner_v2, patch_kv_caches_ready, patch_profile_run
+from .runner_v2 import V2RunnerView, is_runner_v2, patch_kv_caches_ready, patch_load_model, patch_profile_run
 
 LINE = "0.32"
 
@@ -78,7 +78,7 @@ def install_model_load_hook(on_model_load) -> bool:
     except ImportError:  # a CUDA build of 0.32: no CPU runner
         pass
     return any([patch_before(cls, "load_model", lambda runner, args, kwargs: on_model_load(runner))
-                for cls in classes])
+                for cls in classes] + [patch_load_model(on_model_load)])  # Model Runner V2's
 
 
 def install_memory_profile_hook(on_memory_profile) -> bool:
@@ -115,8 +115,8 @@ class RunnerView(V1RunnerView):
     """V1RunnerView with 0.32's hook installation: 0.32 has no engine feature the shared
     `unsupported_features` misses."""
 
-    def install_round_hooks(self, hooks: dict) -> dict:
-        return install_round_hooks(self.runner, hooks)
+    def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
+        return install_round_hooks(self.runner, hooks)  # V1 sets the drafter's length per call
 
     def install_graph_capture(self, capture) -> bool:
         return install_graph_capture(self.runner, capture)

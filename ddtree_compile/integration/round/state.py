@@ -88,7 +88,7 @@ class DDTreeRound:
             "prepare_inputs": self._on_prepare_inputs, "model_forward": self._on_model_forward,
             "rejection_sampler": TreeSampler(self._on_sample, view.vllm_sampler()),
             "update_states": self._on_update_states, "propose_draft_token_ids": self._on_propose_draft_token_ids,
-        })
+        }, draft_len)
         view.install_graph_capture(self.verify.graphs.capture)
         ws = self.verify.workspace
         if ws.nbytes:

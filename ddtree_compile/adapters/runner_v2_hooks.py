@@ -1,0 +1,199 @@
+"""The round's hooks on one Model Runner V2 instance (runner_v2.V2RunnerView.install_round_hooks).
+
+V2 has none of V1's round members: `V2RoundHooks` wraps V2's own (docs/runner_v2.md has the table
+with 0.26 / 0.32 lines) and calls the round's hooks with V1's arguments, so the stages are the same
+code on both runners. What the hooks learn on the way (the step's InputBatch, attention metadata,
+graph descriptor, the positions tensor vLLM hands the model) goes to the runner's `_Shared`, which
+every view of the runner reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .v1_runner import ROUND_HOOKS
+
+
+class V2RoundHooks:
+    def __init__(self, view, hooks: dict, draft_len: int):
+        if set(hooks) != set(ROUND_HOOKS):
+            raise ValueError(f"round hooks: expected {sorted(ROUND_HOOKS)}, got {sorted(hooks)}")
+        self.view, self.hooks, self.L = view, hooks, draft_len
+        self.r, self.s, self.shared = view.runner, view.speculator, view._shared
+        r, s = self.r, self.s
+        self.manager = getattr(r, "cudagraph_manager", None)
+        self.orig = {"propose": s.propose, "prepare_inputs": r.model_state.prepare_inputs,
+                     "prepare_attn": r.model_state.prepare_attn, "forward": r.model.forward,
+                     "add_requests": r.add_requests, "remove_request": r._remove_request}
+        if self.manager is not None:
+            self.orig.update(dispatch=self.manager.dispatch, run_fullgraph=self.manager.run_fullgraph,
+                             run_pw_graph=self.manager.run_pw_graph)
+        # The speculator drafts L positions from now on, its CUDA graphs too (re-made for 1 + L queries
+        # per request before V2 captures them, `dflash/speculator.py:100-124`); the scheduler keeps
+        # K = B draft slots. Its forward (a graph or eager) leaves the hidden states of the L sampled
+        # positions in `hidden`; the logits are computed after it, eagerly, for the tree build.
+        s.num_speculative_steps, s.num_query_per_req = draft_len, 1 + draft_len
+        s.init_cudagraph_manager(r.vllm_config.compilation_config.cudagraph_mode)
+        self.hidden = torch.empty(r.max_num_reqs * draft_len, s.hidden_size, dtype=s.dtype, device=s.device)
+
+    def install(self) -> dict:
+        r, s = self.r, self.s
+        r.add_requests, r._remove_request = self.on_add_requests, self.on_remove_request
+        s.propose, s._generate_draft = self.on_propose, self.on_generate_draft
+        r.model_state.prepare_attn = self.on_prepare_attn
+        r.model_state.prepare_inputs, r.model.forward = self.on_prepare_inputs, self.on_forward
+        if self.manager is not None:
+            m = self.manager
+            m.dispatch, m.run_fullgraph, m.run_pw_graph = self.on_dispatch, self.on_run_fullgraph, self.on_run_pw_graph
+        r.rejection_sampler = _TreeRejectionSampler(self)
+        return {"propose": self.original_propose, "sample_draft_tokens": None,
+                "prepare_inputs": self.original_prepare_inputs, "model_forward": self.original_forward,
+                "rejection_sampler": self.view.vllm_sampler(),
+                "update_states": lambda output_token_ids, scheduler_output: None,
+                "propose_draft_token_ids": lambda *args: None}
+
+    # -- requests: V2 keeps no SamplingParams or prompt on the host --------------------------------------
+    def on_add_requests(self, scheduler_output):
+        out = self.orig["add_requests"](scheduler_output)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.view._requests[new.req_id] = (new.sampling_params, _prompt_ids(new))
+        return out
+
+    def on_remove_request(self, req_id):
+        self.view._requests.pop(req_id, None)
+        return self.orig["remove_request"](req_id)
+
+    # -- build (and, first, the commit of the step just verified) ----------------------------------------
+    def on_propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                   num_sampled, num_rejected, last_sampled, next_prefill_tokens, *args, **kw):
+        call = ((input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
+                 num_rejected, last_sampled, next_prefill_tokens, *args), kw)
+        if kw.get("dummy_run"):
+            return self.orig["propose"](*call[0], **call[1])
+        self.shared.batch = input_batch
+        # V2's postprocess ran (its accepted counts are in place): the round commits, then the drafter's
+        # inputs of the tree step are reordered, accepted path first
+        self.hooks["update_states"](None, None)
+        states = [last_hidden_states, *(aux_hidden_states or ())]
+        self.hooks["propose_draft_token_ids"](None, None, None, None, None, states, None, None, None)
+        R = input_batch.num_reqs
+        roots = last_sampled[input_batch.idx_mapping[:R]].reshape(R, -1)[:, 0]
+        drafts = self.hooks["propose"](next_token_ids=roots, v2_call=call)
+        self.s.draft_tokens[:R, : drafts.shape[1]] = drafts
+        return self.s.draft_tokens[:R]
+
+    def original_propose(self, num_speculative_tokens, next_token_ids, v2_call):
+        """V2's propose (the drafter's graph or eager forward), then the logits of its L positions
+        through the round's `sample_draft_tokens`."""
+        if num_speculative_tokens != self.L:
+            raise ValueError(f"the V2 speculator drafts {self.L} positions, asked for {num_speculative_tokens}")
+        args, kw = v2_call
+        self.orig["propose"](*args, **kw)
+        self.hooks["sample_draft_tokens"](self.hidden[: next_token_ids.shape[0] * self.L], None)
+
+    def on_generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
+                          cudagraph_runtime_mode=None):
+        """The speculator's forward as V2 runs and captures it (`_generate_draft`): the drafter, then
+        its L sampled positions' hidden states into `hidden` (a fixed address for the graphs)."""
+        s = self.s
+        run = (num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp)
+        out = s._run_model(*run) if cudagraph_runtime_mode is None else s._run_model(*run, cudagraph_runtime_mode)
+        n = num_reqs * self.L
+        self.hidden[:n].copy_(out[s.sample_indices[:n]])
+
+    # -- verify -------------------------------------------------------------------------------------------
+    def on_dispatch(self, *args, **kw):
+        self.shared.desc = self.orig["dispatch"](*args, **kw)
+        return self.shared.desc
+
+    def on_prepare_attn(self, *args, **kw):
+        self.shared.attn_metadata = self.orig["prepare_attn"](*args, **kw)
+        return self.shared.attn_metadata
+
+    def on_prepare_inputs(self, input_batch, req_states):
+        self.shared.batch = input_batch
+        out = self.hooks["prepare_inputs"](input_batch, input_batch.num_scheduled_tokens)
+        self.shared.positions = out.get("positions", input_batch.positions)  # what the target gets
+        return out
+
+    def original_prepare_inputs(self, input_batch, num_scheduled_tokens):
+        return self.orig["prepare_inputs"](input_batch, self.r.req_states)
+
+    def on_forward(self, *args, **kw):
+        if self.shared.in_forward:
+            return self.orig["forward"](*args, **kw)
+        if args:  # V2 calls model(**model_inputs)
+            raise TypeError("DDTree's V2 forward hook takes keyword arguments only")
+        self.shared.positions = kw.get("positions")
+        return self.hooks["model_forward"](**kw)
+
+    def on_run_fullgraph(self, desc):
+        self.shared.full_desc = desc
+        try:
+            return self.hooks["model_forward"](input_ids=None, positions=self.shared.positions,
+                                               intermediate_tensors=None, inputs_embeds=None)
+        finally:
+            self.shared.full_desc = None
+
+    def on_run_pw_graph(self, model, model_inputs):
+        self.shared.pw, self.shared.positions = True, model_inputs.get("positions")
+        try:
+            return self.hooks["model_forward"](**model_inputs)
+        finally:
+            self.shared.pw = False
+
+    def original_forward(self, **kw):
+        """The target forward vLLM chose (FULL replay, PIECEWISE graphs, eager), with the positions the
+        round hands it written into the tensor vLLM passed: graphs read fixed addresses, and vLLM's
+        values are put back after the forward (the drafter and the sampler read them)."""
+        shared = self.shared
+        if shared.full_desc is not None:
+            desc = shared.full_desc
+            run = lambda **k: self.orig["run_fullgraph"](desc)  # noqa: E731
+        elif shared.pw:
+            run = lambda **k: self.orig["run_pw_graph"](self.r.model, k)  # noqa: E731
+        else:
+            run = self.orig["forward"]
+        shared.in_forward = True  # a compiled model's skip path calls `forward` again: not a second hook
+        try:
+            return _with_positions_in(shared.positions, run, kw)
+        finally:
+            shared.in_forward = False
+
+
+class _TreeRejectionSampler:
+    """runner.rejection_sampler: V2's arguments in, the round's TreeSampler with V1's."""
+
+    def __init__(self, hooks: V2RoundHooks):
+        self._hooks = hooks
+
+    def __call__(self, logits, input_batch, draft_logits=None, *rest):
+        shared = self._hooks.shared
+        shared.batch, shared.rs_rest = input_batch, rest
+        return self._hooks.hooks["rejection_sampler"](input_batch, None, logits, input_batch)
+
+    def __getattr__(self, name):
+        return getattr(self._hooks.view._rs_original, name)
+
+
+def _with_positions_in(buf, run, kw: dict):
+    """run(**kw) with kw["positions"] copied into `buf` (vLLM's positions tensor, [T] or M-RoPE
+    [3, T]) for the call and vLLM's values restored after it."""
+    positions = kw.get("positions")
+    if buf is None or positions is None or positions is buf:
+        return run(**kw)
+    n = positions.shape[-1]
+    saved = buf[..., :n].clone()
+    buf[..., :n].copy_(positions)
+    try:
+        return run(**dict(kw, positions=buf))
+    finally:
+        buf[..., :n].copy_(saved)
+
+
+def _prompt_ids(new_req_data) -> list[int]:
+    """The prompt of a new request (0.26 sends prompt_token_ids; 0.32 prompt_len + prefill ids)."""
+    ids = getattr(new_req_data, "prompt_token_ids", None)
+    if ids is not None:
+        return list(ids)
+    return list(new_req_data.prefill_token_ids[: new_req_data.prompt_len])
