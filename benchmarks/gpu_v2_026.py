@@ -79,6 +79,16 @@ def _ddtree_runs(llm, ref, prompts, out, state_check: bool, graphs: bool = False
         return
     check = harness.GdnStateCheck()
     reference = {tuple(r["prompt"]): r["prompt"] + r["tokens"] for v in ref.values() for r in v}
+    # the drafter's FULL graphs (V2 captures them for 1 + L queries under DDTree): count their replays
+    drafter_graphs = engines.find_runner(llm).speculator.query_cudagraph_manager
+    replays, replay = [0], drafter_graphs.run_fullgraph
+
+    def counting(desc):
+        replays[0] += 1
+        return replay(desc)
+
+    drafter_graphs.run_fullgraph = counting
+    out["drafter_graphs_captured"] = sorted(str(d.num_tokens) for d in getattr(drafter_graphs, "graphs", {}))
     for kind, p in prompts.items():
         c0 = metrics.collect(llm)[0]
         got = _generate(llm, p)
@@ -101,12 +111,14 @@ def _ddtree_runs(llm, ref, prompts, out, state_check: bool, graphs: bool = False
         out["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths, "max_rel_err": check.max_err}
     out.update(_seeded(llm, prompts))
     out["counters_total"] = metrics.collect(llm)[0]
+    out["drafter_graph_replays"] = replays[0]
     out["ok"] = bool(
         all(all(g["ok"] for g in out[k]["gates_random"] + out[k]["gates_harness"])
             and out[k]["counters_random"]["tree_steps"] > 0 and out[k]["counters_harness"]["sibling_rounds"] > 0
             and (not graphs or out[k]["counters_random"]["graph_steps"] > 0)
             for k in prompts)
         and (not state_check or out["state_check"]["paths"] > 0)
+        and (not graphs or out["drafter_graph_replays"] > 0)
         and out["seeded_repeat_equal"] and out["seeded_alone_equal"])
 
 
