@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .engine import engine_settings
-from .v1_runner import V1RunnerView, patch_after, patch_before
+from .v1_runner import V1RunnerView, model_features_unsupported, patch_after, patch_before
 
 _SHARED = "_ddtree_v2"  # on the runner instance: what every view of that runner reads (_Shared)
 
@@ -31,7 +31,8 @@ class _Shared:
     harness's): V2 keeps a request's SamplingParams and prompt nowhere on the host, and passes the
     step's InputBatch as an argument instead of holding it."""
 
-    def __init__(self):
+    def __init__(self, rejection_sampler):
+        self.rs_original = rejection_sampler  # V2's own, which the round's sampler stands in for
         self.requests: dict = {}  # req_id -> (SamplingParams, prompt token ids)
         self.batch = None  # the InputBatch of the step in flight
         self.rs_rest: tuple = ()  # the rejection sampler's arguments after draft_logits (0.32: invalid_drafts)
@@ -93,9 +94,8 @@ class V2RunnerView(V1RunnerView):
         cc = runner.vllm_config.compilation_config
         self.eager = cc.mode == 0
         self.speculator = runner.speculator
-        self._rs_original = runner.rejection_sampler  # V2's own (the view is made before the round's hooks)
-        if not hasattr(runner, _SHARED):
-            setattr(runner, _SHARED, _Shared())
+        if not hasattr(runner, _SHARED):  # the first view of this runner: before the round's hooks
+            setattr(runner, _SHARED, _Shared(runner.rejection_sampler))
         self._shared = getattr(runner, _SHARED)
         self._requests = self._shared.requests
 
@@ -119,12 +119,7 @@ class V2RunnerView(V1RunnerView):
             return "async scheduling (the tree round is synchronous: pass async_scheduling=False)"
         if type(self.speculator).__name__ != "DFlashSpeculator":
             return f"a {type(self.speculator).__name__} speculator (DDTree needs V2's DFlash speculator)"
-        if mc.logits_processors:
-            return "custom logits processors (the tree walk does not apply them)"
-        if mc.is_hybrid and getattr(cc, "mamba_cache_mode", "none") != "none":
-            return (f"Mamba prefix caching (mamba_cache_mode={cc.mamba_cache_mode!r}); "
-                    f"run hybrids with enable_prefix_caching=False")
-        return None
+        return model_features_unsupported(mc, cc)
 
     def budget_auto_unsupported(self) -> str | None:
         return ("budget 'auto' on Model Runner V2: its scheduler schedules num_speculative_tokens drafts every "
@@ -163,7 +158,7 @@ class V2RunnerView(V1RunnerView):
         """V2's rejection sampler with V1's arguments, drafts one-hot (draft_logits None): the drafts
         are the tree's tokens, not samples of the drafter's distribution, so rejection against that
         distribution would not be lossless."""
-        original = self._rs_original
+        original = self._shared.rs_original
 
         def sample(metadata, draft_probs, logits, sampling_metadata):
             return original(logits, metadata, None, *self._shared.rs_rest)

@@ -173,7 +173,7 @@ class _TreeRejectionSampler:
         return self._hooks.hooks["rejection_sampler"](input_batch, None, logits, input_batch)
 
     def __getattr__(self, name):
-        return getattr(self._hooks.view._rs_original, name)
+        return getattr(self._hooks.shared.rs_original, name)
 
 
 def _with_positions_in(buf, run, kw: dict):

@@ -100,14 +100,7 @@ class V1RunnerView(RunnerView):
             return "XD-RoPE positions are not supported yet"
         if getattr(r.drafter, "use_heterogeneous_vocab", False):
             return "a drafter with a heterogeneous vocabulary"
-        if mc.logits_processors:
-            return "custom logits processors (the tree walk does not apply them)"
-        if mc.is_hybrid and getattr(cc, "mamba_cache_mode", "none") != "none":
-            # Prefix caching on a hybrid turns on "align" (models/config.py, 0.32: :686-687): GDN states
-            # are copied and addressed per block, and the tree commit assumes the lazy "none" layout.
-            return (f"Mamba prefix caching (mamba_cache_mode={cc.mamba_cache_mode!r}); "
-                    f"run hybrids with enable_prefix_caching=False")
-        return None
+        return model_features_unsupported(mc, cc)
 
     def budget_auto_unsupported(self) -> str | None:
         if self.settings.is_hybrid and not self.gdn_takes_short_drafts():
@@ -274,6 +267,18 @@ class V1RunnerView(RunnerView):
                                f"{g.num_spec_decodes}, prefills {g.num_prefills}, decodes {g.num_decodes})")
         return (g.spec_state_indices_tensor[:R].to(torch.int32).contiguous(),
                 g.num_accepted_tokens[:R].to(torch.int32).clone())
+
+
+def model_features_unsupported(model_config, cache_config) -> str | None:
+    """What neither runner's round serves of the model and cache settings, or None."""
+    if model_config.logits_processors:
+        return "custom logits processors (the tree walk does not apply them)"
+    if model_config.is_hybrid and getattr(cache_config, "mamba_cache_mode", "none") != "none":
+        # Prefix caching on a hybrid turns on "align" (models/config.py, 0.32: :686-687): GDN states
+        # are copied and addressed per block, and the tree commit assumes the lazy "none" layout.
+        return (f"Mamba prefix caching (mamba_cache_mode={cache_config.mamba_cache_mode!r}); "
+                f"run hybrids with enable_prefix_caching=False")
+    return None
 
 
 def sampler_output(sampled_token_ids: torch.Tensor, logprobs_tensors=None):
