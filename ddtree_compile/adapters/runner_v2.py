@@ -20,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .engine import engine_settings
 from .v1_runner import V1RunnerView, model_features_unsupported, patch_after, patch_before
 
 _SHARED = "_ddtree_v2"  # on the runner instance: what every view of that runner reads (_Shared)
@@ -86,13 +85,7 @@ class V2RunnerView(V1RunnerView):
     kinds) are V1's: V2 builds the same attention metadata and binds the same caches."""
 
     def __init__(self, runner):
-        self.runner = runner
-        self.settings = engine_settings(runner.vllm_config)
-        self.device = runner.device
-        self.dtype = runner.model_config.dtype
-        self.max_num_reqs = runner.max_num_reqs
-        cc = runner.vllm_config.compilation_config
-        self.eager = cc.mode == 0
+        super().__init__(runner)  # the same runner fields in V2 (settings, device, dtype, max_num_reqs, eager)
         self.speculator = runner.speculator
         if not hasattr(runner, _SHARED):  # the first view of this runner: before the round's hooks
             setattr(runner, _SHARED, _Shared(runner.rejection_sampler))
