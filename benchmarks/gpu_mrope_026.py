@@ -219,24 +219,29 @@ def main(argv=None) -> int:
         dirs = {"target": target, "full": models.write_tiny_dflash_drafter(target, root / "full", seed=4),
                 "mixed": models.write_tiny_dflash_drafter(target, root / "mixed", seed=4,
                                                           layer_types=["sliding_attention", "full_attention"])}
-        prompts = _prompts()
-        for part in args.parts.split(","):
-            out = {}
-            t0 = time.perf_counter()
-            try:
-                if part not in PARTS:
-                    raise SystemExit(f"--parts: {part!r} is not one of {', '.join(PARTS)}")
-                PARTS[part](dirs, prompts, out)
-            except Exception as e:  # keep going; the error goes in the JSON
-                out.update(error=repr(e), traceback=traceback.format_exc()[-4000:])
-                print(out["traceback"], file=sys.stderr)
-            out["wall_s"] = time.perf_counter() - t0
-            result[part] = out
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=1, default=str))
-            print(f"[{part}] done in {out['wall_s']:.0f} s: " + json.dumps(
-                {k: out.get(k) for k in ("ok", "attached", "error", "fallbacks_at_start")}, default=str), flush=True)
+        run_parts(args.parts.split(","), PARTS, (dirs, _prompts()), result, path)
     return 0
+
+
+def run_parts(parts, table: dict, args: tuple, result: dict, path: pathlib.Path) -> None:
+    """table[part](*args, out) for each part in order; an error goes in the part's JSON and the next
+    part runs; the JSON at `path` is rewritten after every part (a later timeout keeps the earlier)."""
+    for part in parts:
+        out = {}
+        t0 = time.perf_counter()
+        try:
+            if part not in table:
+                raise SystemExit(f"--parts: {part!r} is not one of {', '.join(table)}")
+            table[part](*args, out)
+        except Exception as e:  # keep going; the error goes in the JSON
+            out.update(error=repr(e), traceback=traceback.format_exc()[-4000:])
+            print(out["traceback"], file=sys.stderr)
+        out["wall_s"] = time.perf_counter() - t0
+        result[part] = out
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1, default=str))
+        print(f"[{part}] done in {out['wall_s']:.0f} s: " + json.dumps(
+            {k: out.get(k) for k in ("ok", "attached", "error", "fallbacks_at_start")}, default=str), flush=True)
 
 
 if __name__ == "__main__":

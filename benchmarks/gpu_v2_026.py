@@ -26,11 +26,10 @@ import pathlib
 import sys
 import tempfile
 import time
-import traceback
 
 os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vLLM's own runner choice: V2 for all three
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from gpu_mrope_026 import _gates, _generate, _prompts  # noqa: E402  (the same prompts and gates)
+from gpu_mrope_026 import _gates, _generate, _prompts, run_parts  # noqa: E402  (the same prompts, gates, part loop)
 
 BUDGET, TOP_K, DRAFT_LEN, TOL = 16, 4, 7, 0.2
 MIXED = ["sliding_attention", "full_attention"]
@@ -211,23 +210,7 @@ def main(argv=None) -> int:
         dirs = {"target": target, "qwen3": qwen3,
                 "mixed": models.write_tiny_dflash_drafter(target, root / "mixed", seed=4, layer_types=MIXED),
                 "qwen3_mixed": models.write_tiny_dflash_drafter(qwen3, root / "qwen3_mixed", layer_types=MIXED)}
-        prompts = _prompts()
-        for part in args.parts.split(","):
-            out = {}
-            t0 = time.perf_counter()
-            try:
-                if part not in PARTS:
-                    raise SystemExit(f"--parts: {part!r} is not one of {', '.join(PARTS)}")
-                PARTS[part](dirs, prompts, out)
-            except Exception as e:  # keep going; the error goes in the JSON
-                out.update(error=repr(e), traceback=traceback.format_exc()[-4000:])
-                print(out["traceback"], file=sys.stderr)
-            out["wall_s"] = time.perf_counter() - t0
-            result[part] = out
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=1, default=str))
-            print(f"[{part}] done in {out['wall_s']:.0f} s: " + json.dumps(
-                {k: out.get(k) for k in ("ok", "attached", "error", "fallbacks_at_start")}, default=str), flush=True)
+        run_parts(args.parts.split(","), PARTS, (dirs, _prompts()), result, path)
     return 0
 
 

@@ -240,7 +240,6 @@ class V1RunnerView(RunnerView):
                 other.append(f"{name} ({type(layer).__name__})")
         return attn, gdn, other
 
-
     def _drafter_layer_names(self) -> set[str]:
         return set(getattr(self.runner.drafter, "_draft_attn_layer_names", ()) or ())
 
