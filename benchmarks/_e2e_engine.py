@@ -81,6 +81,9 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -
         kw["load_format"] = "dummy"
     if getattr(args, "tensor_parallel_size", 1) > 1:  # one worker process per rank (runners via collective_rpc)
         kw["tensor_parallel_size"] = args.tensor_parallel_size
+        # vLLM 0.26's custom all-reduce crashed its own flat DFlash graph capture on two H100s (an illegal
+        # memory access in custom_all_reduce.cuh; gpu_tp2_026_h100x2.json): NCCL for every mode alike
+        kw["disable_custom_all_reduce"] = True
     if spec is not None:
         kw["speculative_config"] = spec
         # DDTree's round runs in vLLM's synchronous loop; flat DFlash runs in the same loop (vLLM 0.26

@@ -9,9 +9,10 @@
     # so one pair per 10-minute command (at c=16 a third 4B engine's KV cache does not fit), e.g.
     python benchmarks/bench_e2e_gpu.py --target qwen35_4b --modes flat,ddtree32 --budgets 32 --side-by-side \
         --repeat-reference --models-dir build/m4 --gpu-memory-utilization 0.9 --out build/e2e_4b_sbs.json
-    # tensor parallel (engines one after another: --side-by-side is refused there, see --tensor-parallel-size)
-    python benchmarks/bench_e2e_gpu.py --target qwen36_27b --tensor-parallel-size 2 --modes flat --repeat-reference \
-        --models-dir build/m27tp2 --gpu-memory-utilization 0.9 --out build/e2e_27b_tp2_flat.json
+    # tensor parallel 2, side by side (two H200s; on two H100s run the modes one engine at a time, without
+    # --side-by-side: see --tensor-parallel-size)
+    python benchmarks/bench_e2e_gpu.py --target qwen36_27b --tensor-parallel-size 2 --modes flat,ddtree32 --budgets 32 \
+        --side-by-side --kv-cache-gib flat=14,*=26 --repeat-reference --models-dir build/m27tp2 --out build/e2e_27b_tp2.json
 
 Per target: the no-speculation engine first (timed per concurrency, and its greedy outputs are the
 reference continuations the oracle drafts from), then one engine per speculative mode (vLLM's flat
@@ -180,10 +181,11 @@ def main(argv=None) -> int:
                     "immune to a drift of the host's speed between engines (see _e2e_side_by_side.py)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor_parallel_size of every "
                     "engine: one worker process per rank, the oracle and sharpen() on every rank (collective_rpc); the "
-                    "shaped targets' one MoE layer gets TP experts (vLLM refuses TP > experts; write_shaped). "
-                    "Engines one after another: with --side-by-side two 27B-shaped engines at TP=2 would each "
-                    "need ~27 GiB of weights and, at c=16, ~21 (DDTree 32) and ~10 GiB (flat) of GDN state per "
-                    "GPU, more than an 80 GiB H100 holds")
+                    "shaped targets' one MoE layer gets TP experts (vLLM refuses TP > experts; write_shaped); "
+                    "vLLM's custom all-reduce is off (it crashed vLLM's own flat DFlash graph capture on two "
+                    "H100s: gpu_tp2_026_h100x2.json). With --side-by-side two 27B-shaped engines at TP=2 need "
+                    "per GPU ~29 GiB of weights each and, at c=16, ~20 (DDTree 32) and ~10 GiB (flat) of GDN "
+                    "state: two H200s hold that, two 80 GiB H100s do not (run the modes one engine at a time there)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     # (4B shape on the H100: flat DFlash holds ~0.55 GiB per request, DDTree at budget 32 ~1.3 GiB: vLLM
@@ -200,9 +202,6 @@ def main(argv=None) -> int:
     if args.side_by_side and args.gpu_profile:
         ap.error("--gpu-profile: not with --side-by-side (profile the modes one engine at a time)")
     if args.tensor_parallel_size > 1:
-        if args.side_by_side:
-            ap.error("--side-by-side: not with --tensor-parallel-size > 1 (see its help); run the modes one "
-                     "engine at a time")
         if args.gpu_profile:
             ap.error("--gpu-profile: not with --tensor-parallel-size > 1 (the kernels run in the rank processes, "
                      "which this process's profiler does not see)")
