@@ -98,7 +98,7 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -
 def sharpen(llm) -> None:
     """Dummy weights (uniform +-1e-3) give near-flat logits whose greedy choice flips with the
     batch shape's bf16 numerics, so a verify would leave the reference and the oracle would draft
-    a wrong continuation. Scale the token embedding up 1000x (the residual stream is then the
+    a wrong continuation. Redraw the token embedding at 1000x the dummy scale (the residual stream is then the
     input token's embedding plus ~1e-3 per layer), tie lm_head to it and make the final norm the
     identity: greedy repeats the last prompt token with a margin of ~10^3 in the logits. Same
     shapes, same kernels, so the same costs; the oracle decides what is accepted, not the text."""
@@ -109,13 +109,18 @@ def sharpen(llm) -> None:
 
 def _sharpen_runner(runner) -> None:
     """sharpen() on one rank: embed_tokens and lm_head are both vocab-parallel with the same padding,
-    so each rank ties its own shards; the final norm is replicated."""
+    so each rank ties its own shards; the final norm is replicated. The embedding is drawn again,
+    uniform in +-1 (the dummy +-1e-3 times 1000) from a generator seeded by the rank: vLLM's dummy
+    loader seeds every rank alike, so at TP=2 token i and token i + V/2 had the same row, and greedy
+    answered the lower of the two (two H200s: every prompt ending in the upper half left the reference)."""
     import torch
+    from vllm.distributed import get_tensor_model_parallel_rank
 
     model = runner.get_model()
     with torch.no_grad():
         emb = model.model.embed_tokens.weight
-        emb.mul_(1000.0)
+        gen = torch.Generator(device=emb.device).manual_seed(1000 + get_tensor_model_parallel_rank())
+        emb.uniform_(-1.0, 1.0, generator=gen)
         model.lm_head.weight.copy_(emb)
         model.model.norm.weight.zero_()  # GemmaRMSNorm: x * (1 + weight)
 
