@@ -143,6 +143,8 @@ def merge(paths, out) -> dict:
     ratios stay against that part's own flat runs, which ran interleaved with them."""
     parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     result = {**parts[0], "merged_from": [str(p) for p in paths], "runs": [], "starts": {}, "gpu_profiles": []}
+    for k in ("device", "vllm", "torch"):  # (a part cut off by its command's time limit has only its runs)
+        result.setdefault(k, next((p[k] for p in parts if k in p), None))
     for p in parts:
         if p.get("args", {}).get("side_by_side"):
             pair = "+".join(dict.fromkeys(r["mode"] for r in p["runs"]))

@@ -110,7 +110,7 @@ def sharpen(llm) -> None:
 def _sharpen_runner(runner) -> None:
     """sharpen() on one rank: embed_tokens and lm_head are both vocab-parallel with the same padding,
     so each rank ties its own shards; the final norm is replicated. The embedding is drawn again,
-    uniform in +-1 (the dummy +-1e-3 times 1000) from a generator seeded by the rank: vLLM's dummy
+    uniform in +-1000x its largest entry (dummy weights: +-1), from a generator seeded by the rank: vLLM's dummy
     loader seeds every rank alike, so at TP=2 token i and token i + V/2 had the same row, and greedy
     answered the lower of the two (two H200s: every prompt ending in the upper half left the reference)."""
     import torch
@@ -120,7 +120,8 @@ def _sharpen_runner(runner) -> None:
     with torch.no_grad():
         emb = model.model.embed_tokens.weight
         gen = torch.Generator(device=emb.device).manual_seed(1000 + get_tensor_model_parallel_rank())
-        emb.uniform_(-1.0, 1.0, generator=gen)
+        scale = 1000.0 * float(emb.abs().amax())
+        emb.uniform_(-scale, scale, generator=gen)
         model.lm_head.weight.copy_(emb)
         model.model.norm.weight.zero_()  # GemmaRMSNorm: x * (1 + weight)
 

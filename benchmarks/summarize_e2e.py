@@ -10,7 +10,8 @@
   noisy than any single 256-token run); with --side-by-side, the flat run of the same cell (it ran
   interleaved with the others; in merged side-by-side parts, of the same part); `vs_flat` is each
   run's tok/s over it, `gain` its tokens per round over flat's and `break_even` flat's rounds/s
-  over the run's (the gain it needs).
+  over the run's (the gain it needs). `tok_s_agg` / `vs_flat_agg`: the same over all of a cell's
+  timed runs (total tokens over total time), the number the tables show where it exists.
 - The plot (matplotlib: `pip install -e .[bench]`): tok/s over flat DFlash per mode, one panel per
   profile, x = concurrency.
 """
@@ -31,9 +32,18 @@ def rounds_per_s(r: dict) -> float:
     return r["rounds"] / r.get("wall_s_total", r["wall_s"])
 
 
+def tok_s_agg(r: dict) -> float | None:
+    """All of a cell's timed runs: total output tokens over total wall time (every run of a cell
+    emits the same tokens); None for parts from before --repeats kept every run."""
+    n = len(r.get("tok_s_runs") or [])
+    return n * r["output_tokens"] / r["wall_s_total"] if n and r.get("wall_s_total") else None
+
+
 def summarize(result: dict) -> dict:
     runs = result["runs"]
     for r in runs:
+        if "error" not in r and tok_s_agg(r) is not None:
+            r["tok_s_agg"] = tok_s_agg(r)
         if "error" not in r and r.get("reference_match", 1.0) < VALID:
             r["invalid"] = f"outputs left the reference (match {r['reference_match']:.3f}); see mismatch_heads"
     # --side-by-side: flat DFlash ran interleaved with the others in each (profile, concurrency) cell,
@@ -48,12 +58,16 @@ def summarize(result: dict) -> dict:
         ok = [r for r in runs if r.get("mode") == "flat" and "error" not in r and key(r) == k and "invalid" not in r]
         if ok:
             flat[k] = {"tok_s": statistics.mean(r["tok_s"] for r in ok),
+                       "tok_s_agg": (statistics.mean(r["tok_s_agg"] for r in ok)
+                                     if all("tok_s_agg" in r for r in ok) else None),
                        "tokens_per_round": statistics.mean(r["tokens_per_round"] for r in ok),
                        "rounds_per_s": statistics.mean(rounds_per_s(r) for r in ok), "runs": len(ok)}
     for r in runs:
         f = flat.get(key(r)) if "concurrency" in r else None
         if f and r.get("mode") not in ("flat", None) and "error" not in r and "invalid" not in r:
             r["vs_flat"] = r["tok_s"] / f["tok_s"]
+            if f["tok_s_agg"] and "tok_s_agg" in r:
+                r["vs_flat_agg"] = r["tok_s_agg"] / f["tok_s_agg"]
             if r.get("rounds"):
                 r["gain"] = r["tokens_per_round"] / f["tokens_per_round"]
                 r["break_even"] = f["rounds_per_s"] / rounds_per_s(r)
@@ -66,7 +80,8 @@ def _flat_key(pair: str, profile: str, c: int) -> str:
 
 
 def table(result: dict) -> str:
-    """Markdown: tok/s over the flat baseline per mode (rows) and profile x concurrency (columns)."""
+    """Markdown: tok/s over the flat baseline per mode (rows) and profile x concurrency (columns),
+    aggregated over the cell's runs where they were kept."""
     runs = [r for r in result["runs"] if r.get("profile") and "error" not in r and r["mode"] != "flat"]
     profiles = list(dict.fromkeys(r["profile"] for r in runs))
     conc = sorted({r["concurrency"] for r in runs})
@@ -79,14 +94,16 @@ def table(result: dict) -> str:
         for p in profiles:
             for c in conc:
                 r = cell.get((m, p, c))
-                vals.append("-" if r is None or "vs_flat" not in r else f"{r['vs_flat']:.2f}x ({r['gain']:.2f})")
+                vals.append("-" if r is None or "vs_flat" not in r else
+                            f"{r.get('vs_flat_agg', r['vs_flat']):.2f}x ({r['gain']:.2f})")
         lines.append(f"| {m} | " + " | ".join(vals) + " |")
     fb = result.get("flat_baseline", {})
     paired = bool(result.get("args", {}).get("side_by_side"))
     for pair in dict.fromkeys(r.get("pair") or "" for r in runs) if paired else [None]:
         keys = [_flat_key(pair, p, c) if paired else str(c) for p in profiles for c in conc]
         label = f"flat DFlash tok/s ({pair})" if pair else "flat DFlash tok/s"
-        lines.append(f"| {label} | " + " | ".join(f"{fb[k]['tok_s']:.0f}" if k in fb else "-" for k in keys) + " |")
+        lines.append(f"| {label} | " + " | ".join(
+            f"{fb[k]['tok_s_agg'] or fb[k]['tok_s']:.0f}" if k in fb else "-" for k in keys) + " |")
     nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
     if nospec:
         lines.append("| no speculation tok/s | " + " | ".join(
@@ -107,7 +124,8 @@ def plot(result: dict, png: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, len(profiles), figsize=(4.2 * len(profiles), 3.6), sharey=True)
     for ax, p in zip(axes if len(profiles) > 1 else [axes], profiles):
         for m in dict.fromkeys(r["mode"] for r in runs):
-            pts = sorted((r["concurrency"], r["vs_flat"]) for r in runs if r["mode"] == m and r["profile"] == p)
+            pts = sorted((r["concurrency"], r.get("vs_flat_agg", r["vs_flat"]))
+                         for r in runs if r["mode"] == m and r["profile"] == p)
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
@@ -115,7 +133,9 @@ def plot(result: dict, png: pathlib.Path) -> None:
         ax.set_xlabel("concurrency")
     (axes[0] if len(profiles) > 1 else axes).set_ylabel("tok/s over flat DFlash")
     (axes[-1] if len(profiles) > 1 else axes).legend(fontsize=8)
-    fig.suptitle(f"{result.get('args', {}).get('target', '')} on {result.get('device', '')} "
+    tp = result.get("args", {}).get("tensor_parallel_size") or 1
+    fig.suptitle(f"{result.get('args', {}).get('target', '')} on {result.get('device', '')}"
+                 f"{f' x{tp} (tensor parallel {tp})' if tp > 1 else ''} "
                  f"(vLLM {result.get('vllm', '')}, CUDA graphs)", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
