@@ -15,6 +15,14 @@ Parts (each adds its section to the JSON at --out, written after every part):
 - `hybrid_graphs`, `qwen3_graphs`: the same with torch.compile (the tree pass) and vLLM's default
   FULL_AND_PIECEWISE CUDA graphs: tree verifies replay FULL graphs captured with the tree ops
   (`graph_steps`), the drafter runs eagerly (its graphs are for K queries, DDTree drafts L).
+- `align`: the hybrid with prefix caching (vLLM's "align" GDN cache; the GDN state cache in bf16),
+  eager, a two-turn conversation per prompt (turn 1: 300 prompt tokens, 200 generated, crossing
+  block boundaries inside tree rounds; turn 2: turn 1 as the reference continued it plus 8 tokens,
+  32 generated): DDTree with the drafter harness and the GDN state check (the state and conv window
+  at every block boundary a path crossed) against no speculation (regret gates) and DDTree without
+  prefix caching (first divergence; vLLM's flat DFlash with and without prefix caching beside them:
+  align schedules prefills in block-aligned chunks, which can move bf16 near-ties by themselves);
+  turn 2's tokens read from the cache.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ def _engine(target, drafter=None, flat=False, eager=True, hybrid=True, **kw):
     from ddtree_compile.testing import models
 
     args = models.tiny_llm_kwargs(target, dtype="bfloat16", async_scheduling=False, enforce_eager=eager,
-                                  **(MM if hybrid else {}), **kw)
+                                  **{**(MM if hybrid else {}), **kw})
     extra = {"gdn_prefill_backend": "triton"} if hybrid else {}
     if flat:
         args["speculative_config"] = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": DRAFT_LEN}
@@ -181,7 +189,78 @@ def part_qwen3(dirs, prompts, out, eager=True):
         engines.shutdown(llm)
 
 
-PARTS = {"hybrid": part_hybrid, "qwen3": part_qwen3,
+def part_align(dirs, prompts, out):
+    from vllm import SamplingParams
+
+    from ddtree_compile.integration import engines, metrics
+    from ddtree_compile.testing import harness, models
+
+    turn1 = models.token_prompts(2, 300, models.VOCAB - 8, seed=11)
+    bf16_state = {"mamba_ssm_cache_dtype": "auto"}
+
+    def gen(llm, ps, n, logprobs=None):
+        outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs),
+                            use_tqdm=False)
+        return [{"prompt": list(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
+                 "lps": [{t: lp.logprob for t, lp in p.items()} for p in o.outputs[0].logprobs] if logprobs else None,
+                 "cached": o.num_cached_tokens} for o in outs]
+
+    llm, out["reference_engine"] = _engine(dirs["target"], **bf16_state)
+    try:
+        ref1 = gen(llm, turn1, 200, logprobs=5)
+        turn2 = [{"prompt_token_ids": r["prompt"] + r["tokens"] + list(range(40, 48))} for r in ref1]
+        ref2 = gen(llm, turn2, 32, logprobs=5)
+    finally:
+        engines.shutdown(llm)
+    reference = {tuple(r["prompt"]): r["prompt"] + r["tokens"] for r in ref1 + ref2}
+    for name, pc in (("prefix_caching", True), ("control", False)):
+        o = out[name] = {}
+        llm, o["engine"] = _engine(dirs["target"], dirs["mixed"], enable_prefix_caching=pc, **bf16_state)
+        try:
+            state = engines.find_state(llm)
+            cc = engines.find_runner(llm).vllm_config.cache_config
+            o.update(attached=state is not None, mamba_cache_mode=cc.mamba_cache_mode, block=cc.mamba_block_size,
+                     fallbacks_at_start=dict(metrics.PROCESS_STARTUP_FALLBACKS))
+            if state is None:
+                continue
+            state.debug_gdn_records = True
+            check = harness.GdnStateCheck()
+            state.commit_hooks.append(check)
+            h = harness.DraftHarness(reference).install(llm)
+            c0 = metrics.collect(llm)[0]
+            try:
+                got1 = gen(llm, turn1, 200)
+                got2 = gen(llm, turn2, 32)
+            finally:
+                h.uninstall()
+            o["counters"] = metrics.counters_delta(metrics.collect(llm)[0], c0)
+            o["outputs"] = [g["tokens"] for g in got1 + got2]
+            o["turn2_cached"] = [g["cached"] for g in got2]
+            o["gates"] = [harness.regret_gate((r["tokens"], r["lps"]), g["tokens"], TOL)
+                          for r, g in zip(ref1 + ref2, got1 + got2)]
+            o["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths,
+                                "boundaries": check.boundaries, "max_rel_err": check.max_err}
+        finally:
+            engines.shutdown(llm)
+    flat = {}
+    for pc_on in (True, False):  # vLLM's own flat DFlash: what prefix caching alone changes
+        llm, _ = _engine(dirs["target"], dirs["mixed"], flat=True, enable_prefix_caching=pc_on, **bf16_state)
+        try:
+            flat[pc_on] = [g["tokens"] for g in gen(llm, turn1, 200) + gen(llm, turn2, 32)]
+        finally:
+            engines.shutdown(llm)
+    out["flat_first_divergence_pc_vs_none"] = [harness.first_divergence(a, b) for a, b in zip(flat[True], flat[False])]
+    pc, ctl = out["prefix_caching"], out["control"]
+    out["equal_to_control"] = pc.get("outputs") is not None and pc.get("outputs") == ctl.get("outputs")
+    if pc.get("outputs") and ctl.get("outputs"):
+        out["first_divergence_pc_vs_none"] = [harness.first_divergence(a, b) for a, b in zip(pc["outputs"], ctl["outputs"])]
+    out["ok"] = bool(pc["mamba_cache_mode"] == "align" and all(g["ok"] for g in ctl["gates"])
+                     and all(g["ok"] for g in pc["gates"]) and pc["counters"]["tree_steps"] > 0
+                     and pc["counters"]["sibling_rounds"] > 0 and pc["state_check"]["boundaries"] > 0
+                     and min(pc["turn2_cached"]) > 0)
+
+
+PARTS = {"hybrid": part_hybrid, "qwen3": part_qwen3, "align": part_align,
          "hybrid_graphs": lambda d, p, o: part_hybrid(d, p, o, eager=False),
          "qwen3_graphs": lambda d, p, o: part_qwen3(d, p, o, eager=False)}
 

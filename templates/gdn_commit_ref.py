@@ -3,14 +3,20 @@ argument checks and the plain torch reference (float32 replay), the CPU kernel o
 `torch.ops.ddtree.gdn_commit` and the oracle of the Triton kernels (gdn_commit.py).
 
 Walk result: `accepted` [R, L+1] slot indices (root first, -1 padded) and `path_len` [R] (0 = leave the
-request untouched). With p = accepted[r, path_len[r] - 1] the last accepted slot:
+request untouched). With n = path_len[r] and p = accepted[r, n - 1] the last accepted slot, the commit
+leaves vLLM's own chain layout, as if the n path tokens had been verified as a chain:
 - conv: after the verify a request's conv line holds [h_1 .. h_{W-2}, x_0 .. x_B] (see tree_conv_ref);
-  the last W-1 entries of [h_1 .. h_{W-2}, x_path...] are written to columns [p, p + W - 1), where
-  vLLM's lazy convention reads them (a main-chain path already has them there: nothing moves);
-- state (records strategy only): replay the path from the committed line with the recorded
-  (k, v, g, beta) and store the result in line `state_indices[r, p]` (or `[r, 0]` with a single
-  column). The snapshots strategy needs no state work: the snapshot of p is already in that line;
-- `num_accepted[r] = p + 1` (in place), so the next step reads the committed window and state there.
+  the path is compacted to [h_1 .. h_{W-2}, x_path[0] .. x_path[n-1]] (column W-2+i <- W-2+path[i];
+  path[i] >= i, so in increasing i nothing is overwritten before it is read; a main-chain path is
+  already there: nothing moves). vLLM reads the window at offset n - 1;
+- state: the state after path[n-1] in line `state_indices[r, n - 1]` (or `[r, 0]` with a single
+  column): replayed from the committed line with the recorded (k, v, g, beta) (records strategy),
+  or copied from p's snapshot (snapshots strategy);
+- `snap_depth[r]` = d in [0, n - 1) (optional; -1 = none): the state after path[d] also goes to line
+  `state_indices[r, d]`. vLLM's "align" prefix caching copies line d into the cache block that the
+  token at depth d completes (its postprocess after the step; the conv window at offset d is the
+  path's already);
+- `num_accepted[r] = n` (in place): what vLLM itself sets from the sampled tokens.
 Per-layer cache tensors go in as lists (vLLM gives each layer its own tensors).
 """
 
@@ -29,9 +35,11 @@ def _check_same(tensors, name):
 
 
 def check_commit_args(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                      width):
+                      width, snap_depth=None):
     """Shape/dtype checks (host only, no sync)."""
     R = accepted.shape[0]
+    if snap_depth is not None and (snap_depth.shape != (R,) or snap_depth.dtype != torch.int32):
+        raise ValueError(f"snap_depth must be int32 [R={R}] or None, got {snap_depth.dtype} {tuple(snap_depth.shape)}")
     if width not in (2, 3, 4):
         raise ValueError(f"width (conv kernel size) must be 2, 3 or 4, got {width}")
     if accepted.dim() != 2 or accepted.dtype != torch.int32 or path_len.shape != (R,) or path_len.dtype != torch.int32:
@@ -48,11 +56,11 @@ def check_commit_args(conv_states, ssm_states, state_indices, num_accepted, acce
         raise ValueError(f"conv_states entries must be [lines, dim, state_len], got {tuple(conv_states[0].shape)}")
     if (rec_kv is None) != (rec_gb is None):
         raise ValueError("rec_kv and rec_gb must be given together (records strategy) or both None (snapshots)")
+    nl = len(conv_states)
+    if len(ssm_states) != nl:
+        raise ValueError(f"the commit needs one ssm_state per layer: {len(ssm_states)} ssm_states, {nl} conv_states")
+    _check_same(ssm_states, "ssm_states")
     if rec_kv is not None:
-        nl = len(conv_states)
-        if len(ssm_states) != nl:
-            raise ValueError(f"replay needs one ssm_state per layer: {len(ssm_states)} ssm_states, {nl} conv_states")
-        _check_same(ssm_states, "ssm_states")
         _, HV, V, K = ssm_states[0].shape
         # Records may hold more rows than the batch (a CUDA-graph bucket's padded rows, or a slice of
         # one buffer sized for the largest batch): rows >= R are ignored, each layer's rows contiguous.
@@ -69,10 +77,10 @@ def check_commit_args(conv_states, ssm_states, state_indices, num_accepted, acce
 
 
 def gdn_commit_ref(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                   width):
+                   width, snap_depth=None):
     """Torch reference (float32 replay). Mutates the listed caches and num_accepted."""
     check_commit_args(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                      width)
+                      width, snap_depth)
     src_lines = committed_lines(state_indices, num_accepted)
     single = state_indices.shape[1] == 1
     for r in range(accepted.shape[0]):
@@ -80,24 +88,32 @@ def gdn_commit_ref(conv_states, ssm_states, state_indices, num_accepted, accepte
         if n <= 0:
             continue
         path = accepted[r, :n].long().tolist()
-        p = path[-1]
-        if rec_kv is not None:
-            src, dst = int(src_lines[r]), int(state_indices[r, 0 if single else p])
-            for layer, ssm in enumerate(ssm_states):
+        d = -1 if snap_depth is None or single else int(snap_depth[r])
+        d = d if 0 <= d < n - 1 else -1
+        dst = int(state_indices[r, 0 if single else n - 1])
+        snap = int(state_indices[r, d]) if d >= 0 else 0
+        for layer, ssm in enumerate(ssm_states):
+            if rec_kv is not None:
                 _, HV, V, K = ssm.shape
                 H = (rec_kv.shape[3] - HV * V) // K
+                src = int(src_lines[r])
                 h = ssm[src].float() if src > 0 else torch.zeros(HV, V, K, device=ssm.device)
-                for s in path:
+                for m, s in enumerate(path):
                     kv = rec_kv[layer, r, s]
                     k = kv[: H * K].view(H, K).repeat_interleave(HV // H, 0)
                     h = gdn_update_ref(h, k, kv[H * K:].view(HV, V), rec_gb[layer, r, s, 0], rec_gb[layer, r, s, 1])
+                    if m == d and snap > 0:
+                        ssm[snap] = h.to(ssm.dtype)
                 if dst > 0:
                     ssm[dst] = h.to(ssm.dtype)
+            elif not single:  # snapshots: node s's state is in line s; path[d] may be line n - 1: d first
+                if snap > 0:
+                    ssm[snap] = ssm[int(state_indices[r, path[d]])].clone()
+                if dst > 0 and path[-1] != n - 1:
+                    ssm[dst] = ssm[int(state_indices[r, path[-1]])].clone()
         line = int(state_indices[r, 0])
         if line > 0:
-            # Canonical line after the verify: h_1..h_{W-2} in columns 0..W-3, x_s in column W-2+s.
-            seq = list(range(width - 2)) + [width - 2 + s for s in path]
-            cols = torch.tensor(seq[-(width - 1):], device=conv_states[0].device)
+            cols = torch.tensor([width - 2 + s for s in path], device=conv_states[0].device)
             for conv in conv_states:
-                conv[line, :, p: p + width - 1] = conv[line][:, cols].clone()
-        num_accepted[r] = p + 1
+                conv[line, :, width - 2: width - 2 + n] = conv[line][:, cols].clone()
+        num_accepted[r] = n

@@ -48,9 +48,9 @@ def tree_gdn_verify(mixed_qkv, b, a, core_attn_out, conv_state, ssm_state, conv_
 
 
 def commit_accepted_path(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, width,
-                         rec_kv=None, rec_gb=None, parents=None):
+                         rec_kv=None, rec_gb=None, parents=None, snap_depth=None):
     """All GDN layers' commit (see gdn_commit). In debug mode the walk result is checked against `parents`."""
     if debug_enabled() and parents is not None:
         validate_path(accepted, path_len, parents)
     torch.ops.ddtree.gdn_commit(list(conv_states), list(ssm_states), state_indices, num_accepted, accepted,
-                                path_len, rec_kv, rec_gb, width)
+                                path_len, rec_kv, rec_gb, width, snap_depth)

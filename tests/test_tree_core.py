@@ -347,3 +347,37 @@ def test_ancestor_closure_padding_rows_are_empty():
     mask = ancestor_closure(parents, 4)
     assert mask[0, 2].tolist() == [True, True, True, False, False]
     assert not mask[0, 3:].any()
+
+
+def _vllm_align_snapshot(nc: int, accepted: int, bs: int) -> int:
+    """vLLM's align postprocess (0.32 `v1/worker/mamba_utils.py` postprocess_mamba_fused_kernel), for a
+    verify whose first token sits at position nc: -1 (no copy) or the chain column it copies into the
+    block the step completed."""
+    running = nc + 1  # num_computed + num_scheduled - num_draft: the root is computed
+    new_nc = running + accepted - 1
+    aligned = (new_nc // bs) * bs
+    if aligned < running:
+        return -1
+    return aligned - running  # bias: the column of the block-completing token
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 600), st.integers(0, 17)), min_size=1, max_size=8),
+       st.sampled_from([1, 2, 16, 64, 128, 256]))
+def test_block_boundary_depth_matches_vllms_align_postprocess(rows, bs):
+    from ddtree_compile.core.commit import block_boundary_depth
+
+    start = torch.tensor([nc for nc, _ in rows])
+    n = torch.tensor([a for _, a in rows], dtype=torch.int32)
+    got = block_boundary_depth(start, n, bs)
+    want = [_vllm_align_snapshot(nc, a, bs) if a > 0 else -1 for nc, a in rows]
+    assert got.dtype == torch.int32 and got.tolist() == want
+    assert all(-1 <= d < max(a, 1) for d, (_, a) in zip(got.tolist(), rows))  # inside the path
+
+
+def test_block_boundary_depth_rejects_a_bad_block_size():
+    from ddtree_compile.core.commit import block_boundary_depth
+
+    for bad in (0, -16, 1.5, True):
+        with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+            block_boundary_depth(torch.tensor([3]), torch.tensor([2], dtype=torch.int32), bad)

@@ -11,7 +11,10 @@ def engine_settings(vllm_config) -> EngineSettings:
     """What the round checks and sizes itself by, read once from an engine's VllmConfig (the same
     fields in 0.26 and 0.32)."""
     sc, mc, cc = vllm_config.speculative_config, vllm_config.model_config, vllm_config.compilation_config
+    cache = vllm_config.cache_config
+    align = bool(mc.is_hybrid) and getattr(cache, "mamba_cache_mode", "none") == "align"
     base = dict(is_hybrid=bool(mc.is_hybrid), compiled=cc.mode != 0,
+                mamba_align_block_size=int(cache.mamba_block_size) if align else None,
                 post_grad_pass=(cc.inductor_passes or {}).get("post_grad_custom_post_pass"),
                 additional_config=dict(vllm_config.additional_config or {}), seed=mc.seed or 0, model=str(mc.model),
                 max_num_seqs=vllm_config.scheduler_config.max_num_seqs,

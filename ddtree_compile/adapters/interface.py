@@ -33,6 +33,8 @@ class EngineSettings:
     draft_model: str = ""
     max_num_seqs: int = 1
     served_model_name: str = ""
+    # hybrid prefix caching ("align"): the block size at whose boundaries vLLM caches GDN states, else None
+    mamba_align_block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -170,10 +172,6 @@ class RunnerView(abc.ABC):
     @abc.abstractmethod
     def input_ids(self) -> torch.Tensor:
         """The step's input-id buffer (the drafter reads it after the verify)."""
-
-    @abc.abstractmethod
-    def set_num_accepted(self, R: int, committed: torch.Tensor) -> None:
-        """Hybrids: where the next step reads GDN state and conv window (vLLM's lazy commit)."""
 
     # -- layers, KV and GDN state addressing ---------------------------------------------------------
     @abc.abstractmethod

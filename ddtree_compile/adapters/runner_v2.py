@@ -232,12 +232,6 @@ class V2RunnerView(V1RunnerView):
     def input_ids(self) -> torch.Tensor:
         return self.batch.input_ids
 
-    def set_num_accepted(self, R: int, committed: torch.Tensor) -> None:
-        """Hybrids: the column the next step reads GDN state / conv at, per request slot (V2's
-        `MambaHybridModelState.num_accepted_tokens_gpu`, which its postprocess set to num_sampled)."""
-        acc = self.runner.model_state.num_accepted_tokens_gpu
-        acc[self.batch.idx_mapping[:R].long()] = committed.to(acc.dtype)
-
     # -- layers and caches -------------------------------------------------------------------------------
     def layer(self, name: str):
         return self.runner.vllm_config.compilation_config.static_forward_context[name]

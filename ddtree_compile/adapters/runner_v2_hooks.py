@@ -24,7 +24,8 @@ class V2RoundHooks:
         self.manager = getattr(r, "cudagraph_manager", None)
         self.orig = {"propose": s.propose, "prepare_inputs": r.model_state.prepare_inputs,
                      "prepare_attn": r.model_state.prepare_attn, "forward": r.model.forward,
-                     "add_requests": r.add_requests, "remove_request": r._remove_request}
+                     "add_requests": r.add_requests, "remove_request": r._remove_request,
+                     "postprocess_state": r.model_state.postprocess_state}
         if self.manager is not None:
             self.orig.update(dispatch=self.manager.dispatch, run_fullgraph=self.manager.run_fullgraph,
                              run_pw_graph=self.manager.run_pw_graph)
@@ -41,6 +42,7 @@ class V2RoundHooks:
         r.add_requests, r._remove_request = self.on_add_requests, self.on_remove_request
         s.propose, s._generate_draft = self.on_propose, self.on_generate_draft
         r.model_state.prepare_attn = self.on_prepare_attn
+        r.model_state.postprocess_state = self.on_postprocess_state
         r.model_state.prepare_inputs, r.model.forward = self.on_prepare_inputs, self.on_forward
         if self.manager is not None:
             m = self.manager
@@ -71,9 +73,8 @@ class V2RoundHooks:
         if kw.get("dummy_run"):
             return self.orig["propose"](*call[0], **call[1])
         self.shared.batch = input_batch
-        # V2's postprocess ran (its accepted counts are in place): the round commits, then the drafter's
-        # inputs of the tree step are reordered, accepted path first
-        self.hooks["update_states"](None, None)
+        # (the round committed in V2's postprocess): the drafter's inputs of the tree step are reordered,
+        # accepted path first
         states = [last_hidden_states, *(aux_hidden_states or ())]
         self.hooks["propose_draft_token_ids"](None, None, None, None, None, states, None, None, None)
         R = input_batch.num_reqs
@@ -100,6 +101,14 @@ class V2RoundHooks:
         out = s._run_model(*run) if cudagraph_runtime_mode is None else s._run_model(*run, cudagraph_runtime_mode)
         n = num_reqs * self.L
         self.hidden[:n].copy_(out[s.sample_indices[:n]])
+
+    # -- commit: before V2's own state postprocess -----------------------------------------------------
+    def on_postprocess_state(self, *args, **kw):
+        """The round's commit (K/V, GDN state in vLLM's chain layout), then V2's postprocess: accepted
+        counts from the sampled tokens and, with prefix caching, align's block-boundary copies, which
+        read the state the commit left."""
+        self.hooks["update_states"](None, None)
+        return self.orig["postprocess_state"](*args, **kw)
 
     # -- verify -------------------------------------------------------------------------------------------
     def on_dispatch(self, *args, **kw):

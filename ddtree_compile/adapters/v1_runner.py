@@ -170,14 +170,6 @@ class V1RunnerView(RunnerView):
         """The step's input-id buffer, which the drafter reads after the verify."""
         return self.runner.input_ids.gpu
 
-    def set_num_accepted(self, R: int, committed: torch.Tensor) -> None:
-        """Hybrids: the next step reads GDN state / conv at column committed-1 (vLLM's lazy commit)."""
-        r = self.runner
-        r.num_accepted_tokens.gpu[:R] = committed.to(r.num_accepted_tokens.gpu.dtype)
-        r.input_batch.num_accepted_tokens_cpu_tensor[:R].copy_(committed, non_blocking=True)
-        if r.num_accepted_tokens_event is not None:  # the next step waits for this copy, not the original's
-            r.num_accepted_tokens_event.record()
-
     # -- layers and caches ------------------------------------------------------------------------
     def layer(self, name: str):
         return self.runner.compilation_config.static_forward_context[name]
@@ -272,10 +264,11 @@ def model_features_unsupported(model_config, cache_config) -> str | None:
     """What neither runner's round serves of the model and cache settings, or None."""
     if model_config.logits_processors:
         return "custom logits processors (the tree walk does not apply them)"
-    if model_config.is_hybrid and getattr(cache_config, "mamba_cache_mode", "none") != "none":
-        # Prefix caching on a hybrid turns on "align" (models/config.py, 0.32: :686-687): GDN states
-        # are copied and addressed per block, and the tree commit assumes the lazy "none" layout.
-        return (f"Mamba prefix caching (mamba_cache_mode={cache_config.mamba_cache_mode!r}); "
+    mode = getattr(cache_config, "mamba_cache_mode", "none")
+    if model_config.is_hybrid and mode not in ("none", "align"):
+        # Prefix caching on a Qwen3.5/3.6 hybrid is "align" (models/config.py, 0.32: :686-687), which
+        # the commit serves (its block-boundary state, commit_stage.py); "all" caches a state per token.
+        return (f"Mamba prefix caching in mode {mode!r} (DDTree serves 'none' and 'align'); "
                 f"run hybrids with enable_prefix_caching=False")
     return None
 

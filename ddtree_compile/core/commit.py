@@ -40,3 +40,22 @@ def commit_plan(walk: WalkResult, start) -> CommitPlan:
     src = torch.where(move, start + acc, -1)
     dst = torch.where(move, start + depth, -1)
     return CommitPlan(src, dst)
+
+
+def block_boundary_depth(start: torch.Tensor, path_len: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int32 [R]: per request, the path depth whose token completes a cache block, else -1.
+
+    Hybrid prefix caching ("align") keeps a GDN state per block: after a step vLLM copies the state
+    after the last block-completing token into that block. Its chain puts the state after depth d in
+    column d; a tree commit writes the path's state there (gdn_commit's snap_depth). The root sits at
+    position `start`; the n accepted tokens (root included) end at start + n; the last block
+    boundary A = floor((start + n) / block_size) * block_size is reached inside the step iff
+    A >= start + 1, at depth A - start - 1 (vLLM's align postprocess: bias = A - running).
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    start = start.reshape(-1).to(torch.int64)
+    n = path_len.reshape(-1).to(torch.int64)
+    boundary = torch.div(start + n, block_size, rounding_mode="floor") * block_size
+    depth = boundary - start - 1
+    return torch.where((n > 0) & (depth >= 0), depth, -1).to(torch.int32)

@@ -103,10 +103,12 @@ class DraftHarness(DrafterLogitsHook):
 class GdnStateCheck:
     """Commit hook (round.commit_hooks, with round.debug_gdn_records on): the committed GDN state ==
     a float32 replay of the committed path from the pre-verify state, and the conv window == the
-    last W-1 inputs along [history, path]. Raises AssertionError at the first mismatch."""
+    last W-1 inputs along [history, path], where vLLM's chain leaves them (column n - 1 for a path of
+    n tokens); with prefix caching also the state and window at the step's block boundary (column d).
+    Raises AssertionError at the first mismatch."""
 
     def __init__(self):
-        self.paths = self.sibling_paths = 0
+        self.paths = self.sibling_paths = self.boundaries = 0
         self.max_err = 0.0
 
     def __call__(self, ctx, info):
@@ -118,33 +120,43 @@ class GdnStateCheck:
         rec_kv, rec_gb = info["records"]
         lines = info["state_indices"]
         W = info["width"]
+        snap = None if info.get("snap_depth") is None else info["snap_depth"].tolist()
         for li, name in enumerate(info["layers"]):
             gp = adapters.current().gdn_params(ctx.layer(name))
             H, K, HV, V = gp.num_k_heads, gp.head_k_dim, gp.num_v_heads, gp.head_v_dim
             for r in range(step.R):
                 path = acc[r][: n[r]]
-                p = path[-1]
+                last = len(path) - 1
+                d = -1 if snap is None else int(snap[r])
+                d = d if 0 <= d < last else -1
                 h = step.debug_pre[name][r]
+                states = []
                 for s in path:
                     kv = rec_kv[li, r, s].float()
                     k = kv[: H * K].view(H, K).repeat_interleave(HV // H, 0)
                     h = tree_gdn_ref.gdn_update_ref(h, k, kv[H * K:].view(HV, V), rec_gb[li, r, s, 0], rec_gb[li, r, s, 1])
-                got = info["ssm"][li][int(lines[r, p])]
-                # The cache stores the state in its dtype (bf16 on vLLM 0.26's CUDA default): compare
-                # with the fp32 replay rounded the same way; allow 1 ulp of that dtype for the fp32
-                # summation order of another kernel (a wrong node or path is off by O(1)).
-                tol = 1e-4 if got.dtype == torch.float32 else torch.finfo(got.dtype).eps
-                err = (got.float() - h.to(got.dtype).float()).abs().max().item() / max(h.abs().max().item(), 1e-6)
-                self.max_err = max(self.max_err, err)
-                assert err <= tol, f"{name}: committed state of request {r} (path {path}) is off by {err:.2e}"
-                # Conv window: the last W-1 inputs along [history, path], where the next step reads it.
+                    states.append(h)
                 seq = list(range(W - 2)) + [W - 2 + s for s in path]
-                want = info["before"]["conv_lines"][li][r][:, seq[-(W - 1):]]
                 line = info["conv"][li][int(lines[r, 0])]
-                assert torch.equal(line[:, p:p + W - 1], want), f"{name}: conv window of request {r} (path {path})"
+                for depth in [last] + ([d] if d >= 0 else []):
+                    self._check_state(info["ssm"][li][int(lines[r, depth])], states[depth], name, r, path, depth)
+                    # Conv window: the last W-1 inputs along [history, path[:depth + 1]], at column depth.
+                    want = info["before"]["conv_lines"][li][r][:, seq[: W - 1 + depth][-(W - 1):]]
+                    assert torch.equal(line[:, depth:depth + W - 1], want), \
+                        f"{name}: conv window of request {r} (path {path}) at depth {depth}"
                 if li == 0:
                     self.paths += 1
-                    self.sibling_paths += any(s != d for d, s in enumerate(path))
+                    self.sibling_paths += any(s != i for i, s in enumerate(path))
+                    self.boundaries += d >= 0
+
+    def _check_state(self, got, want, name, r, path, depth) -> None:
+        # The cache stores the state in its dtype (bf16 on vLLM 0.26's CUDA default): compare with the
+        # fp32 replay rounded the same way; allow 1 ulp of that dtype for the fp32 summation order of
+        # another kernel (a wrong node or path is off by O(1)).
+        tol = 1e-4 if got.dtype == torch.float32 else torch.finfo(got.dtype).eps
+        err = (got.float() - want.to(got.dtype).float()).abs().max().item() / max(want.abs().max().item(), 1e-6)
+        self.max_err = max(self.max_err, err)
+        assert err <= tol, f"{name}: state of request {r} (path {path}) at depth {depth} is off by {err:.2e}"
 
 
 # -- every worker of an engine (tensor parallel: one runner per rank, in its own process) ------------
@@ -198,7 +210,7 @@ def _attach_state_check(runner) -> None:
 
 def _state_check_result(runner) -> dict:
     c = runner._ddtree_state_check
-    return {"paths": c.paths, "sibling_paths": c.sibling_paths, "max_err": c.max_err}
+    return {"paths": c.paths, "sibling_paths": c.sibling_paths, "boundaries": c.boundaries, "max_err": c.max_err}
 
 
 def _rank(pattern, d: int) -> int | None:

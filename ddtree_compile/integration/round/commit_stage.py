@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import adapters
-from ...core.commit import commit_plan
+from ...core.commit import block_boundary_depth, commit_plan
 from ..tree_ops import kv_layout
 from .step import RoundContext, Step
 
@@ -17,11 +17,12 @@ class CommitStage:
         self.commit_hooks: list = []  # tests: fn(ctx, info) after each GDN commit (per KV cache group)
         self._views: dict | None = None
 
-    def commit(self, step: Step) -> torch.Tensor | None:
-        """K/V (+ GDN state and conv) of the accepted paths. Hybrids: returns the accepted counts the
-        next step must read its state at (the runner's update hands them to vLLM)."""
+    def commit(self, step: Step) -> None:
+        """K/V (+ GDN state and conv) of the accepted paths, in the layout vLLM's chain leaves (its own
+        update then counts the accepted tokens and, with prefix caching, caches block states)."""
         self._commit_kv(step)
-        return self._commit_gdn(step) if self.ctx.hybrid else None
+        if self.ctx.hybrid:
+            self._commit_gdn(step)
 
     def _cache_views(self) -> dict:
         """Per KV cache group, the layers' caches and layout, built once: the caches exist from attach
@@ -47,31 +48,31 @@ class CommitStage:
         for gid, (layout, caches, head_size) in self._cache_views()["kv"].items():
             layout.compact(caches, head_size, step.block_tables[gid].to(torch.int32), plan.src_pos, plan.dst_pos)
 
-    def _commit_gdn(self, step: Step) -> torch.Tensor:
-        """Per GDN KV cache group: conv window (+ state, replay strategy) of the accepted path."""
+    def _commit_gdn(self, step: Step) -> None:
+        """Per GDN KV cache group: conv window and state of the accepted path; with prefix caching
+        also the state at the step's block boundary (core.commit.block_boundary_depth)."""
         from ...templates.gdn_step import commit_accepted_path
 
         replay = self.ctx.cfg.gdn_state == "replay"
         accepted = step.walk.accepted.to(torch.int32)
         path_len = step.walk.num_accepted.to(torch.int32)
-        committed = None
+        block = self.ctx.view.settings.mamba_align_block_size
+        snap = None if block is None else block_boundary_depth(step.start, path_len, block)
         for gid, names in self.ctx.gdn_groups.items():
             state_indices, verify_num_accepted = step.gdn_groups[gid]
             convs, ssms, width = self._cache_views()["gdn"][gid]
             before = None
             if self.commit_hooks:  # the requests' conv lines as the verify left them
                 before = {"conv_lines": [c[state_indices[:, 0].long()].clone() for c in convs]}
-            num_accepted = verify_num_accepted.clone()  # the verify's committed column; becomes p + 1
+            num_accepted = verify_num_accepted.clone()  # the verify's committed column; becomes the path's length
             rec_kv, rec_gb = step.gdn_records[gid] if replay else (None, None)
             commit_accepted_path(convs, ssms, state_indices, num_accepted, accepted, path_len, width,
-                                 rec_kv=rec_kv, rec_gb=rec_gb, parents=step.tree.parents)
+                                 rec_kv=rec_kv, rec_gb=rec_gb, parents=step.tree.parents, snap_depth=snap)
             for hook in self.commit_hooks:
                 hook(self.ctx, {"step": step, "group": gid, "layers": names, "before": before, "ssm": ssms,
                                 "conv": convs, "width": width, "state_indices": state_indices,
                                 "verify_num_accepted": verify_num_accepted, "num_accepted": num_accepted,
-                                "records": step.gdn_records.get(gid)})
-            committed = num_accepted
-        return committed
+                                "records": step.gdn_records.get(gid), "snap_depth": snap})
 
     def reorder_drafter_inputs(self, step: Step, aux_hidden_states) -> None:
         """Accepted path rows first in each request's segment (core.walk.drafter_order, which the

@@ -153,11 +153,14 @@ class DDTreeRound:
         step = self.step
         if step is None or step.walk is None:
             return self._orig["update_states"](output_token_ids, scheduler_output)
+        if step.committed:  # (V2 may post-process a step's state twice)
+            return self._orig["update_states"](output_token_ids, scheduler_output)
         t0 = time.perf_counter()
-        committed = self.commit.commit(step)
+        # Commit first: the GDN state is left in vLLM's chain layout, so vLLM's own update (accepted
+        # counts from the sampled tokens; with prefix caching, the block-boundary copies) follows as usual
+        self.commit.commit(step)
+        step.committed = True
         self._orig["update_states"](output_token_ids, scheduler_output)
-        if committed is not None:  # the next step reads state/conv at the last accepted node
-            self.ctx.view.set_num_accepted(step.R, committed)
         self.metrics.add_time("commit", time.perf_counter() - t0)
         if step.has_tree:  # (an all-chain Step is a counted whole-step fallback, see verify_stage)
             self.metrics.tree_steps += 1

@@ -49,6 +49,7 @@ class Step:
     gdn_records: dict = field(default_factory=dict)  # kv group id -> (rec_kv, rec_gb) of all its layers
     debug_pre: dict | None = None  # tests: GDN layer -> fp32 committed state [R, HV, V, K] before the verify
     walk: WalkResult | None = None  # combined (tree + chain rows) accepted paths
+    committed: bool = False  # commit_stage ran (once per step)
     t0: float = 0.0
 
     @property
