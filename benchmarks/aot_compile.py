@@ -156,9 +156,10 @@ def gdn_commit_case(arch, R, B, heads):
     H, HV = heads
     conv = [_t(R + 1, CONV_W - 2 + N, dim).transpose(1, 2) for _ in range(GDN_LAYERS)]
     ssm = [_t(R + 1, HV, K, K) for _ in range(GDN_LAYERS)]
-    gdn_commit_triton(conv, ssm, _t(R, 1, dtype=torch.int32), nacc, _t(R, DRAFT_LEN + 1, dtype=torch.int32),
+    gdn_commit_triton(conv, ssm, _t(R, N, dtype=torch.int32), nacc, _t(R, DRAFT_LEN + 1, dtype=torch.int32),
                       _t(R, dtype=torch.int32), _t(GDN_LAYERS, R, N, H * K + HV * K),
-                      _t(GDN_LAYERS, R, N, 2, HV, dtype=torch.float32), CONV_W)
+                      _t(GDN_LAYERS, R, N, 2, HV, dtype=torch.float32), CONV_W,
+                      snap_depth=_t(R, dtype=torch.int32))  # (align prefix caching's block-boundary state)
 
 
 def cases(quick: bool, probe: bool):

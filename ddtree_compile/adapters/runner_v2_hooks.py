@@ -73,8 +73,10 @@ class V2RoundHooks:
         if kw.get("dummy_run"):
             return self.orig["propose"](*call[0], **call[1])
         self.shared.batch = input_batch
-        # (the round committed in V2's postprocess): the drafter's inputs of the tree step are reordered,
+        # the round committed in V2's postprocess_state (this call is a no-op then; a V2 step that skipped
+        # that postprocess would commit here); the drafter's inputs of the tree step are reordered,
         # accepted path first
+        self.hooks["update_states"](None, None)
         states = [last_hidden_states, *(aux_hidden_states or ())]
         self.hooks["propose_draft_token_ids"](None, None, None, None, None, states, None, None, None)
         R = input_batch.num_reqs
