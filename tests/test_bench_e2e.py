@@ -15,6 +15,7 @@ from ddtree_compile.testing import oracle
 
 
 
+@pytest.mark.slow  # (vLLM engines on CPU; `make test-slow`: keeps `make test` near 30 min)
 def test_bench_e2e_smoke(bench, tmp_path):
     prof = oracle.calibrate("sglang_plus22", 5.6, 1.22, 32, samples=500)
     profiles = tmp_path / "profiles.json"
@@ -46,6 +47,7 @@ def test_bench_e2e_smoke(bench, tmp_path):
     assert set(res["starts"]) == {"nospec", "flat", "ddtree8", "auto"}
 
 
+@pytest.mark.slow  # (vLLM engines on CPU; `make test-slow`: keeps `make test` near 30 min)
 def test_bench_e2e_split_over_commands_and_merged(bench, tmp_path):
     """The GPU session runs the modes over several commands: the reference is computed once and
     read back, and --merge recomputes the break-even across the parts."""
@@ -119,6 +121,7 @@ def test_summary_table_ratios_and_no_speculation_row(bench):
     assert "| flat DFlash tok/s | 100 |" in summ.table(res)
 
 
+@pytest.mark.slow  # (vLLM engines on CPU; `make test-slow`: keeps `make test` near 30 min)
 def test_bench_e2e_side_by_side(bench, tmp_path):
     """--side-by-side: the speculative engines are up together, each in a process of its own, and
     their runs alternate within each cell (the order rotated per repeat)."""
