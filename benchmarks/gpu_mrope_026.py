@@ -59,14 +59,15 @@ def _prompts():
                       {"prompt": IMAGE, "multi_modal_data": {"image": image(3, 64)}}]}
 
 
-def _generate(llm, prompts, logprobs=None, **sampling):
+def _generate(llm, prompts, logprobs=None, max_tokens=MAX_TOKENS, **sampling):
     from vllm import SamplingParams
 
-    params = SamplingParams(**{"temperature": 0.0, **sampling, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+    params = SamplingParams(**{"temperature": 0.0, **sampling, "max_tokens": max_tokens, "ignore_eos": True,
                                "logprobs": logprobs})
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [{"prompt": list(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
-             "lps": [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs] if logprobs else None}
+             "lps": [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs] if logprobs else None,
+             "cached": o.num_cached_tokens}
             for o in outs]
 
 

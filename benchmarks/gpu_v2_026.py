@@ -19,7 +19,8 @@ Parts (each adds its section to the JSON at --out, written after every part):
 - `align`: the hybrid with prefix caching (vLLM's "align" GDN cache; the GDN state cache in bf16),
   eager, a two-turn conversation per prompt (turn 1: 300 prompt tokens, 200 generated, crossing
   block boundaries inside tree rounds; turn 2: turn 1 as the reference continued it plus 8 tokens,
-  32 generated): DDTree with the drafter harness and the GDN state check (the state and conv window
+  32 generated): DDTree with the drafter harness drafting the engine's own greedy continuation (a
+  first pass) and the GDN state check (the state and conv window
   at every block boundary a path crossed) against no speculation (regret gates) and DDTree without
   prefix caching (first divergence; vLLM's flat DFlash with and without prefix caching beside them:
   align schedules prefills in block-aligned chunks, which can move bf16 near-ties by themselves);
@@ -191,8 +192,6 @@ def part_qwen3(dirs, prompts, out, eager=True):
 
 
 def part_align(dirs, prompts, out):
-    from vllm import SamplingParams
-
     from ddtree_compile.integration import engines, metrics
     from ddtree_compile.testing import harness, models
 
@@ -200,11 +199,7 @@ def part_align(dirs, prompts, out):
     bf16_state = {"mamba_ssm_cache_dtype": "auto"}
 
     def gen(llm, ps, n, logprobs=None):
-        outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs),
-                            use_tqdm=False)
-        return [{"prompt": list(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
-                 "lps": [{t: lp.logprob for t, lp in p.items()} for p in o.outputs[0].logprobs] if logprobs else None,
-                 "cached": o.num_cached_tokens} for o in outs]
+        return _generate(llm, ps, logprobs=logprobs, max_tokens=n)
 
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the reference on the runner DDTree runs on (the mixed drafter's)
     try:

@@ -42,8 +42,8 @@ def tok_s_agg(r: dict) -> float | None:
 def summarize(result: dict) -> dict:
     runs = result["runs"]
     for r in runs:
-        if "error" not in r and tok_s_agg(r) is not None:
-            r["tok_s_agg"] = tok_s_agg(r)
+        if "error" not in r and (agg := tok_s_agg(r)) is not None:
+            r["tok_s_agg"] = agg
         if "error" not in r and r.get("reference_match", 1.0) < VALID:
             r["invalid"] = f"outputs left the reference (match {r['reference_match']:.3f}); see mismatch_heads"
     # --side-by-side: flat DFlash ran interleaved with the others in each (profile, concurrency) cell,

@@ -151,9 +151,7 @@ class DDTreeRound:
 
     def _on_update_states(self, output_token_ids, scheduler_output):
         step = self.step
-        if step is None or step.walk is None:
-            return self._orig["update_states"](output_token_ids, scheduler_output)
-        if step.committed:  # (V2 may post-process a step's state twice)
+        if step is None or step.walk is None or step.committed:  # (V2 may reach here twice a step)
             return self._orig["update_states"](output_token_ids, scheduler_output)
         t0 = time.perf_counter()
         # Commit first: the GDN state is left in vLLM's chain layout, so vLLM's own update (accepted
