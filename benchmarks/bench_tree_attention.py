@@ -27,7 +27,8 @@ import triton
 
 from ddtree_compile.templates import launch, tuning
 
-from _attn_checks import check_against_reference, check_causal_and_dense, check_op_graph_and_compact
+from _attn_checks import (check_against_reference, check_causal_and_dense, check_fp8_against_vllm_fa3,
+                          check_op_graph_and_compact)
 from _attn_common import (BLOCK_SIZE, BUDGETS, CONTEXTS, DEV, MODELS, REQUESTS, bench, causal_fa, dense_bias,
                           dense_gqa_supported, dense_group, dense_sdpa, fa_gqa_supported, kernel_info, log,
                           make_tiles, setup_group, time_tree)
@@ -106,7 +107,8 @@ def main():
                     sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__),
         arch_table=tuning.arch_of(DEV)[0], table_measured=tuning.is_measured(tuning.arch_of(DEV)[0]),
         checks=[], sweep_checks=[], sweep=[], records=[])
-    for check in (check_against_reference, check_causal_and_dense, check_op_graph_and_compact):
+    for check in (check_against_reference, check_fp8_against_vllm_fa3, check_causal_and_dense,
+                  check_op_graph_and_compact):
         try:
             check(doc["checks"])
         except Exception as e:  # noqa: BLE001  recorded as a failed check; timing still runs

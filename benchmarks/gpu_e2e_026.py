@@ -8,7 +8,10 @@ seeded sampling twice and one request alone), both with vLLM's CUDA graphs (defa
 FULL_AND_PIECEWISE: tree verifies replay FULL graphs captured with the tree ops, mixed batches run
 PIECEWISE) and Inductor graph partition (the tree-verify pass sees the attention / GDN ops).
 Attention-only targets run on the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0: the round's hooks live
-there). Writes one JSON with the outputs' agreement, DDTree's counters (graph_steps: verifies that
+there). `--quantization fp8` (FP8 weights) and `--kv-cache-dtype fp8` (an FP8 KV cache: tree attention
+reads FP8 K/V and the FP8 query vLLM hands over) apply to every engine; a quantized target's gates
+count only the prompts where DDTree leaves the reference and vLLM's own flat DFlash (the control, on
+the same quantized target) does not: what quantization moves by itself is not DDTree's. Writes one JSON with the outputs' agreement, DDTree's counters (graph_steps: verifies that
 replayed a FULL graph), vLLM's capture time and memory and the engine settings; prints a table last.
 tests/test_gpu_vllm026.py runs the same checks as a GPU test module.
 """
@@ -37,6 +40,7 @@ CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"
 # (benchmarks/results/gpu_vllm026_h100.json, "probes").
 SSM_CACHE_DTYPE = "float32"
 SKIP_FLAT = False
+QUANT_KW: dict = {}  # quantization / kv_cache_dtype for every engine (--quantization, --kv-cache-dtype)
 
 
 class _CaptureLog:
@@ -72,7 +76,8 @@ def _engine(target, drafter=None, hybrid=False, dtype="bfloat16", flat=False, **
 
     cc = compilation_config("cuda")
     cc["cudagraph_mode"] = CUDAGRAPH_MODE
-    kw = models.tiny_llm_kwargs(target, dtype=dtype, async_scheduling=False, compilation_config=cc, **llm_kw)
+    kw = models.tiny_llm_kwargs(target, dtype=dtype, async_scheduling=False, compilation_config=cc,
+                                **{**QUANT_KW, **llm_kw})
     if hybrid and SSM_CACHE_DTYPE != "auto":
         kw["mamba_ssm_cache_dtype"] = SSM_CACHE_DTYPE
     extra = {"gdn_prefill_backend": "triton"} if hybrid else {}
@@ -89,6 +94,15 @@ def _engine(target, drafter=None, hybrid=False, dtype="bfloat16", flat=False, **
     return llm, time.perf_counter() - t0
 
 
+def _seeded_repeats(llm, prompts) -> bool:
+    """Seeded sampling twice with the same seed: equal? (DDTree's seeded_repeat_equal beside the
+    engines' own: an FP8-weight target may not repeat with any speculation, or without it.)"""
+    from ddtree_compile.testing import harness
+
+    a, b = (harness.generate(llm, prompts, MAX_TOKENS, temperature=1.0, seed=1234) for _ in range(2))
+    return a == b
+
+
 def run_kind(spec: str, root: pathlib.Path) -> dict:
     """spec: "kind" or "kind:dtype" (the engines' dtype; default bfloat16)."""
     from ddtree_compile import adapters
@@ -101,10 +115,11 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
     drafter = models.write_tiny_dflash_drafter(target, root / f"{spec.replace(':', '_')}_dflash")
     prompts = models.token_prompts(NUM_PROMPTS, 16, models.VOCAB, seed=0)
     hybrid = kind != "qwen3"
-    out = {"kind": kind, "dtype": dtype}
+    out = {"kind": kind, "dtype": dtype, **QUANT_KW}
     llm, out["start_s_reference"] = _engine(target, hybrid=hybrid, dtype=dtype)
     try:
         ref = harness.generate_with_logprobs(llm, prompts, MAX_TOKENS)
+        out["reference_seeded_repeat_equal"] = _seeded_repeats(llm, prompts)  # the control for DDTree's
     finally:
         engines.shutdown(llm)
     ref_tokens = [t for t, _ in ref]
@@ -113,6 +128,7 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
         llm, out["start_s_flat"] = _engine(target, drafter, hybrid=hybrid, dtype=dtype, flat=True)
         try:
             flat_out = harness.generate(llm, prompts, MAX_TOKENS)
+            out["flat_seeded_repeat_equal"] = _seeded_repeats(llm, prompts)
         finally:
             engines.shutdown(llm)
         out["gates_flat_dflash"] = [harness.regret_gate(r, g) for r, g in zip(ref, flat_out)]
@@ -131,6 +147,9 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
         out["cudagraph_mode"] = str(cc.cudagraph_mode)
         out["cudagraph_capture_sizes"] = list(cc.cudagraph_capture_sizes or [])
         out["runner"] = type(runner).__name__
+        if state is not None and state.ctx.attn_layers:  # what tree attention reads (an FP8 KV cache or not)
+            p = adapters.current().attention_params(state.ctx.layer(state.ctx.attn_layers[0]))
+            out["tree_attention_kv"] = str(p.kv_fp8 or "model dtype")
         t0 = time.perf_counter()
         random_out = harness.generate(llm, prompts, MAX_TOKENS)
         out["random_s"] = time.perf_counter() - t0
@@ -175,8 +194,13 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
     out["gates_random"] = [harness.regret_gate(r, g) for r, g in zip(ref, random_out)]
     out["gates_harness"] = [harness.regret_gate(r, g) for r, g in zip(ref, harness_out)]
     full = "FULL" in out.get("cudagraph_mode", "")
-    out["ok"] = bool(out["attached"] and c_random.get("tree_steps", 0) > 0
-                     and all(g["ok"] for g in out["gates_random"] + out["gates_harness"])
+    gates_ok = all(g["ok"] for g in out["gates_random"] + out["gates_harness"])
+    if QUANT_KW and "gates_flat_dflash" in out:  # the tree's divergences beyond what flat DFlash shows
+        flat_bad = {i for i, g in enumerate(out["gates_flat_dflash"]) if not g["ok"]}
+        tree_bad = {i for gs in (out["gates_random"], out["gates_harness"]) for i, g in enumerate(gs) if not g["ok"]}
+        out["gates_beyond_flat"] = sorted(tree_bad - flat_bad)
+        gates_ok = not out["gates_beyond_flat"]
+    out["ok"] = bool(out["attached"] and c_random.get("tree_steps", 0) > 0 and gates_ok
                      and out["seeded_repeat_equal"] and out["seeded_alone_equal"] and out["seeded_seeds_differ"]
                      and (not full or (out["graph_sizes"] and c_all.get("graph_steps", 0) > 0))
                      and (not hybrid or out.get("state_check", {}).get("paths", 0) > 0))
@@ -184,7 +208,7 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
 
 
 def main(argv=None) -> int:
-    global BUDGET, TOP_K, DRAFT_LEN, CUDAGRAPH_MODE, SSM_CACHE_DTYPE, SKIP_FLAT
+    global BUDGET, TOP_K, DRAFT_LEN, CUDAGRAPH_MODE, SSM_CACHE_DTYPE, SKIP_FLAT, QUANT_KW
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--kinds", default="qwen3,qwen3_next_dense", help="kind[:dtype],...")
@@ -195,7 +219,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ssm-cache-dtype", default=SSM_CACHE_DTYPE, help="the hybrids' mamba_ssm_cache_dtype "
                     "(auto: the model's dtype)")
     ap.add_argument("--skip-flat", action="store_true", help="no vLLM flat DFlash control engine")
+    ap.add_argument("--quantization", default=None, help="vLLM's quantization for every engine (fp8: FP8 weights)")
+    ap.add_argument("--kv-cache-dtype", default=None, help="vLLM's kv_cache_dtype for every engine (fp8)")
     args = ap.parse_args(argv)
+    QUANT_KW = {k: v for k, v in (("quantization", args.quantization), ("kv_cache_dtype", args.kv_cache_dtype)) if v}
     BUDGET, TOP_K, DRAFT_LEN, CUDAGRAPH_MODE = args.budget, args.top_k, args.draft_len, args.cudagraph_mode
     SSM_CACHE_DTYPE, SKIP_FLAT = args.ssm_cache_dtype, args.skip_flat
     import torch
@@ -207,7 +234,7 @@ def main(argv=None) -> int:
     result = {"command": " ".join(sys.argv), "vllm": vllm.__version__, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "budget": BUDGET, "top_k": TOP_K, "draft_len": DRAFT_LEN, "max_tokens": MAX_TOKENS,
-              "cudagraph_mode": CUDAGRAPH_MODE, "mamba_ssm_cache_dtype": SSM_CACHE_DTYPE, "runs": []}
+              "cudagraph_mode": CUDAGRAPH_MODE, "mamba_ssm_cache_dtype": SSM_CACHE_DTYPE, **QUANT_KW, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.kinds.split(","):
             try:

@@ -12,8 +12,8 @@ Parts (each adds its section to the JSON at --out, so parts can run in separate 
   graph replays per kind.
 - `flat`: vLLM's own flat DFlash with the same drafter, gated against `ddtree`'s reference (same
   command): the control for the gates.
-- `fp8kv`: DDTree on an FP8 KV cache (`kv_cache_dtype="fp8"`): refused at start-up (logged, counted),
-  the engine serves as flat DFlash.
+- `fp8kv`: DDTree on an FP8 KV cache (`kv_cache_dtype="fp8"`): attached, tree verifies (FULL-graph
+  replays) reading FP8 K/V, text and images served.
 - `mixed`: DDTree with a drafter mixing sliding and full attention (the Qwen3.6 drafter's shape), which
   forces Model Runner V2: what DDTree does there (today: refused at start-up, logged and counted, the
   engine runs flat DFlash) and that the engine serves text and images.
@@ -174,22 +174,30 @@ def part_mixed(dirs, prompts, out):
 
 
 def part_fp8kv(dirs, prompts, out):
-    """DDTree asked for on an FP8 KV cache: refused when the engine starts (tree attention reads bf16/fp16
-    K/V), logged once and counted, and the engine serves text and images as flat DFlash."""
+    """DDTree on an FP8 KV cache (the users' NVFP4 checkpoints can switch it on by themselves): attached,
+    tree verifies read the FP8 cache (FULL-graph replays), text and images served. The regret gates with
+    the flat-DFlash control on an FP8 KV target: gpu_e2e_026.py --kv-cache-dtype fp8."""
+    from ddtree_compile import adapters
     from ddtree_compile.integration import engines, metrics
 
     before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
     llm, out["engine"] = _engine(dirs, dirs["full"], kv_cache_dtype="fp8")
     try:
-        out["attached"] = engines.find_state(llm) is not None
+        state = engines.find_state(llm)
+        out["attached"] = state is not None
         out["fallbacks_at_start"] = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items()
                                      if v != before.get(k, 0)}
+        if state is not None:
+            out["tree_attention_kv"] = str(adapters.current().attention_params(
+                state.ctx.layer(state.ctx.attn_layers[0])).kv_fp8)
         got = {k: _generate(llm, p) for k, p in prompts.items()}
         out["served_tokens"] = {k: sum(len(g["tokens"]) for g in v) for k, v in got.items()}
+        out["counters"] = metrics.collect(llm)[0] if state is not None else {}
     finally:
         engines.shutdown(llm)
-    out["ok"] = (not out["attached"] and any("quantized KV cache" in k for k in out["fallbacks_at_start"])
-                 and all(n == MAX_TOKENS * len(prompts[k]) for k, n in out["served_tokens"].items()))
+    out["ok"] = bool(out["attached"] and "float8" in out.get("tree_attention_kv", "")
+                     and out["counters"].get("tree_steps", 0) > 0 and out["counters"].get("graph_steps", 0) > 0
+                     and all(n == MAX_TOKENS * len(prompts[k]) for k, n in out["served_tokens"].items()))
 
 
 PARTS = {"ddtree": part_ddtree, "flat": part_flat, "mixed": part_mixed, "fp8kv": part_fp8kv}

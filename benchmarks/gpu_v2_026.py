@@ -25,6 +25,8 @@ Parts (each adds its section to the JSON at --out, written after every part):
   prefix caching (first divergence; vLLM's flat DFlash with and without prefix caching beside them:
   align schedules prefills in block-aligned chunks, which can move bf16 near-ties by themselves);
   turn 2's tokens read from the cache.
+- `align_graphs`: `align` with torch.compile and FULL_AND_PIECEWISE CUDA graphs for the speculating
+  engines (tree verifies replay FULL graphs; vLLM's align post-processing runs after them).
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ def part_qwen3(dirs, prompts, out, eager=True):
         engines.shutdown(llm)
 
 
-def part_align(dirs, prompts, out):
+def part_align(dirs, prompts, out, eager=True):
     from ddtree_compile.integration import engines, metrics
     from ddtree_compile.testing import harness, models
 
@@ -214,7 +216,7 @@ def part_align(dirs, prompts, out):
         engines.shutdown(llm)
     for name, pc in (("prefix_caching", True), ("control", False)):
         o = out[name] = {}
-        llm, o["engine"] = _engine(dirs["target"], dirs["mixed"], enable_prefix_caching=pc, **bf16_state)
+        llm, o["engine"] = _engine(dirs["target"], dirs["mixed"], enable_prefix_caching=pc, eager=eager, **bf16_state)
         try:
             state = engines.find_state(llm)
             cc = engines.find_runner(llm).vllm_config.cache_config
@@ -247,7 +249,8 @@ def part_align(dirs, prompts, out):
             engines.shutdown(llm)
     flat = {}
     for pc_on in (True, False):  # vLLM's own flat DFlash: what prefix caching alone changes
-        llm, _ = _engine(dirs["target"], dirs["mixed"], flat=True, enable_prefix_caching=pc_on, **bf16_state)
+        llm, _ = _engine(dirs["target"], dirs["mixed"], flat=True, enable_prefix_caching=pc_on, eager=eager,
+                         **bf16_state)
         try:
             flat[pc_on] = [g["tokens"] for g in gen(llm, turn1, 200) + gen(llm, turn2, 32)]
         finally:
@@ -260,10 +263,11 @@ def part_align(dirs, prompts, out):
     out["ok"] = bool(pc["mamba_cache_mode"] == "align" and all(g["ok"] for g in ctl["gates"])
                      and all(g["ok"] for g in pc["gates"]) and pc["counters"]["tree_steps"] > 0
                      and pc["counters"]["sibling_rounds"] > 0 and pc["state_check"]["boundaries"] > 0
-                     and min(pc["turn2_cached"]) > 0)
+                     and min(pc["turn2_cached"]) > 0 and (eager or pc["counters"]["graph_steps"] > 0))
 
 
 PARTS = {"hybrid": part_hybrid, "qwen3": part_qwen3, "align": part_align,
+         "align_graphs": lambda d, p, o: part_align(d, p, o, eager=False),
          "hybrid_graphs": lambda d, p, o: part_hybrid(d, p, o, eager=False),
          "qwen3_graphs": lambda d, p, o: part_qwen3(d, p, o, eager=False)}
 

@@ -37,9 +37,11 @@ Tensor = torch.Tensor
 @torch.library.custom_op("ddtree::tree_attention", mutates_args=("out",))
 def tree_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                    context_lens: Tensor, ancestor_bits: Tensor, depths: Tensor, out: Tensor,
-                   softmax_scale: float, sliding_window: int, logits_soft_cap: float) -> None:
+                   softmax_scale: float, sliding_window: int, logits_soft_cap: float,
+                   q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                   v_scale: Optional[Tensor] = None) -> None:
     tree_attention_reference(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-                             softmax_scale, sliding_window, logits_soft_cap)
+                             softmax_scale, sliding_window, logits_soft_cap, q_scale, k_scale, v_scale)
 
 
 # The same op with the CUDA kernel's split-KV partials in the caller's `scratch` (tree_attention.py), which
@@ -48,28 +50,36 @@ def tree_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_
 @torch.library.custom_op("ddtree::tree_attention_scratch", mutates_args=("out", "scratch"))
 def tree_attention_scratch(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                            context_lens: Tensor, ancestor_bits: Tensor, depths: Tensor, out: Tensor,
-                           softmax_scale: float, sliding_window: int, logits_soft_cap: float, scratch: Tensor) -> None:
+                           softmax_scale: float, sliding_window: int, logits_soft_cap: float, scratch: Tensor,
+                           q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                           v_scale: Optional[Tensor] = None) -> None:
     check_scratch(scratch, query.device)
     tree_attention_reference(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-                             softmax_scale, sliding_window, logits_soft_cap)
+                             softmax_scale, sliding_window, logits_soft_cap, q_scale, k_scale, v_scale)
 
 
-def _tree_attention_cuda(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-                         softmax_scale, sliding_window, logits_soft_cap, scratch=None) -> None:
-    launch_tree_attention(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-                          softmax_scale, sliding_window, logits_soft_cap, scratch)
+_ARGS = 11  # query .. logits_soft_cap: the arguments both ops share, in this order
 
 
-def _tree_attention_fake(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-                         softmax_scale, sliding_window, logits_soft_cap, scratch=None) -> None:
-    check_tree_attention_args(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths,
-                              out, softmax_scale, sliding_window, logits_soft_cap)
-    check_scratch(scratch, query.device)
+@tree_attention.register_kernel("cuda")
+def _tree_attention_cuda(*args) -> None:
+    launch_tree_attention(*args[:_ARGS], None, None, None, *args[_ARGS:])  # scratch, tiles, splits: none
 
 
-for _op in (tree_attention, tree_attention_scratch):
-    _op.register_kernel("cuda")(_tree_attention_cuda)
-    _op.register_fake(_tree_attention_fake)
+@tree_attention.register_fake
+def _tree_attention_fake(*args) -> None:
+    check_tree_attention_args(*args)
+
+
+@tree_attention_scratch.register_kernel("cuda")
+def _tree_attention_scratch_cuda(*args) -> None:
+    launch_tree_attention(*args[:_ARGS], args[_ARGS], None, None, *args[_ARGS + 1:])
+
+
+@tree_attention_scratch.register_fake
+def _tree_attention_scratch_fake(*args) -> None:
+    check_tree_attention_args(*args[:_ARGS], *args[_ARGS + 1:])
+    check_scratch(args[_ARGS], args[0].device)
 
 
 # ------------------------------------------------------------------ commit-time K/V compaction

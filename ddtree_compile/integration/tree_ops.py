@@ -55,13 +55,18 @@ def _attention_tree(meta, original, query, key, value, output, layer_name, outpu
     seq_lens, block_table = A.attention_batch(attn_metadata, R)
     ctx_lens = meta.context_lens if meta.context_lens is not None else seq_lens - N
     k_cache, v_cache, block_table = kv_layout(layer).logical_blocks(kv_cache, p.head_size, block_table)
+    scales = ()
+    if p.kv_fp8 is not None:  # FP8 entries; the query is FP8 too when vLLM quantized it before the op
+        k_cache, v_cache = k_cache.view(p.kv_fp8), v_cache.view(p.kv_fp8)
+        q_scale, k_scale, v_scale = p.scales
+        scales = (q_scale if query.dtype == p.kv_fp8 else None, k_scale, v_scale)
     args = (query[:T].view(T, p.num_heads, p.head_size), k_cache, v_cache, block_table, ctx_lens,
             meta.ancestor_bits, meta.depths, output[:T].view(T, p.num_heads, p.head_size), p.scale,
             p.sliding_window, p.logits_soft_cap)
     if meta.attn_scratch is None:
-        torch.ops.ddtree.tree_attention(*args)
+        torch.ops.ddtree.tree_attention(*args, *scales)
     else:  # the engine's scratch (round/workspace.py): the split-KV partials at fixed addresses
-        torch.ops.ddtree.tree_attention_scratch(*args, meta.attn_scratch)
+        torch.ops.ddtree.tree_attention_scratch(*args, meta.attn_scratch, *scales)
 
 
 def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest):
