@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_v2_026.py --out benchmarks/results/gpu_v2_026_h200.json --parts hybrid_graphs,qwen3_graphs
     python benchmarks/gpu_v2_026.py --out benchmarks/results/gpu_v2_026_h200.json --parts hybrid,qwen3
-    python benchmarks/gpu_v2_026.py --out benchmarks/results/gpu_v2_026_align_h100.json --parts align
+    python benchmarks/gpu_v2_026.py --out benchmarks/results/gpu_v2_026_align_h200.json --parts align
 
 Parts (each adds its section to the JSON at --out, written after every part):
 - `hybrid`: the tiny multimodal Qwen3.5 (`Qwen3_5ForConditionalGeneration`, M-RoPE, GatedDeltaNet + full
