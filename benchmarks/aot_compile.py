@@ -96,13 +96,16 @@ def _t(*shape, dtype=DT):
 # ---------------------------------------------------------------- cases: the templates' own launchers
 
 
-def attention_case(arch, R, B, shape, tiles=None):
+def attention_case(arch, R, B, shape, tiles=None, fp8=False):
+    """fp8: an FP8 KV cache and the FP8 query vLLM hands over with it (e4m3, per-tensor scales)."""
     Hq, Hkv, D = shape
     N = B + 1
-    q, kc = _t(R * N, Hq, D), _t(64, PAGE, Hkv, D)
+    kv = torch.float8_e4m3fn if fp8 else DT
+    q, kc = _t(R * N, Hq, D, dtype=kv), _t(64, PAGE, Hkv, D, dtype=kv)
     bt, ctx = _t(R, CONTEXT // PAGE, dtype=torch.int32), _t(R, dtype=torch.int32)
     bits, dep = _t(R, N, -(-N // 32), dtype=torch.int32), _t(R, N, dtype=torch.int32)
-    launch_tree_attention(q, kc, kc, bt, ctx, bits, dep, torch.empty_like(q), D ** -0.5, tiles=tiles)
+    scales = {n: _t((), dtype=torch.float32) for n in ("q_scale", "k_scale", "v_scale")} if fp8 else {}
+    launch_tree_attention(q, kc, kc, bt, ctx, bits, dep, _t(R * N, Hq, D), D ** -0.5, tiles=tiles, **scales)
 
 
 def kv_compact_case(arch, D):
@@ -172,6 +175,8 @@ def cases(quick: bool, probe: bool):
         for R in ((1,) if quick else REQUESTS):
             for B in ((64,) if quick else BUDGETS):
                 out.append(("tree_attention", f"{name} R={R} B={B}", lambda a, R=R, B=B, s=shape: attention_case(a, R, B, s)))
+    out.append(("tree_attention", "qwen3.5-4b R=1 B=64 FP8 KV + query",
+                lambda a: attention_case(a, 1, 64, ATTN_SHAPES["qwen3.5-4b"], fp8=True)))
     for D in ((256,) if quick else (64, 128, 256)):
         out.append(("kv_compact", f"D={D}", lambda a, D=D: kv_compact_case(a, D)))
     for R in ((1,) if quick else REQUESTS):

@@ -12,6 +12,7 @@ servers' own /metrics: turn 2 reads most of its prompt from A's prefix cache, DD
 in both turns; both answers within the regret gate of B's (log-probs). Not token-for-token equality:
 align schedules prefills in block-aligned chunks, which moves bf16 near-ties by itself
 (gpu_v2_026_align_*.json: vLLM's flat DFlash with vs without prefix caching diverges too).
+The OpenAI server needs modules the default GPU bundle lacks: docs/serve.md, "On the GPU".
 """
 
 from __future__ import annotations

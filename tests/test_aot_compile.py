@@ -88,6 +88,13 @@ def test_sm121a_attention_tiles_fit(aot):
             assert e["fits"] and 0 < e["smem"] <= SM121_SMEM, e
 
 
+def test_fp8_tree_attention_compiles_for_sm121a(aot):
+    """The FP8 variant (an FP8 KV cache and query: FP8 tiles cast for the same dot) is its own compile."""
+    fp8 = [e for e in aot["entries"] if e["template"] == "tree_attention" and e["kernel"] == "tree_attn_fwd_kernel"
+           and e["constexprs"].get("KV_FP8") and e["constexprs"].get("Q_FP8")]
+    assert len(fp8) == 1 and fp8[0]["fits"] and 0 < fp8[0]["smem"] <= SM121_SMEM, fp8
+
+
 def test_oversized_config_reported_not_fitting(aot):
     """The H100's D=256 tile (128 x 32, 4 stages) needs far more than GB10's 99 KB: the check says so."""
     probe = [e for e in aot["entries"] if e["template"] == "probe" and e["kernel"] == "tree_attn_fwd_kernel"]

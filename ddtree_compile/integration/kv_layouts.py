@@ -15,7 +15,7 @@ Two kinds:
   through the tile indexing. That is CPU-only work on small caches (tests, CI); GPU layouts are
   all strided.
 
-Layouts not listed (ARM `neon`, `vsx`, `vxe`, `rvv`, quantized caches) raise NotImplementedError,
+Layouts not listed (ARM `neon`, `vsx`, `vxe`, `rvv`, quantized CPU caches) raise NotImplementedError,
 which the runner's start-up check turns into a logged, counted fallback to flat DFlash.
 """
 
