@@ -26,7 +26,8 @@ Parts (each adds its section to the JSON at --out, written after every part):
   align schedules prefills in block-aligned chunks, which can move bf16 near-ties by themselves);
   turn 2's tokens read from the cache.
 - `align_graphs`: `align` with torch.compile and FULL_AND_PIECEWISE CUDA graphs for the speculating
-  engines (tree verifies replay FULL graphs; vLLM's align post-processing runs after them).
+  engines (tree verifies replay FULL graphs; vLLM's align post-processing runs after them);
+  `align_graphs_only`: the same without the control engines (DDTree without prefix caching, flat DFlash).
 """
 
 from __future__ import annotations
@@ -193,7 +194,9 @@ def part_qwen3(dirs, prompts, out, eager=True):
         engines.shutdown(llm)
 
 
-def part_align(dirs, prompts, out, eager=True):
+def part_align(dirs, prompts, out, eager=True, controls=True):
+    """controls=False: no DDTree-without-prefix-caching engine and no flat DFlash pair (the gates vs
+    no speculation, the state check and the cache hits still run)."""
     from ddtree_compile.integration import engines, metrics
     from ddtree_compile.testing import harness, models
 
@@ -214,7 +217,7 @@ def part_align(dirs, prompts, out, eager=True):
         ref2 = gen(llm, turn2, 32, logprobs=5)
     finally:
         engines.shutdown(llm)
-    for name, pc in (("prefix_caching", True), ("control", False)):
+    for name, pc in (("prefix_caching", True), ("control", False))[: 2 if controls else 1]:
         o = out[name] = {}
         llm, o["engine"] = _engine(dirs["target"], dirs["mixed"], enable_prefix_caching=pc, eager=eager, **bf16_state)
         try:
@@ -247,6 +250,14 @@ def part_align(dirs, prompts, out, eager=True):
                                 "boundaries": check.boundaries, "max_rel_err": check.max_err}
         finally:
             engines.shutdown(llm)
+    pc = out["prefix_caching"]
+    done = bool(pc["mamba_cache_mode"] == "align" and all(g["ok"] for g in pc["gates"])
+                and pc["counters"]["tree_steps"] > 0 and pc["counters"]["sibling_rounds"] > 0
+                and pc["state_check"]["boundaries"] > 0 and min(pc["turn2_cached"]) > 0
+                and (eager or pc["counters"]["graph_steps"] > 0))
+    if not controls:
+        out["ok"] = done
+        return
     flat = {}
     for pc_on in (True, False):  # vLLM's own flat DFlash: what prefix caching alone changes
         llm, _ = _engine(dirs["target"], dirs["mixed"], flat=True, enable_prefix_caching=pc_on, eager=eager,
@@ -256,18 +267,16 @@ def part_align(dirs, prompts, out, eager=True):
         finally:
             engines.shutdown(llm)
     out["flat_first_divergence_pc_vs_none"] = [harness.first_divergence(a, b) for a, b in zip(flat[True], flat[False])]
-    pc, ctl = out["prefix_caching"], out["control"]
+    ctl = out["control"]
     out["equal_to_control"] = pc.get("outputs") is not None and pc.get("outputs") == ctl.get("outputs")
     if pc.get("outputs") and ctl.get("outputs"):
         out["first_divergence_pc_vs_none"] = [harness.first_divergence(a, b) for a, b in zip(pc["outputs"], ctl["outputs"])]
-    out["ok"] = bool(pc["mamba_cache_mode"] == "align" and all(g["ok"] for g in ctl["gates"])
-                     and all(g["ok"] for g in pc["gates"]) and pc["counters"]["tree_steps"] > 0
-                     and pc["counters"]["sibling_rounds"] > 0 and pc["state_check"]["boundaries"] > 0
-                     and min(pc["turn2_cached"]) > 0 and (eager or pc["counters"]["graph_steps"] > 0))
+    out["ok"] = done and all(g["ok"] for g in ctl["gates"])
 
 
 PARTS = {"hybrid": part_hybrid, "qwen3": part_qwen3, "align": part_align,
          "align_graphs": lambda d, p, o: part_align(d, p, o, eager=False),
+         "align_graphs_only": lambda d, p, o: part_align(d, p, o, eager=False, controls=False),
          "hybrid_graphs": lambda d, p, o: part_hybrid(d, p, o, eager=False),
          "qwen3_graphs": lambda d, p, o: part_qwen3(d, p, o, eager=False)}
 
