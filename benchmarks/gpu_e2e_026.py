@@ -9,10 +9,12 @@ FULL_AND_PIECEWISE: tree verifies replay FULL graphs captured with the tree ops,
 PIECEWISE) and Inductor graph partition (the tree-verify pass sees the attention / GDN ops).
 Attention-only targets run on the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0: the round's hooks live
 there). `--quantization fp8` (FP8 weights) and `--kv-cache-dtype fp8` (an FP8 KV cache: tree attention
-reads FP8 K/V and the FP8 query vLLM hands over) apply to every engine; a quantized target's gates
-count only the prompts where DDTree leaves the reference and vLLM's own flat DFlash (the control, on
-the same quantized target) does not: what quantization moves by itself is not DDTree's. Writes one JSON with the outputs' agreement, DDTree's counters (graph_steps: verifies that
-replayed a FULL graph), vLLM's capture time and memory and the engine settings; prints a table last.
+reads FP8 K/V and the FP8 query vLLM hands over) apply to every engine; a quantized target's gates count
+only the prompts where DDTree leaves the reference and vLLM's own flat DFlash (the control, on the same
+quantized target) does not: what quantization moves by itself is not DDTree's. Writes one JSON with the
+outputs' agreement, DDTree's counters (graph_steps: verifies that replayed a FULL graph), vLLM's capture
+time and memory and the engine settings; prints a table last.
+
 tests/test_gpu_vllm026.py runs the same checks as a GPU test module.
 """
 

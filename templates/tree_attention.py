@@ -29,11 +29,11 @@ last chunk walks the tree keys with the packed ancestor bits, and since the tree
 chunk it gets correspondingly less context. Splits write (out, log-sum-exp) partials that a combine
 kernel merges, all splits of a (token, head) at once; with one split the kernel writes `out` directly.
 No dense mask is ever built. FP8 (an FP8 KV cache, and the query vLLM quantizes for it): tiles are
-loaded as FP8 and cast to the output's dtype (exact: every e4m3/e5m2 value is a bf16/fp16 value) for
-the same tl.dot; q_scale * k_scale folds into the score scale and v_scale into the output, since
-attention is linear in V, so the inner loop does no extra multiply. With PAGE_GROUP > 0 the block ids of a group of pages are loaded once into
-registers (tl.gather per tile), so the K/V addresses inside the pipelined loop depend on no load of that
-loop and Triton prefetches K/V tiles ahead of the math.
+loaded as FP8 and cast to the output's dtype (exact: every e4m3/e5m2 value is a bf16/fp16 value) for the
+same tl.dot; q_scale * k_scale folds into the score scale and v_scale into the output, since attention
+is linear in V, so the inner loop does no extra multiply. With PAGE_GROUP > 0 the block ids of a group
+of pages are loaded once into registers (tl.gather per tile), so the K/V addresses inside the pipelined
+loop depend on no load of that loop and Triton prefetches K/V tiles ahead of the math.
 
 Host side. Everything that depends only on shapes, strides, dtypes and the scalar arguments (the
 argument checks, tiles and split count (tuning.plan_tree_attention), grids) is computed once per bucket

@@ -65,7 +65,8 @@ CASES = {
     # chunk = 16 keys: context 32 / 48 fills whole chunks, so the last split holds only the tree keys
     "tree_only_last_split": dict(ctx=(32, 48), splits=4, seed=28),
 }
-RERUN = ("mixed_ctx_split_kv", "gqa_4", "default_tiles", "fp8_qkv_split_kv")  # second launch of the bucket: cached plan, new data
+# second launch of the bucket: cached plan, new data
+RERUN = ("mixed_ctx_split_kv", "gqa_4", "default_tiles", "fp8_qkv_split_kv")
 CASES = {k: {**BASE, **v} for k, v in CASES.items()}
 
 
