@@ -173,16 +173,23 @@ def tiny(tiny_fp32_reference):
     return tiny_fp32_reference
 
 
-def _auto_run(tiny, **auto):
-    """Outputs, DDTree's counters and the engine's policy after the 4 prompts with the oracle drafter."""
+def _auto_run(tiny, builds=None, **auto):
+    """Outputs, DDTree's counters and the engine's policy after the 4 prompts with the oracle drafter;
+    `builds` (a list) collects one entry per tree the round built."""
+    from ddtree_compile.integration.round import build_stage
+
     llm = tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L,
                                            auto_budget=BUDGET, **auto))
+    build = build_stage.build_tree
+    if builds is not None:
+        build_stage.build_tree = lambda *a, **k: builds.append(1) or build(*a, **k)
     try:
         od = oracle.OracleDrafter(tiny["reference"], oracle.Profile.geometric("g", 0.75, 0.8, k=TOP_K), seed=1)
         od.install(llm)
         out = harness.generate(llm, PROMPTS, MAX_TOKENS)
         return out, metrics.collect(llm)[0], engines.find_state(llm).ctx.auto
     finally:
+        build_stage.build_tree = build
         harness.shutdown(llm)
 
 
@@ -190,14 +197,18 @@ def test_auto_is_lossless_and_runs_both_kinds_of_steps(tiny):
     """A cost table that makes the chain 10^7 times cheaper: once the tree's acceptance is known the
     table's word picks the chain, so both kinds run in one engine; then the steps this engine timed
     replace the table, and which kind wins from there depends on this CPU (checked against the
-    policy's own rates, not assumed: CI's machines differ). Outputs equal no speculation."""
+    policy's own rates, not assumed: CI's machines differ). Outputs equal no speculation; trees are
+    built for the tree decisions only."""
     table = tiny["root"] / "chain_cheap.json"
     rows = [{"budget": BUDGET, "batch": b, "round_ms": 1e4} for b in (1, 2, 4)]
     rows += [{"budget": L, "batch": b, "round_ms": 1e-3} for b in (1, 2, 4)]
     table.write_text(json.dumps({"buckets": rows}))
-    out, c, policy = _auto_run(tiny, probe_interval=4, cost_table=str(table))
+    builds = []
+    out, c, policy = _auto_run(tiny, builds, probe_interval=4, cost_table=str(table))
     assert out == tiny["ref"]  # float32: token for token
     a = c["auto"]
+    # a chosen chain step is flat DFlash's work: no tree is built for it
+    assert len(builds) == a["decisions"]["tree"], (len(builds), a["decisions"])
     assert a["table"] == str(table) and a["tree_budget"] == BUDGET and a["chain_len"] == L
     assert c["auto_chain_steps"] > 0 and c["tree_steps"] > 0, metrics.format_line(c)
     assert a["decisions"]["chain"] > 0 and a["decisions"]["tree"] > 0, a

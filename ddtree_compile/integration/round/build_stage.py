@@ -38,12 +38,12 @@ class BuildStage:
         original_propose(num_speculative_tokens=ctx.L, **kw)
         (logits, top1), self._captured = self._captured, None
         logits, top1 = logits.view(R, ctx.L, -1), top1.view(R, ctx.L)
-        tree = build_tree(logits, ctx.spec).with_root(kw["next_token_ids"])
         req_ids = ctx.view.req_ids(R)
         chain = [ctx.chain_reason(r) for r in req_ids]
-        if kind == CHAIN:  # flat DFlash's drafts; the tree stays unused (building it costs little)
+        if kind == CHAIN:  # flat DFlash's drafts, verified by vLLM: no tree built, flat's own work
             self._done(kind, R, t0)
-            return top1, Pending(req_ids, tree, top1, chain, auto_chain=True)
+            return top1, Pending(req_ids, None, top1, chain, auto_chain=True)
+        tree = build_tree(logits, ctx.spec).with_root(kw["next_token_ids"])
         drafts = tree.tokens[:, 1:]
         if any(chain):
             rows = ctx.h2d([c is not None for c in chain], torch.bool)

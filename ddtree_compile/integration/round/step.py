@@ -24,7 +24,7 @@ class Pending:
     """Trees proposed at the end of a step, verified by the next one."""
 
     req_ids: list[str]
-    tree: TreeBatch  # [R, N], slot 0 = the bonus token the drafter started from
+    tree: TreeBatch | None  # [R, N], slot 0 = the bonus token the drafter started from; None: auto_chain
     top1: torch.Tensor  # [R, L] the drafter's argmax per depth (flat DFlash's chain)
     chain: list[str | None]  # per row: fallback reason (verify as a chain) or None (tree)
     auto_chain: bool = False  # budget "auto" chose the chain: the drafts are top1, vLLM verifies them
