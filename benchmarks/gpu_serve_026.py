@@ -35,13 +35,8 @@ NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 def _ddtree_args(drafter) -> list[str]:
     from ddtree_compile.integration import config
 
-    kw = config.vllm_kwargs(drafter, budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
-    kw["additional_config"] = {**kw.get("additional_config", {}), "gdn_prefill_backend": "triton"}
-    out = []
-    for key, value in kw.items():
-        flag = "--" + key.replace("_", "-")
-        out += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, json.dumps(value)]
-    return out
+    switch = config.vllm_kwargs(drafter, budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
+    return config.cli_flags(config.merge_llm_kwargs({"additional_config": {"gdn_prefill_backend": "triton"}}, switch))
 
 
 def _metrics(srv) -> dict:

@@ -213,8 +213,13 @@ PASS_NAME = "ddtree_compile.tree_verify_pass"
 
 def cli_args(draft_model, budget: int | str, **kw) -> list[str]:
     """`vllm serve` arguments equivalent to `vllm_kwargs(...)` (one switch, two spellings)."""
+    return cli_flags(vllm_kwargs(draft_model, budget, **kw))
+
+
+def cli_flags(llm_kwargs: dict) -> list[str]:
+    """`vllm serve` flags of `vllm.LLM` keyword arguments (e.g. `merge_llm_kwargs(yours, vllm_kwargs(...))`)."""
     out = []
-    for key, value in vllm_kwargs(draft_model, budget, **kw).items():
+    for key, value in llm_kwargs.items():
         flag = key.replace("_", "-")
         if isinstance(value, bool):  # vLLM's boolean flags come as --x / --no-x
             out.append(f"--{flag}" if value else f"--no-{flag}")
