@@ -48,6 +48,7 @@ SSM_CACHE_DTYPE = "float32"
 SKIP_FLAT = False
 QUANT_KW: dict = {}  # quantization / kv_cache_dtype for every engine (--quantization, --kv-cache-dtype)
 CONTROL_BACKEND = None  # --control-backend: a no-speculation engine on this attention backend
+AUTO_MENU: list = []  # --auto-budget: DDTree with budget "auto" over this menu of tree buckets
 
 
 class _CaptureLog:
@@ -91,7 +92,9 @@ def _engine(target, drafter=None, hybrid=False, dtype="bfloat16", flat=False, **
     if flat:  # vLLM's own flat DFlash: the control for what speculation alone changes in bf16
         kw["speculative_config"] = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": DRAFT_LEN}
     elif drafter is not None:
-        switch = config.vllm_kwargs(drafter, budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
+        auto = {"auto_budget": AUTO_MENU, "probe_interval": 4} if AUTO_MENU else {}
+        switch = config.vllm_kwargs(drafter, budget="auto" if AUTO_MENU else BUDGET, top_k=TOP_K,
+                                    num_speculative_tokens=DRAFT_LEN, **auto)
         kw["speculative_config"] = switch["speculative_config"]
         extra.update(switch["additional_config"])
     if extra:
@@ -234,6 +237,7 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
 
 def main(argv=None) -> int:
     global BUDGET, TOP_K, DRAFT_LEN, CUDAGRAPH_MODE, SSM_CACHE_DTYPE, SKIP_FLAT, QUANT_KW, NUM_PROMPTS, CONTROL_BACKEND
+    global AUTO_MENU
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--kinds", default="qwen3,qwen3_next_dense", help="kind[:dtype],...")
@@ -247,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quantization", default=None, help="vLLM's quantization for every engine (fp8: FP8 weights)")
     ap.add_argument("--kv-cache-dtype", default=None, help="vLLM's kv_cache_dtype for every engine (fp8)")
     ap.add_argument("--prompts", type=int, default=NUM_PROMPTS, help="prompts per engine")
+    ap.add_argument("--auto-budget", default="", help="DDTree with budget \"auto\" over this menu of tree "
+                    "buckets (e.g. 4,8,16; its largest sizes vLLM's slots) instead of --budget")
     ap.add_argument("--control-backend", default=None, help="a no-speculation control engine on this attention "
                     "backend (TRITON_ATTN): the noise floor of another attention kernel (module docstring)")
     args = ap.parse_args(argv)
@@ -254,6 +260,7 @@ def main(argv=None) -> int:
     BUDGET, TOP_K, DRAFT_LEN, CUDAGRAPH_MODE = args.budget, args.top_k, args.draft_len, args.cudagraph_mode
     SSM_CACHE_DTYPE, SKIP_FLAT = args.ssm_cache_dtype, args.skip_flat
     NUM_PROMPTS, CONTROL_BACKEND = args.prompts, args.control_backend
+    AUTO_MENU = [int(b) for b in args.auto_budget.split(",") if b]
     import torch
     import vllm
 
@@ -263,6 +270,7 @@ def main(argv=None) -> int:
     result = {"command": " ".join(sys.argv), "vllm": vllm.__version__, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "budget": BUDGET, "top_k": TOP_K, "draft_len": DRAFT_LEN, "max_tokens": MAX_TOKENS, "prompts": NUM_PROMPTS,
+              "auto_budget": AUTO_MENU or None,
               "cudagraph_mode": CUDAGRAPH_MODE, "mamba_ssm_cache_dtype": SSM_CACHE_DTYPE, **QUANT_KW, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.kinds.split(","):

@@ -37,6 +37,23 @@ def test_settings_name_the_field_and_the_allowed_values():
     assert "--additional-config" in config.cli_args("/d", "auto", auto_budget=24)
 
 
+def test_a_budget_menu_names_the_field_and_sizes_vllms_slots_by_its_largest():
+    cfg = config.parse({"ddtree": {"budget": "auto", "auto_budget": [16, 4, 8], "top_k": 4}})
+    assert cfg.auto_budget == (4, 8, 16) and cfg.tree_budget == 16
+    assert cfg.budget_menu(L) == (4, 8, 16)
+    assert config.parse({"ddtree": json.loads(json.dumps(cfg.to_dict()))}) == cfg  # JSON round trip
+    assert config.parse({"ddtree": {"budget": "auto", "auto_budget": [12]}}).auto_budget == 12
+    # effective budgets: a top_k 2, L 2 tree holds 6 nodes, so 8 and 16 are one bucket of 6
+    assert config.parse({"ddtree": {"budget": "auto", "auto_budget": [3, 8, 16], "top_k": 2}}).budget_menu(2) == (3, 6)
+    for bad, msg in (([], r"non-empty list of distinct ints"), ([4, 4], r"non-empty list of distinct ints"),
+                     ([4, 0], r"\['auto_budget'\] must be in \[1, 1024\], got 0"),
+                     ([4, "8"], r"\['auto_budget'\] must be an int")):
+        with pytest.raises(ValueError, match=msg):
+            config.parse({"ddtree": {"budget": "auto", "auto_budget": bad}})
+    kw = config.vllm_kwargs("/d", "auto", top_k=4, num_speculative_tokens=7, auto_budget=[8, 24])
+    assert kw["speculative_config"]["num_speculative_tokens"] == 24
+
+
 # -- the policy (host logic over a real DDTreeMetrics on the CPU) ---------------------------------
 def _round(m, accepted, off):
     """One tree step of DDTreeMetrics: rows accepting `accepted` nodes, `off` of them off the chain."""
@@ -134,8 +151,49 @@ def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
     while p.tokens[ab.TREE] is None:
         p.choose(16)
     assert _rates(p, 16)[ab.CHAIN] > _rates(p, 16)[ab.TREE]  # 6/26 ms > 6.5/34 ms
-    p._since_tree = 0  # (no probe due)
+    p._since[ab.TREE] = 0  # (no probe due)
     assert p._decide(16) == ab.CHAIN
+
+
+def test_a_menu_learns_every_buckets_acceptance_from_the_largest_trees_and_picks_the_best_rate():
+    """Menu 4 / 8 / 16: the largest tree is measured first (its walks say what the smaller buckets
+    would have accepted), then every other kind's cost; then the best tokens per second wins, the
+    largest tree is probed for acceptance and every other loser for its cost."""
+    m = metrics.DDTreeMetrics(L, torch.device("cpu"))
+    p = ab.AutoBudget(m, 16, L, 4, menu=(4, 8, 16))
+    t4, t8 = ab.tree_kind(4, 16), ab.tree_kind(8, 16)
+    assert p.kinds == [ab.TREE, t8, t4, ab.CHAIN] and p.budget_of(t4) == 4 and p.budget_of(ab.TREE) == 16
+    assert p.choose(1) == ab.TREE
+    for i in range(2):
+        _step(p, ab.TREE, 1, float(i), 0.018)  # 20 ms
+    # two rows: 6 and 2 nodes accepted (1 and 0 off the chain); within 4 / 8 nodes: 2+1 / 4+2
+    m.record_round(torch.ones(2, dtype=torch.bool), torch.full((2,), 16), torch.tensor([6, 2]), torch.tensor([1, 0]),
+                   torch.zeros(2, dtype=torch.bool), within=torch.tensor([[2, 1], [4, 2]]))
+    m.record_round(torch.ones(2, dtype=torch.bool), torch.full((2,), 4), torch.tensor([3, 3]), torch.tensor([0, 0]),
+                   torch.zeros(2, dtype=torch.bool), largest=False)  # a smaller bucket's step: no acceptance input
+    kinds = []
+    while p.tokens[ab.TREE] is None and len(kinds) < 16:
+        kinds.append(p.choose(1))
+    assert p.tokens == {ab.TREE: 5.0, t8: 4.0, t4: 2.5, ab.CHAIN: 4.5}
+    assert kinds[-1] == ab.CHAIN  # then the costs it lacks: the chain's, the smaller buckets'
+    for kind, verify_s in ((ab.CHAIN, 0.008), (t8, 0.006), (t4, 0.004)):
+        for i in range(2):
+            _step(p, kind, 1, 10.0 + i, verify_s)
+        assert kind == ab.CHAIN or p.choose(1) != kind
+    # tokens per ms: tree 5/20, tree:8 4/8, tree:4 2.5/6, chain 4.5/10 -> tree:8 wins
+    picks = [p.choose(1) for _ in range(12)]
+    assert picks.count(t8) == 9 and picks.count(ab.TREE) == 3 and p.probes == 3, picks
+    picks = [p.choose(1) for _ in range(4 * ab._CHAIN_PROBE_FACTOR)]
+    assert picks.count(ab.CHAIN) == 1 and picks.count(t4) == 1 and p.budget_probes == 1, picks
+    snap = p.snapshot()
+    assert snap["menu"] == [4, 8, 16] and snap["decisions"][t8] > 0 and f"{t4}@1" in snap["step_ms"]
+
+
+def test_a_hybrid_serves_the_largest_bucket_and_says_why():
+    assert ab.serveable_menu((4, 8, 16), hybrid=False) == ((4, 8, 16), None)
+    menu, why = ab.serveable_menu((4, 8, 16), hybrid=True)
+    assert menu == (16,) and "4/8/16" in why and "hybrid" in why
+    assert ab.serveable_menu((16,), hybrid=True) == ((16,), None)
 
 
 def test_buckets_priors_and_what_is_not_timed():
@@ -178,8 +236,8 @@ def _auto_run(tiny, builds=None, **auto):
     `builds` (a list) collects one entry per tree the round built."""
     from ddtree_compile.integration.round import build_stage
 
-    llm = tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L,
-                                           auto_budget=BUDGET, **auto))
+    auto.setdefault("auto_budget", BUDGET)
+    llm = tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L, **auto))
     build = build_stage.build_tree
     if builds is not None:
         build_stage.build_tree = lambda *a, **k: builds.append(1) or build(*a, **k)
@@ -217,7 +275,7 @@ def test_auto_is_lossless_and_runs_both_kinds_of_steps(tiny):
     assert tok["tree"] >= tok["chain"] > 1.0, tok  # the oracle's misses at rank >= 1: the tree gains
     assert a["step_ms"]["tree@4"] < 1e3, a["step_ms"]  # measured: no longer the table's 10 s
     rates = _rates(policy, 4)
-    policy._since_tree = 0  # (no probe due)
+    policy._since[ab.TREE] = 0  # (no probe due)
     assert policy._decide(4) == (ab.TREE if rates[ab.TREE] >= rates[ab.CHAIN] else ab.CHAIN), (rates, a)
     print(f"\nauto (chain cheap): {metrics.format_line(c)}; {a['decisions']}, tokens/round {tok}")
 
@@ -232,9 +290,26 @@ def test_auto_without_a_table_measures_both_kinds_and_follows_the_rates(tiny):
     assert c["tree_steps"] > 0 and c["auto_chain_steps"] > 0, metrics.format_line(c)
     rates = _rates(policy, 4)
     best = ab.TREE if rates[ab.TREE] >= rates[ab.CHAIN] else ab.CHAIN
-    policy._since_tree = 0  # (no probe due)
+    policy._since[ab.TREE] = 0  # (no probe due)
     assert policy._decide(4) == best, (rates, a)
     print(f"\nauto (online costs): {a['step_ms']}, tokens/round {a['tokens_per_round']}, {a['decisions']}")
+
+
+def test_auto_over_a_menu_runs_every_bucket_and_is_lossless(tiny):
+    """Menu 3 / 8 / 16 nodes and the chain in one engine: each kind's cost is measured at the batch
+    of 4, so every bucket verifies steps (a smaller bucket verifies the prefix of the one tree built
+    per step); outputs equal no speculation token for token."""
+    builds = []
+    out, c, policy = _auto_run(tiny, builds, auto_budget=[3, 8, BUDGET], probe_interval=4)
+    assert out == tiny["ref"]
+    a = c["auto"]
+    assert a["menu"] == [3, 8, BUDGET] and policy.kinds == [ab.TREE, "tree:8", "tree:3", ab.CHAIN]
+    assert set(c["budget_steps"]) == {3, 8, BUDGET} and all(n > 0 for n in c["budget_steps"].values()), c
+    assert c["auto_chain_steps"] > 0 and c["fallback_total"] == 0 and c["chain_steps"] == 0, metrics.format_line(c)
+    assert len(builds) == sum(n for k, n in a["decisions"].items() if k != ab.CHAIN), (len(builds), a["decisions"])
+    tok = a["tokens_per_round"]
+    assert tok[ab.TREE] >= tok["tree:8"] >= tok["tree:3"] > 1.0, tok  # nested trees accept nested paths
+    print(f"\nauto menu: {c['budget_steps']}, {a['decisions']}, tokens/round {tok}")
 
 
 def test_auto_reads_the_precompile_table_at_its_default_path(tiny, tmp_path, monkeypatch):

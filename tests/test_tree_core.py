@@ -381,3 +381,37 @@ def test_block_boundary_depth_rejects_a_bad_block_size():
     for bad in (0, -16, 1.5, True):
         with pytest.raises(ValueError, match="block_size must be an int >= 1"):
             block_boundary_depth(torch.tensor([3]), torch.tensor([2], dtype=torch.int32), bad)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_trees_prefix_is_the_smaller_budgets_tree_and_its_walk(seed):
+    """budget "auto"'s menu builds once: the first b nodes of the B-node tree are the b-node tree
+    (TreeBatch.prefix), and what the walk of the B-node tree says a b-node tree would have accepted
+    (walk_stage._accepted_within) is what walking the b-node tree accepts."""
+    from ddtree_compile.integration.round.walk_stage import _accepted_within
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(5, 6, 40, generator=g) * 2.5
+    B = 30
+    big = dd.build_tree(logits, dd.TreeSpec(budget=B, top_k=4))
+    # target tokens that mostly follow some child (deep, branching paths), sometimes none
+    target = torch.randint(0, 40, (5, B + 1), generator=g)
+    for r in range(5):
+        for i in range(B + 1):
+            kids = (big.parents[r] == i).nonzero().flatten()
+            if len(kids) and torch.rand((), generator=g) < 0.85:
+                target[r, i] = big.tokens[r, kids[torch.randint(len(kids), (), generator=g)]]
+    walk = dd.walk_tree(big, target)
+    budgets = (1, 3, 8, 17, 29)
+    within = _accepted_within(walk.accepted, budgets)
+    assert within.shape == (len(budgets), 5)
+    for k, b in enumerate(budgets):
+        small = dd.build_tree(logits, dd.TreeSpec(budget=b, top_k=4))
+        pre = big.prefix(b)
+        for f in ("tokens", "parents", "depths", "scores", "num_nodes", "ancestor_bits"):
+            assert torch.equal(getattr(pre, f), getattr(small, f)), (b, f)
+        assert pre.max_depth == min(big.max_depth, b)
+        got = dd.walk_tree(pre, target[:, : b + 1]).num_accepted - 1
+        assert torch.equal(within[k], got), (b, within[k], got)
+    assert torch.equal(_accepted_within(walk.accepted, (B,))[0], walk.num_accepted - 1)
+    assert (walk.num_accepted > 2).any()  # the paths do go deep

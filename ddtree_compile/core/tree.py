@@ -107,6 +107,16 @@ class TreeBatch:
             start = start.to(self.depths.device).view(-1, 1)
         return self.depths + start
 
+    def prefix(self, budget: int) -> "TreeBatch":
+        """Each tree's first `budget` nodes, as a batch of budget + 1 slots. A best-first tree's first
+        b nodes are the best-first tree of budget b (core/build.py), parents before children: one
+        build serves every smaller bucket."""
+        n = budget + 1
+        return TreeBatch(self.tokens[:, :n].contiguous(), self.parents[:, :n].contiguous(),
+                         self.depths[:, :n].contiguous(), self.scores[:, :n].contiguous(),
+                         self.num_nodes.clamp(max=budget), self.ancestor_bits[:, :n, :num_mask_words(n)].contiguous(),
+                         max_depth=min(self.max_depth, budget))
+
     def with_root(self, root_tokens: torch.Tensor) -> "TreeBatch":
         """Write the last committed token of each request into slot 0 (in place)."""
         self.tokens[:, 0] = root_tokens.to(self.tokens.dtype)

@@ -6,9 +6,9 @@ DDTree rides on vLLM's DFlash path. The switch is two pieces of vLLM's own confi
     additional_config  = {"ddtree": {"budget": B, "top_k": 8, "temperature": 1.0,
                                      "chain_seed": True, "draft_len": L}}
 
-`"budget": "auto"` lets the engine choose per step between its tree bucket (`auto_budget` nodes)
-and the drafter's plain chain (flat DFlash's L drafts), from the precompile cost table and the
-acceptance DDTree measures (round/auto_budget.py).
+`"budget": "auto"` lets the engine choose per step between its tree buckets (`auto_budget`: a node
+count, or a menu of them, e.g. [8, 16, 32]) and the drafter's plain chain (flat DFlash's L drafts),
+from the precompile cost table and the acceptance DDTree measures (round/auto_budget.py).
 
 `additional_config` is hashed into vLLM's config and compile-cache keys and reaches every process.
 L is the drafter's block (the flat DFlash chain length: the drafter proposes L positions per round);
@@ -59,7 +59,8 @@ class DDTreeConfig:
                   commit; state memory independent of the budget) or "snapshots" (every node's
                   state in vLLM's per-draft state slots; no replay at commit)
     log_interval  tree rounds between DDTree log lines (0: no periodic log line)
-    auto_budget   budget "auto" only: the tree bucket (nodes) the engine verifies when the tree wins
+    auto_budget   budget "auto" only: the tree bucket (nodes) the engine verifies when the tree wins,
+                  or a list of them (the menu; the largest sizes vLLM's draft slots)
     probe_interval budget "auto" only: while the chain wins, every this-many-th step verifies the
                   tree anyway, so the tree's acceptance keeps being measured
     cost_table    budget "auto" only: the precompile cost table (JSON); None: the default path
@@ -73,14 +74,13 @@ class DDTreeConfig:
     draft_len: int | None = None
     gdn_state: str = "replay"
     log_interval: int = 100
-    auto_budget: int | None = None
+    auto_budget: int | tuple | None = None
     probe_interval: int | None = None
     cost_table: str | None = None
 
     def __post_init__(self) -> None:
         if self.budget == AUTO:
-            object.__setattr__(self, "auto_budget", _int("auto_budget", 32 if self.auto_budget is None
-                                                         else self.auto_budget, 1, MAX_BUDGET))
+            object.__setattr__(self, "auto_budget", _menu(32 if self.auto_budget is None else self.auto_budget))
             object.__setattr__(self, "probe_interval", _int("probe_interval", 16 if self.probe_interval is None
                                                             else self.probe_interval, 1))
             if self.cost_table is not None and not isinstance(self.cost_table, str):
@@ -110,8 +110,15 @@ class DDTreeConfig:
 
     @property
     def tree_budget(self) -> int:
-        """The tree's node count: the budget, or with "auto" the tree bucket it chooses besides the chain."""
-        return self.auto_budget if self.auto else self.budget
+        """The tree's node count: the budget, or with "auto" the largest tree bucket of its menu."""
+        if not self.auto:
+            return self.budget
+        return max(self.auto_budget) if isinstance(self.auto_budget, tuple) else self.auto_budget
+
+    def budget_menu(self, draft_len: int) -> tuple[int, ...]:
+        """The tree buckets one step may verify, ascending (effective budgets: a tree holds no padding)."""
+        menu = self.auto_budget if self.auto and isinstance(self.auto_budget, tuple) else (self.tree_budget,)
+        return tuple(sorted({effective_budget(b, self.top_k, draft_len) for b in menu}))
 
     def tree_spec(self, draft_len: int) -> TreeSpec:
         return TreeSpec(budget=effective_budget(self.tree_budget, self.top_k, draft_len), top_k=self.top_k,
@@ -119,6 +126,16 @@ class DDTreeConfig:
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _menu(value) -> int | tuple:
+    """auto_budget: one node count, or a non-empty list of distinct ones (kept as a sorted tuple)."""
+    if isinstance(value, (list, tuple)):
+        if not value or len(set(value)) != len(value):
+            _fail("auto_budget", f"must be an int or a non-empty list of distinct ints, got {list(value)!r}")
+        menu = tuple(sorted(_int("auto_budget", b, 1, MAX_BUDGET) for b in value))
+        return menu[0] if len(menu) == 1 else menu
+    return _int("auto_budget", value, 1, MAX_BUDGET)
 
 
 def effective_budget(budget: int, top_k: int, draft_len: int) -> int:

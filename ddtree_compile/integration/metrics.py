@@ -74,6 +74,10 @@ class DDTreeMetrics:
         self.log_interval = log_interval
         self._acc = torch.zeros(len(_COLS), dtype=torch.int64, device=device)
         self._hist = torch.zeros(max_depth + 1, dtype=torch.int64, device=device)  # accept depth histogram
+        # budget "auto"'s inputs: tree rows, accepted, off-chain of the largest bucket's steps, then
+        # per smaller bucket of the menu what it would have accepted (set_menu)
+        self._largest = torch.zeros(3, dtype=torch.int64, device=device)
+        self.budget_steps: collections.Counter = collections.Counter()  # tree bucket (nodes) -> tree steps
         self.tree_steps = 0  # steps verified as trees
         self.chain_steps = 0  # steps with drafts verified as a plain chain (whole-step fallback)
         self.auto_chain_steps = 0  # budget "auto": steps it chose to verify as the drafter's chain
@@ -88,10 +92,17 @@ class DDTreeMetrics:
             _REGISTRY.append(self)
 
     # -- recording (device, no sync) ---------------------------------------------------------
+    def set_menu(self, smaller: int) -> None:
+        """Budget "auto" with `smaller` buckets below the largest: acceptance_totals grows by them."""
+        self._largest = torch.zeros(3 + smaller, dtype=torch.int64, device=self._largest.device)
+
     def record_round(self, tree_rows: torch.Tensor, nodes: torch.Tensor, accepted: torch.Tensor,
-                     off_chain: torch.Tensor, full: torch.Tensor) -> None:
+                     off_chain: torch.Tensor, full: torch.Tensor, within: torch.Tensor | None = None,
+                     largest: bool = True) -> None:
         """One tree step. All args [R] on the device: bool tree row; live nodes; accepted path length
-        (excluding the root); accepted nodes off the drafter's top-1 chain; accepted the whole draft."""
+        (excluding the root); accepted nodes off the drafter's top-1 chain; accepted the whole draft.
+        largest: the step verified the largest bucket; within [smaller buckets, R]: what each smaller
+        bucket of the menu would have accepted (walk_stage)."""
         t = tree_rows.to(torch.int64)
         acc = accepted.to(torch.int64) * t
         row = torch.stack([t.sum(), (nodes.to(torch.int64) * t).sum(), acc.sum(),
@@ -99,10 +110,14 @@ class DDTreeMetrics:
                            (full & tree_rows).sum(), ((accepted == 0) & tree_rows).sum()])
         self._acc += row
         self._hist.scatter_add_(0, acc.clamp(max=self.max_depth), t)
+        if largest:
+            parts = [row[_ACCEPTANCE]] + ([] if within is None else [(within * t).sum(-1)])
+            self._largest += torch.cat(parts)
 
     def acceptance_totals(self) -> torch.Tensor:
-        """Device [3] int64: tree rows, accepted nodes, accepted nodes off the drafter's top-1 chain."""
-        return self._acc[_ACCEPTANCE]
+        """Device [3 + smaller buckets] int64 over the largest bucket's steps: tree rows, accepted
+        nodes, accepted nodes off the drafter's top-1 chain, then per smaller bucket its accepted nodes."""
+        return self._largest
 
     def fallback(self, reason: str, requests: int = 0) -> None:
         if requests:
@@ -125,6 +140,7 @@ class DDTreeMetrics:
             "max_accept_depth": max((d for d, c in enumerate(hist) if c), default=0),
             "accept_depth_histogram": hist,
             "tree_steps": self.tree_steps,
+            "budget_steps": {int(b): n for b, n in sorted(self.budget_steps.items())},
             "chain_steps": self.chain_steps,
             "auto_chain_steps": self.auto_chain_steps,
             "auto": self.auto.snapshot() if self.auto is not None else None,

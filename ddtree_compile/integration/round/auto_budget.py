@@ -1,12 +1,17 @@
-"""budget "auto": per step, verify the tree (the engine's bucket of B nodes) or the drafter's plain
-chain (flat DFlash's L drafts, through vLLM's own chain verify), whichever is expected to commit
-more tokens per second at this batch size.
+"""budget "auto": per step, verify a tree bucket of the menu (`auto_budget`: B nodes, or a list of
+budgets b_1 < .. < B) or the drafter's plain chain (flat DFlash's L drafts, through vLLM's own chain
+verify), whichever is expected to commit more tokens per second at this batch size.
 
-    choose(R) = tree  iff  E_tree / cost_tree(R)  >=  E_chain / cost_chain(R)
+    choose(R) = the kind k (a bucket or the chain) with the largest E_k / cost_k(R); ties: the largest tree
 
-- E (tokens committed per request-round) comes from DDTree's own counters: a tree commits
-  1 + its accepted nodes; the chain would have committed 1 + the accepted nodes that lie on the
-  drafter's top-1 chain. The chain is in every tree (chain_seed) and the walk leaves it only where
+Kinds: TREE is the largest bucket B, "tree:b" a smaller one (its tree is the first b nodes of the
+B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
+
+- E (tokens committed per request-round) comes from DDTree's own counters over the steps that
+  verified the largest bucket: a tree commits 1 + its accepted nodes; a smaller bucket would have
+  committed 1 + the path's accepted nodes inside its first b slots (a b-node best-first tree is a
+  prefix of the B-node tree and the walk is greedy along it: walk_stage._accepted_within); the
+  chain would have committed 1 + the accepted nodes that lie on the drafter's top-1 chain. The chain is in every tree (chain_seed) and the walk leaves it only where
   the target disagrees with it, so under greedy verification that is exactly what flat DFlash
   would have accepted from the same drafts (with sampling, an estimate). The counters live on the
   device; every few decisions they are copied (non-blocking, pinned) and read once
@@ -23,17 +28,17 @@ more tokens per second at this batch size.
   an idle engine between requests) only ever adds time: with a median, a few stalls among few
   samples would hold a kind's cost up for many steps.
 - A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried;
-  while the chain wins, every `probe_interval`-th step verifies the tree anyway so its acceptance
-  keeps being measured (a drafter can get better); while the tree wins, every
-  `probe_interval * _CHAIN_PROBE_FACTOR`-th step verifies the chain, so a chain cost whose every
-  sample was a stall is measured again (a kind that loses is never timed again without a probe).
-  Rarer than tree probes: the chain has no acceptance to learn, and on hybrids its step is the
-  slower one.
+  while another kind wins, every `probe_interval`-th step verifies the largest tree anyway so every
+  kind's acceptance keeps being measured (a drafter can get better); every other losing kind gets a
+  step every `probe_interval * _CHAIN_PROBE_FACTOR`-th step, so a cost whose every sample was a
+  stall is measured again (a kind that loses is never timed again without a probe). Rarer than the
+  largest tree's probes: those kinds have no acceptance to learn, and on hybrids the chain's step is
+  the slower one.
 
-Only two buckets: vLLM 0.26 captures FULL CUDA graphs for one uniform decode length (1 + K tokens
-per request) per engine, and K = B on hybrids, so the tree runs in those graphs and the chain
-runs as a non-uniform batch (PIECEWISE graphs). Intermediate budgets would need FULL graphs per
-(budget, batch) outside vLLM's dispatcher.
+On CUDA, vLLM 0.26 captures FULL CUDA graphs for one uniform decode length (1 + K tokens per
+request, K = B) per engine: the largest bucket runs in those graphs, the chain and the smaller
+buckets as non-uniform batches (PIECEWISE graphs), which their measured costs then carry. FULL graphs
+per (bucket, batch) would need captures outside vLLM's dispatcher.
 """
 
 from __future__ import annotations
@@ -69,11 +74,16 @@ def bucket(R: int) -> int:
     return 1 << (max(R, 1).bit_length() - 1)
 
 
-def table_priors(table: dict, tree_budget: int, draft_len: int) -> dict:
-    """{(kind, bucket): seconds per step} from a precompile cost table (rows at the tree's budget
-    and at the chain's length L; a row's batch goes to its bucket, the larger batch wins a bucket)."""
+def tree_kind(budget: int, largest: int) -> str:
+    return TREE if budget == largest else f"{TREE}:{budget}"
+
+
+def table_priors(table: dict, tree_budget: int, draft_len: int, menu: tuple = ()) -> dict:
+    """{(kind, bucket): seconds per step} from a precompile cost table (rows at each tree bucket's
+    budget and at the chain's length L; a row's batch goes to its bucket, the larger batch wins a bucket)."""
     priors = {}
-    for kind, budget in ((TREE, tree_budget), (CHAIN, draft_len)):
+    kinds = [(tree_kind(b, tree_budget), b) for b in (menu or (tree_budget,))] + [(CHAIN, draft_len)]
+    for kind, budget in kinds:
         for row in sorted((r for r in table.get("buckets", []) if r.get("budget") == budget),
                           key=lambda r: r["batch"]):
             priors[(kind, bucket(int(row["batch"])))] = float(row["round_ms"]) / 1e3
@@ -84,18 +94,26 @@ class AutoBudget:
     """The per-step choice (module docstring). Host state only, besides the read-back buffer."""
 
     def __init__(self, metrics, tree_budget: int, draft_len: int, probe_interval: int, priors: dict | None = None,
-                 table_path: str | None = None):
+                 table_path: str | None = None, menu: tuple = ()):
         self.metrics = metrics
         self.B, self.L = tree_budget, draft_len
+        self.menu = tuple(menu or (tree_budget,))  # ascending, the last is B
+        if self.menu[-1] != tree_budget:
+            raise ValueError(f"budget menu {self.menu} must end at the tree budget {tree_budget}")
+        smaller = [tree_kind(b, tree_budget) for b in self.menu[:-1]]
+        # preference on equal rates: the largest tree, the smaller buckets (largest first), the chain
+        self.kinds = [TREE] + smaller[::-1] + [CHAIN]
+        metrics.set_menu(len(smaller))
         self.probe_interval = probe_interval
         self.costs: dict = dict(priors or {})  # (kind, bucket) -> seconds per step
         self._samples: dict = {}  # (kind, bucket) -> the last _WINDOW measured step times
         self.table_path = table_path
-        self.tokens = {TREE: None, CHAIN: None}  # committed tokens per request-round (EMA)
-        self.decisions = {TREE: 0, CHAIN: 0}
-        self.probes = 0  # tree steps taken while the chain won
-        self.chain_probes = 0  # chain steps taken while the tree won
-        self._since_tree = self._since_chain = 0
+        self.tokens = dict.fromkeys(self.kinds)  # committed tokens per request-round (EMA)
+        self.decisions = dict.fromkeys(self.kinds, 0)
+        self.probes = 0  # largest-tree steps taken while another kind won
+        self.chain_probes = 0  # chain steps taken while another kind won
+        self.budget_probes = 0  # smaller-bucket steps taken while another kind won
+        self._since = dict.fromkeys(self.kinds, 0)  # decisions since each kind was last chosen
         self._n = 0
         self.draft_s: float | None = None  # seconds per proposal (drafter + tree build), both kinds
         self._next: tuple | None = None  # (kind, R, its proposal's start) for the next step
@@ -109,25 +127,33 @@ class AutoBudget:
         self._poll()
         kind = self._decide(bucket(R))
         self.decisions[kind] += 1
-        self._since_tree = 0 if kind == TREE else self._since_tree + 1
-        self._since_chain = 0 if kind == CHAIN else self._since_chain + 1
+        for k in self.kinds:
+            self._since[k] = 0 if k == kind else self._since[k] + 1
         return kind
 
+    def budget_of(self, kind: str) -> int:
+        """The tree bucket (nodes) of a tree kind."""
+        return self.B if kind == TREE else int(kind.split(":")[1])
+
     def _decide(self, b: int) -> str:
-        ct, cc = self.costs.get((TREE, b)), self.costs.get((CHAIN, b))
-        if ct is None or self.tokens[TREE] is None:
-            return TREE  # the tree's cost and acceptance are measured first
-        if cc is None:
-            return CHAIN
-        if self.tokens[TREE] / ct >= self.tokens[CHAIN] / cc:
-            if self._since_chain + 1 >= self.probe_interval * _CHAIN_PROBE_FACTOR:
-                self.chain_probes += 1
-                return CHAIN
-            return TREE
-        if self._since_tree + 1 >= self.probe_interval:
+        if self.costs.get((TREE, b)) is None or self.tokens[TREE] is None:
+            return TREE  # the largest tree's cost and every kind's acceptance are measured first
+        for k in (CHAIN, *self.kinds[1:-1]):  # then every other kind's cost
+            if self.costs.get((k, b)) is None:
+                return k
+        rates = {k: self.tokens[k] / self.costs[(k, b)] for k in self.kinds}
+        best = max(self.kinds, key=lambda k: (rates[k], -self.kinds.index(k)))
+        if best != TREE and self._since[TREE] + 1 >= self.probe_interval:
             self.probes += 1
             return TREE
-        return CHAIN
+        for k in (CHAIN, *self.kinds[1:-1]):
+            if k not in (best, TREE) and self._since[k] + 1 >= self.probe_interval * _CHAIN_PROBE_FACTOR:
+                if k == CHAIN:
+                    self.chain_probes += 1
+                else:
+                    self.budget_probes += 1
+                return k
+        return best
 
     # -- costs: the host's step times --------------------------------------------------------------
     # A step of kind k costs one cycle: from the proposal that chose k (drafter forward and tree
@@ -170,7 +196,7 @@ class AutoBudget:
             self._readback = None
             self._update(host.tolist())
         if self._readback is None and (self._n % _READBACK == 0 or self.tokens[TREE] is None):
-            totals = self.metrics.acceptance_totals()  # device [3]: tree rows, accepted, accepted off-chain
+            totals = self.metrics.acceptance_totals()  # device: tree rows, accepted, off-chain, per smaller bucket
             pinned = totals.device.type == "cuda"
             host = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=pinned)
             host.copy_(totals, non_blocking=pinned)
@@ -181,36 +207,49 @@ class AutoBudget:
             self._readback = (host, event)
 
     def _update(self, totals: list) -> None:
-        prev, self._prev_totals = self._prev_totals or [0, 0, 0], totals
-        rows, acc, off = (a - b for a, b in zip(totals, prev))
+        prev, self._prev_totals = self._prev_totals or [0] * len(totals), totals
+        rows, acc, off, *within = (a - b for a, b in zip(totals, prev))
         if rows <= 0:
             return
-        for kind, tokens in ((TREE, 1 + acc / rows), (CHAIN, 1 + (acc - off) / rows)):
+        smaller = [(tree_kind(b, self.B), 1 + w / rows) for b, w in zip(self.menu, within)]
+        for kind, tokens in ((TREE, 1 + acc / rows), (CHAIN, 1 + (acc - off) / rows), *smaller):
             old = self.tokens[kind]
             self.tokens[kind] = tokens if old is None else old + _EMA * (tokens - old)
 
     def snapshot(self) -> dict:
-        return {"tree_budget": self.B, "chain_len": self.L, "decisions": dict(self.decisions), "probes": self.probes,
-                "chain_probes": self.chain_probes,
+        return {"tree_budget": self.B, "menu": list(self.menu), "chain_len": self.L, "decisions": dict(self.decisions),
+                "probes": self.probes, "chain_probes": self.chain_probes, "budget_probes": self.budget_probes,
                 "tokens_per_round": dict(self.tokens), "table": self.table_path,
                 "draft_ms": None if self.draft_s is None else 1e3 * self.draft_s,
                 "step_ms": {f"{k}@{b}": 1e3 * c for (k, b), c in sorted(self.costs.items())}}
 
 
-def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int) -> AutoBudget:
-    """The policy of a budget "auto" engine (settings: adapters.EngineSettings), with the cost table's
-    priors when one is found."""
+def serveable_menu(menu: tuple, hybrid: bool) -> tuple[tuple, str | None]:
+    """The buckets this engine's round serves, and why the others are refused (None: all served).
+    On hybrid targets a smaller bucket's verify has fewer slots than vLLM's conv and state lines
+    (sized for num_speculative_tokens = the largest bucket), which the tree conv and GDN templates
+    do not read yet (seen on the H100: the tree conv refused the lines' length)."""
+    if hybrid and len(menu) > 1:
+        return menu[-1:], (f"budget menu {'/'.join(map(str, menu))}: buckets below the largest on a hybrid "
+                           "target (the tree conv / GDN templates read state lines sized for the largest)")
+    return menu, None
+
+
+def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int, menu: tuple = ()) -> AutoBudget:
+    """The policy of a budget "auto" engine (settings: adapters.EngineSettings) over `menu` (default:
+    the configured one), with the cost table's priors when one is found."""
+    menu = menu or cfg.budget_menu(draft_len)
     path = cfg.cost_table or cost_table_path(settings.model, settings.draft_model, cfg.top_k, draft_len,
                                              settings.max_num_seqs)
     path = pathlib.Path(path)
     priors, found = {}, None
     if path.is_file():
         try:
-            priors, found = table_priors(json.loads(path.read_text()), tree_budget, draft_len), str(path)
+            priors, found = table_priors(json.loads(path.read_text()), tree_budget, draft_len, menu), str(path)
         except (ValueError, KeyError, TypeError) as e:
             logger.warning("DDTree auto budget: cost table %s unreadable (%s); measuring costs online", path, e)
     elif cfg.cost_table:
         raise ValueError(f"additional_config['ddtree']['cost_table'] = {cfg.cost_table!r}: no such file")
-    logger.info("DDTree auto budget: tree of %d nodes or chain of %d per step; cost table: %s", tree_budget,
-                draft_len, found or f"none at {path} (costs measured online)")
-    return AutoBudget(metrics, tree_budget, draft_len, cfg.probe_interval, priors, found)
+    logger.info("DDTree auto budget: a tree of %s nodes or the chain of %d per step; cost table: %s",
+                "/".join(map(str, menu)), draft_len, found or f"none at {path} (costs measured online)")
+    return AutoBudget(metrics, tree_budget, draft_len, cfg.probe_interval, priors, found, menu)

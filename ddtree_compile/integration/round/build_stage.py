@@ -1,5 +1,6 @@
 """Build: the drafter's L positions -> per-depth logits -> `build_tree` -> Pending; the scheduler
-gets the B node tokens as the request's drafts."""
+gets the node tokens of this step's bucket (B, or with budget "auto" the menu's choice: a prefix of
+the B-node tree) as the request's drafts."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ class BuildStage:
         return top1, None
 
     def propose(self, original_propose, **kw) -> tuple[torch.Tensor, Pending]:
-        """Run the drafter for L positions, build the trees; returns (drafts [R, B], Pending), or with
-        budget "auto" choosing the chain (drafts [R, L] = the drafter's top-1 chain, Pending)."""
+        """Run the drafter for L positions, build the trees; returns (drafts [R, b], Pending) for the
+        step's bucket of b nodes, or with budget "auto" choosing the chain (drafts [R, L] = the
+        drafter's top-1 chain, Pending)."""
         ctx = self.ctx
         t0 = time.perf_counter()
         R = kw["next_token_ids"].shape[0]
@@ -44,11 +46,14 @@ class BuildStage:
             self._done(kind, R, t0)
             return top1, Pending(req_ids, None, top1, chain, auto_chain=True)
         tree = build_tree(logits, ctx.spec).with_root(kw["next_token_ids"])
+        budget = ctx.B if ctx.auto is None else ctx.auto.budget_of(kind)
+        if budget < ctx.B:
+            tree = tree.prefix(budget)
         drafts = tree.tokens[:, 1:]
         if any(chain):
             rows = ctx.h2d([c is not None for c in chain], torch.bool)
             # Flat DFlash's chain first, then the tree's other nodes (verified causally: waste).
-            chained = torch.cat([top1, drafts], dim=1)[:, : ctx.B]
+            chained = torch.cat([top1, drafts], dim=1)[:, :budget]
             drafts = torch.where(rows.unsqueeze(1), chained, drafts)
             tree.tokens[:, 1:] = drafts
         self._done(kind, R, t0)

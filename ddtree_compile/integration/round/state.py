@@ -31,6 +31,7 @@ from ..engines import set_state, state_of
 from ..metrics import PROCESS_STARTUP_FALLBACKS, DDTreeMetrics, logger
 from ..tree_ops import kv_layout, redirect_ops_for_eager, release_eager_redirects
 from .auto_budget import from_config as auto_policy
+from .auto_budget import serveable_menu
 from .build_stage import BuildStage
 from .checks import UnsupportedEngine, check_engine, classify_layers, validate
 from .commit_stage import CommitStage
@@ -76,7 +77,13 @@ class DDTreeRound:
             PROCESS_STARTUP_FALLBACKS[reason] += 1
             logger.warning("DDTree: %s; verifying the tree of auto_budget=%d nodes every step.", reason, spec.budget)
         elif cfg.auto:
-            ctx.auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.settings, spec.budget, draft_len)
+            ctx.menu, reason = serveable_menu(ctx.menu, ctx.hybrid)
+            if reason is not None:
+                PROCESS_STARTUP_FALLBACKS[reason] += 1
+                logger.warning("DDTree: %s; budget \"auto\" chooses between the tree of %d nodes and the chain.",
+                               reason, spec.budget)
+            ctx.auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.settings, spec.budget, draft_len,
+                                                       ctx.menu)
         self.build, self.verify = BuildStage(ctx), VerifyStage(ctx)
         self.walk, self.commit = WalkStage(ctx), CommitStage(ctx)
         self.pending: Pending | None = None
@@ -101,7 +108,7 @@ class DDTreeRound:
 
             redirect_ops_for_eager(load_rules())
         logger.info("DDTree on: budget %d (requested %s), top_k %d, draft length %d, %s target, KV layout %s%s",
-                    ctx.B, "auto: " + str(cfg.tree_budget) + " or the chain" if cfg.auto else cfg.budget, cfg.top_k, ctx.L, "hybrid" if ctx.hybrid else "attention-only",
+                    ctx.B, f"auto: {'/'.join(map(str, ctx.menu))} or the chain" if cfg.auto else cfg.budget, cfg.top_k, ctx.L, "hybrid" if ctx.hybrid else "attention-only",
                     "/".join(self.metrics.kv_layouts), f", GDN state: {cfg.gdn_state}" if ctx.hybrid else "")
 
     # tests and tools reach the stages' switches through the round
@@ -162,6 +169,7 @@ class DDTreeRound:
         self.metrics.add_time("commit", time.perf_counter() - t0)
         if step.has_tree:  # (an all-chain Step is a counted whole-step fallback, see verify_stage)
             self.metrics.tree_steps += 1
+            self.metrics.budget_steps[step.N - 1] += 1
             self.metrics.maybe_log()
             for hook in self.round_hooks:
                 hook(self, step)

@@ -24,7 +24,8 @@ class Pending:
     """Trees proposed at the end of a step, verified by the next one."""
 
     req_ids: list[str]
-    tree: TreeBatch | None  # [R, N], slot 0 = the bonus token the drafter started from; None: auto_chain
+    tree: TreeBatch | None  # [R, n + 1] for this step's bucket of n nodes, slot 0 = the bonus token the
+    # drafter started from; None: auto_chain
     top1: torch.Tensor  # [R, L] the drafter's argmax per depth (flat DFlash's chain)
     chain: list[str | None]  # per row: fallback reason (verify as a chain) or None (tree)
     auto_chain: bool = False  # budget "auto" chose the chain: the drafts are top1, vLLM verifies them
@@ -67,8 +68,9 @@ class RoundContext:
         self.cfg = cfg
         self.spec = spec
         self.L = draft_len
-        self.B = spec.budget
+        self.B = spec.budget  # the largest tree bucket: vLLM's draft slots, the round's buffers
         self.N = self.B + 1
+        self.menu = cfg.budget_menu(draft_len)  # the tree buckets a step may verify (budget "auto")
         self.max_depth = max(self.L, self.B)
         self.device = view.device
         self.attn_layers = layers["attention"]

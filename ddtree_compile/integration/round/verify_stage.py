@@ -9,7 +9,7 @@ import time
 import torch
 
 from ... import adapters
-from ...core.tree import TreeBatch, ancestor_closure, pack_bits
+from ...core.tree import TreeBatch, ancestor_closure, num_mask_words, pack_bits
 from ..tree_context import GdnVerify, TreeVerifyMetadata, tree_verify
 from .checks import check_reached
 from .graphs import GraphBuckets
@@ -58,21 +58,24 @@ class VerifyStage:
         return step
 
     def _step_fallback(self, pending, drafts, num_scheduled_tokens) -> tuple[str | None, bool]:
-        """(why this step is verified as a plain chain or None, whether its batch is uniform: B+1 tokens each)."""
-        R = self.ctx.view.num_reqs()
-        req_ids = self.ctx.view.req_ids(R)
-        if len(drafts) != R or any(int(n) != self.ctx.N for n in num_scheduled_tokens[:R]):
+        """(why this step is verified as a plain chain or None, whether its batch is vLLM's uniform
+        decode batch: B+1 tokens each, which may replay a FULL graph)."""
+        ctx = self.ctx
+        R = ctx.view.num_reqs()
+        req_ids = ctx.view.req_ids(R)
+        N = ctx.N if pending is None or pending.tree is None else pending.tree.num_slots  # the step's bucket
+        if len(drafts) != R or any(int(n) != N for n in num_scheduled_tokens[:R]):
             return "mixed batch (prefill or partial drafts next to trees)", False
-        if any(len(drafts.get(r, ())) != self.ctx.B for r in req_ids):
+        if any(len(drafts.get(r, ())) != N - 1 for r in req_ids):
             return "drafts truncated by the scheduler", False
-        bypass = self.ctx.view.verify_bypasses_hooks()
+        bypass = ctx.view.verify_bypasses_hooks()
         if bypass is not None:
             return bypass, False
         if pending is None:
-            return "drafts not from a tree (drafter skipped)", True
+            return "drafts not from a tree (drafter skipped)", N == ctx.N
         if any(r not in pending.index for r in req_ids):
-            return "request without a tree (resumed)", True
-        return None, True
+            return "request without a tree (resumed)", N == ctx.N
+        return None, N == ctx.N
 
     def _chain_step(self) -> Step:
         """The scheduled drafts as chain-shaped trees, every row a chain row (vLLM's sampler walks it)."""
@@ -92,7 +95,7 @@ class VerifyStage:
 
     def _make_step(self, pending: Pending) -> Step:
         ctx = self.ctx
-        R, N = ctx.view.num_reqs(), ctx.N
+        R, N = ctx.view.num_reqs(), pending.tree.num_slots
         rows_host = [pending.index[q] for q in ctx.view.req_ids(R)]
         t = pending.tree
         if rows_host == list(range(len(pending.req_ids))):  # the usual step: same requests, same order
@@ -112,10 +115,11 @@ class VerifyStage:
         if any(chain_rows):
             cr = ~tree_rows
             parents, depths, bits = self._chain
+            parents, depths, bits = parents[:N], depths[:N], bits[:N, :num_mask_words(N)]
             tree.parents = torch.where(cr.unsqueeze(1), parents, tree.parents)
             tree.depths = torch.where(cr.unsqueeze(1), depths, tree.depths)
             tree.ancestor_bits = torch.where(cr.view(R, 1, 1), bits, tree.ancestor_bits)
-            tree.num_nodes = torch.where(cr, ctx.B, tree.num_nodes)
+            tree.num_nodes = torch.where(cr, N - 1, tree.num_nodes)
         flat = ctx.view.positions(R * N).view(R, N)
         start = flat[:, 0]
         positions = (start.unsqueeze(1) + tree.depths).to(flat.dtype).reshape(-1)
@@ -166,9 +170,9 @@ class VerifyStage:
             step.gdn_records = self.records(graph_rows)[1]
             return
         records = ctx.cfg.gdn_state == "replay" or self.debug_gdn_records
-        meta.gdn = self.gdn_verify(step.R, records)
+        meta.gdn = self.gdn_verify(step.R, records, step.N)
         if records:
-            step.gdn_records = self.records(step.R)[1]
+            step.gdn_records = self.records(step.R, step.N)[1]
 
     def close(self) -> None:
         """Free the workspace and every bucket's metadata (the engine shut down)."""
@@ -177,18 +181,20 @@ class VerifyStage:
         self.workspace = None
         release(self.ctx.view.runner)
 
-    def records(self, rows: int):
-        """Per-node k/v and g/beta buffers of the first `rows` requests: ({layer prefix: (rec_kv,
-        rec_gb)}, {group: stacked [layers, rows, N, ...]}), views of the engine's Workspace
+    def records(self, rows: int, N: int | None = None):
+        """Per-node k/v and g/beta buffers of the first `rows` requests' trees of N slots (default:
+        the largest bucket's): ({layer prefix: (rec_kv, rec_gb)}, {group: stacked [layers, rows, N, ...]}),
+        views of the engine's Workspace
         (workspace.py): every step's verify overwrites the rows it commits from and the commit of
         the same step reads them, so no step allocates and a CUDA graph's records sit at fixed
         addresses."""
-        if rows not in self._record_views:
-            self._record_views[rows] = self.workspace.records(rows)
-        return self._record_views[rows]
+        key = (rows, N or self.ctx.N)
+        if key not in self._record_views:
+            self._record_views[key] = self.workspace.records(*key)
+        return self._record_views[key]
 
-    def gdn_verify(self, rows: int, records: bool) -> GdnVerify:
+    def gdn_verify(self, rows: int, records: bool, N: int | None = None) -> GdnVerify:
         """The GDN addressing of a verify of `rows` requests: the workspace's depth stack (and its
         records when the commit replays, or a graph or a test reads them)."""
         return GdnVerify(write_snapshots=self.ctx.cfg.gdn_state == "snapshots", stack=self.workspace.stack[:rows],
-                         records=self.records(rows)[0] if records else {})
+                         records=self.records(rows, N)[0] if records else {})

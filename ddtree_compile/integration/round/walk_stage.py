@@ -25,7 +25,7 @@ class WalkStage:
             return self._sample_chain_step(original, metadata, draft_probs, logits, sampling_metadata)
         ctx = self.ctx
         t0 = time.perf_counter()
-        R, N, B = step.R, step.N, ctx.B
+        R, N = step.R, step.N
         chain_out = None
         if not step.has_tree:  # a whole-step fallback (FULL graphs): as _sample_chain_step would
             chain_out = self._sample_chain_step(original, metadata, draft_probs, logits.clone(), sampling_metadata)
@@ -40,12 +40,12 @@ class WalkStage:
             target = sample_target_tokens(logits3, temp[:R], seeds, step.positions.view(R, N) + 1)
         walk = walk_tree(step.tree, target, top1=step.top1)
         W = walk.accepted.shape[1]
-        tokens = _pad_cols(walk.tokens, B + 1)
+        tokens = _pad_cols(walk.tokens, N)
         accepted, num_acc, order = walk.accepted, walk.num_accepted, walk.order
         if chain_out is not None:
             cr = ~step.tree_rows
             c_tok = ctx.view.sampled_tokens(chain_out)[0]
-            tokens = torch.where(cr.unsqueeze(1), _pad_cols(c_tok.to(tokens.dtype), B + 1), tokens)
+            tokens = torch.where(cr.unsqueeze(1), _pad_cols(c_tok.to(tokens.dtype), N), tokens)
             c_num = (c_tok != -1).sum(1)  # accepted drafts + 1 = path length including the root
             idx = torch.arange(W, device=ctx.device).expand(R, W)
             c_path = torch.where(idx < c_num.unsqueeze(1), idx, -1)
@@ -108,10 +108,14 @@ class WalkStage:
         return ctx.view.replace_sampled(out, _pad_cols(walk.tokens, width), ctx.h2d(redo, torch.bool), k_t)
 
     def _record_metrics(self, step: Step) -> None:
-        walk = step.walk
+        ctx, walk = self.ctx, step.walk
         accepted = walk.num_accepted - 1
-        self.ctx.metrics.record_round(step.tree_rows, step.tree.num_nodes, accepted, walk.off_chain,
-                                      accepted >= min(self.ctx.L, self.ctx.B))
+        largest = step.N == ctx.N
+        within = None
+        if largest and len(ctx.menu) > 1:  # what each smaller bucket, a prefix of this tree, would have accepted
+            within = _accepted_within(walk.accepted, ctx.menu[:-1])
+        ctx.metrics.record_round(step.tree_rows, step.tree.num_nodes, accepted, walk.off_chain,
+                                 accepted >= min(ctx.L, step.N - 1), within=within, largest=largest)
 
 
 class TreeSampler:
@@ -127,6 +131,16 @@ class TreeSampler:
 
     def __getattr__(self, name):
         return getattr(self.original, name)
+
+
+def _accepted_within(path: torch.Tensor, budgets) -> torch.Tensor:
+    """[len(budgets), R]: accepted nodes of each request's path (slot indices [R, W], root first, -1
+    padded) within the tree's first b nodes, per budget b. Slots are in build order, parents first,
+    so the b-node tree is slots 0..b, and a walk of it (the same target tokens) stops where the path
+    first leaves them: exactly its accepted path under greedy verification."""
+    b = torch.tensor(budgets, device=path.device).view(-1, 1, 1)
+    inside = (path >= 0) & (path <= b)  # [M, R, W]
+    return inside.to(torch.int64).cumprod(-1).sum(-1) - 1
 
 
 def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
