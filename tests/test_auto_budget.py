@@ -280,36 +280,28 @@ def test_auto_is_lossless_and_runs_both_kinds_of_steps(tiny):
     print(f"\nauto (chain cheap): {metrics.format_line(c)}; {a['decisions']}, tokens/round {tok}")
 
 
-def test_auto_without_a_table_measures_both_kinds_and_follows_the_rates(tiny):
-    """No cost table (the default path is empty): both kinds are timed online at the batch of 4,
-    and the policy's choice there follows the measured rates (which kind wins depends on this CPU)."""
-    out, c, policy = _auto_run(tiny)
-    assert out == tiny["ref"]
-    a = c["auto"]
-    assert a["table"] is None and {"tree@4", "chain@4"} <= set(a["step_ms"]), a
-    assert c["tree_steps"] > 0 and c["auto_chain_steps"] > 0, metrics.format_line(c)
-    rates = _rates(policy, 4)
-    best = ab.TREE if rates[ab.TREE] >= rates[ab.CHAIN] else ab.CHAIN
-    policy._since[ab.TREE] = 0  # (no probe due)
-    assert policy._decide(4) == best, (rates, a)
-    print(f"\nauto (online costs): {a['step_ms']}, tokens/round {a['tokens_per_round']}, {a['decisions']}")
-
-
-def test_auto_over_a_menu_runs_every_bucket_and_is_lossless(tiny):
-    """Menu 3 / 8 / 16 nodes and the chain in one engine: each kind's cost is measured at the batch
-    of 4, so every bucket verifies steps (a smaller bucket verifies the prefix of the one tree built
-    per step); outputs equal no speculation token for token."""
+def test_auto_over_a_menu_without_a_table_runs_every_bucket_follows_the_rates_and_is_lossless(tiny):
+    """Menu 3 / 8 / 16 nodes and the chain in one engine, no cost table (the default path is empty):
+    every kind's cost is measured online at the batch of 4, so every bucket verifies steps (a smaller
+    bucket verifies the prefix of the one tree built per step), and the policy's choice there follows
+    the measured rates (which kind wins depends on this CPU). Outputs equal no speculation."""
     builds = []
     out, c, policy = _auto_run(tiny, builds, auto_budget=[3, 8, BUDGET], probe_interval=4)
     assert out == tiny["ref"]
     a = c["auto"]
-    assert a["menu"] == [3, 8, BUDGET] and policy.kinds == [ab.TREE, "tree:8", "tree:3", ab.CHAIN]
+    assert a["table"] is None and a["menu"] == [3, 8, BUDGET]
+    assert policy.kinds == [ab.TREE, "tree:8", "tree:3", ab.CHAIN]
+    assert {"tree@4", "tree:8@4", "tree:3@4", "chain@4"} <= set(a["step_ms"]), a
     assert set(c["budget_steps"]) == {3, 8, BUDGET} and all(n > 0 for n in c["budget_steps"].values()), c
     assert c["auto_chain_steps"] > 0 and c["fallback_total"] == 0 and c["chain_steps"] == 0, metrics.format_line(c)
     assert len(builds) == sum(n for k, n in a["decisions"].items() if k != ab.CHAIN), (len(builds), a["decisions"])
     tok = a["tokens_per_round"]
     assert tok[ab.TREE] >= tok["tree:8"] >= tok["tree:3"] > 1.0, tok  # nested trees accept nested paths
-    print(f"\nauto menu: {c['budget_steps']}, {a['decisions']}, tokens/round {tok}")
+    rates = {k: tok[k] / policy.costs[(k, 4)] for k in policy.kinds}
+    best = max(policy.kinds, key=lambda k: (rates[k], -policy.kinds.index(k)))
+    policy._since = dict.fromkeys(policy.kinds, 0)  # (no probe due)
+    assert policy._decide(4) == best, (rates, a)
+    print(f"\nauto menu (online costs): {c['budget_steps']}, {a['step_ms']}, tokens/round {tok}, {a['decisions']}")
 
 
 def test_auto_reads_the_precompile_table_at_its_default_path(tiny, tmp_path, monkeypatch):
