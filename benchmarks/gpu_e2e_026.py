@@ -221,7 +221,8 @@ def run_kind(spec: str, root: pathlib.Path) -> dict:
         tree_bad = {i for gs in (out["gates_random"], out["gates_harness"]) for i, g in enumerate(gs) if not g["ok"]}
         out["gates_beyond_flat"] = sorted(tree_bad - flat_bad)
         control_bad = [i for i, g in enumerate(out.get("gates_control_backend", [])) if not g["ok"]]
-        out["gate_misses"] = {"ddtree": len(tree_bad), "flat_dflash": len(flat_bad), "beyond_flat": len(tree_bad - flat_bad),
+        out["gate_misses"] = {"ddtree": len(tree_bad), "flat_dflash": len(flat_bad),
+                              "beyond_flat": len(tree_bad - flat_bad),
                               "control_backend": len(control_bad) if CONTROL_BACKEND else None}
         gates_ok = len(out["gates_beyond_flat"]) <= len(control_bad)
     # seeded sampling's batch independence and repeats: DDTree's own, unless flat DFlash (the control
@@ -269,7 +270,8 @@ def main(argv=None) -> int:
     plugin.register()
     result = {"command": " ".join(sys.argv), "vllm": vllm.__version__, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-              "budget": BUDGET, "top_k": TOP_K, "draft_len": DRAFT_LEN, "max_tokens": MAX_TOKENS, "prompts": NUM_PROMPTS,
+              "budget": BUDGET, "top_k": TOP_K, "draft_len": DRAFT_LEN, "max_tokens": MAX_TOKENS,
+              "prompts": NUM_PROMPTS,
               "auto_budget": AUTO_MENU or None,
               "cudagraph_mode": CUDAGRAPH_MODE, "mamba_ssm_cache_dtype": SSM_CACHE_DTYPE, **QUANT_KW, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,21 +2,22 @@
 
     python benchmarks/gpu_serve_026.py --out benchmarks/results/gpu_serve_026_case9_h100.json
 
-Three OpenAI servers on one GPU, started together: A = DDTree (`config.cli_args`) with
+Four OpenAI servers on one GPU, started together: A = DDTree (`config.cli_args`) with
 `--enable-prefix-caching` (vLLM's "align" GDN cache on a hybrid), B = no speculation with prefix
 caching (the gates' reference: the same block-aligned prefill chunks as A), C = no speculation without
 it (what the cache alone moves: `cache_alone_*`, and A against C: `gate_*_vs_uncached`), D = vLLM's
 own flat DFlash with prefix caching, gated against B (`flat_dflash_*`: the same drafter without the tree).
 Each server gets a fixed KV cache size (`--kv-cache-memory-bytes`): with gpu_memory_utilization, a
-server that profiles after another has allocated counts that memory as its own and finds no room. The target is a tiny multimodal Qwen3.5 hybrid (`Qwen3_5ForConditionalGeneration`: GatedDeltaNet +
+server that profiles after another has allocated counts that memory as its own and finds no room.
+The target is a tiny multimodal Qwen3.5 hybrid (`Qwen3_5ForConditionalGeneration`: GatedDeltaNet +
 full attention, M-RoPE) served text-only (`--language-model-only`) with the offline tokenizer and chat
 template; its DFlash drafter is all full attention, so vLLM serves it on its V1 runner (0.26's default
 for hybrids) with FULL_AND_PIECEWISE CUDA graphs. Per conversation: turn 1 (a long system
 prompt, > 4 align blocks), then turn 2 = turn 1 + A's answer + a new question. Checks from the
 servers' own /metrics: turn 2 reads most of its prompt from A's prefix cache, DDTree's tree steps run
-in both turns; both answers within the regret gate of B's (log-probs). Not token-for-token equality:
-align schedules prefills in block-aligned chunks, which moves bf16 near-ties by itself
-(gpu_v2_026_align_*.json: vLLM's flat DFlash with vs without prefix caching diverges too).
+in both turns; both answers within the regret gate of B's (log-probs); the JSON is written after
+each conversation. Gates, not token-for-token equality: bf16 near-ties move with the verify's shape
+(gpu_v2_026_align_*.json: vLLM's flat DFlash with vs without prefix caching diverged on V2).
 The OpenAI server needs modules the default GPU bundle lacks: docs/serve.md, "On the GPU".
 """
 
@@ -118,14 +119,14 @@ def main(argv=None) -> int:
         # the users' architecture (vLLM 0.26 builds no text-only Qwen3.5: its model class reads vision_config)
         target = models.write_tiny_vl_model(pathlib.Path(tmp) / "target", seed=3)
         drafter = models.write_tiny_dflash_drafter(target, pathlib.Path(tmp) / "dflash", seed=3)
-        plain = server.Server(target, ARGS + ["--no-enable-prefix-caching"] + _plain_args(), logs / "plain.log", env=ENV,
-                              name="plain")
+        plain = server.Server(target, ARGS + ["--no-enable-prefix-caching"] + _plain_args(), logs / "plain.log",
+                              env=ENV, name="plain")
         cached = server.Server(target, ARGS + ["--enable-prefix-caching"] + _plain_args(), logs / "cached.log", env=ENV,
                                name="cached")
         tree = server.Server(target, ARGS + ["--enable-prefix-caching"] + _ddtree_args(drafter), logs / "ddtree.log",
                              env=ENV, name="ddtree")
-        flat = server.Server(target, ARGS + ["--enable-prefix-caching"] + _flat_args(drafter), logs / "flat.log", env=ENV,
-                             name="flat")
+        flat = server.Server(target, ARGS + ["--enable-prefix-caching"] + _flat_args(drafter), logs / "flat.log",
+                             env=ENV, name="flat")
         servers = (cached, tree, plain, flat)
         t0 = time.perf_counter()
         try:

@@ -11,14 +11,15 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   verified the largest bucket: a tree commits 1 + its accepted nodes; a smaller bucket would have
   committed 1 + the path's accepted nodes inside its first b slots (a b-node best-first tree is a
   prefix of the B-node tree and the walk is greedy along it: walk_stage._accepted_within); the
-  chain would have committed 1 + the accepted nodes that lie on the drafter's top-1 chain. The chain is in every tree (chain_seed) and the walk leaves it only where
-  the target disagrees with it, so under greedy verification that is exactly what flat DFlash
-  would have accepted from the same drafts (with sampling, an estimate). The counters live on the
+  chain would have committed 1 + the accepted nodes that lie on the drafter's top-1 chain. The
+  chain is in every tree (chain_seed) and the walk leaves it only where the target disagrees with
+  it, so under greedy verification that is exactly what flat DFlash would have accepted from the
+  same drafts (with sampling, an estimate). The counters live on the
   device; every few decisions they are copied (non-blocking, pinned) and read once
   that copy's event has completed: no host sync on the hot path, the statistics lag a few steps.
 - cost(R) is the wall time of one engine step of that kind at batch bucket R (1, 2, 4, ...): the
-  precompile cost table gives the prior (cli/precompile.py: round_ms at budget B for the tree,
-  at budget L for the chain, when those budgets were precompiled), then, from _MIN_SAMPLES steps on,
+  precompile cost table gives the prior (cli/precompile.py: round_ms at each bucket's budget for
+  its tree, at budget L for the chain, when those budgets were precompiled), then, from _MIN_SAMPLES steps on,
   the lower quartile of the last steps this engine measured: a step's whole cycle on the host, from
   the proposal that chose its kind to the next proposal (its drafting, vLLM's output processing and
   scheduling, its verify). Not a window inside it: the tree's round is free of host syncs, so the

@@ -108,7 +108,8 @@ class DDTreeRound:
 
             redirect_ops_for_eager(load_rules())
         logger.info("DDTree on: budget %d (requested %s), top_k %d, draft length %d, %s target, KV layout %s%s",
-                    ctx.B, f"auto: {'/'.join(map(str, ctx.menu))} or the chain" if cfg.auto else cfg.budget, cfg.top_k, ctx.L, "hybrid" if ctx.hybrid else "attention-only",
+                    ctx.B, f"auto: {'/'.join(map(str, ctx.menu))} or the chain" if cfg.auto else cfg.budget,
+                    cfg.top_k, ctx.L, "hybrid" if ctx.hybrid else "attention-only",
                     "/".join(self.metrics.kv_layouts), f", GDN state: {cfg.gdn_state}" if ctx.hybrid else "")
 
     # tests and tools reach the stages' switches through the round
