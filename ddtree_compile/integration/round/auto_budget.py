@@ -101,6 +101,7 @@ class AutoBudget:
         self.menu = tuple(menu or (tree_budget,))  # ascending, the last is B
         if self.menu[-1] != tree_budget:
             raise ValueError(f"budget menu {self.menu} must end at the tree budget {tree_budget}")
+        self._budgets = {tree_kind(b, tree_budget): b for b in self.menu}
         smaller = [tree_kind(b, tree_budget) for b in self.menu[:-1]]
         # preference on equal rates: the largest tree, the smaller buckets (largest first), the chain
         self.kinds = [TREE] + smaller[::-1] + [CHAIN]
@@ -134,7 +135,7 @@ class AutoBudget:
 
     def budget_of(self, kind: str) -> int:
         """The tree bucket (nodes) of a tree kind."""
-        return self.B if kind == TREE else int(kind.split(":")[1])
+        return self._budgets[kind]
 
     def _decide(self, b: int) -> str:
         if self.costs.get((TREE, b)) is None or self.tokens[TREE] is None:

@@ -170,9 +170,9 @@ class VerifyStage:
             step.gdn_records = self.records(graph_rows)[1]
             return
         records = ctx.cfg.gdn_state == "replay" or self.debug_gdn_records
-        meta.gdn = self.gdn_verify(step.R, records, step.N)
+        meta.gdn = self.gdn_verify(step.R, records)
         if records:
-            step.gdn_records = self.records(step.R, step.N)[1]
+            step.gdn_records = self.records(step.R)[1]
 
     def close(self) -> None:
         """Free the workspace and every bucket's metadata (the engine shut down)."""
@@ -181,20 +181,18 @@ class VerifyStage:
         self.workspace = None
         release(self.ctx.view.runner)
 
-    def records(self, rows: int, N: int | None = None):
-        """Per-node k/v and g/beta buffers of the first `rows` requests' trees of N slots (default:
-        the largest bucket's): ({layer prefix: (rec_kv, rec_gb)}, {group: stacked [layers, rows, N, ...]}),
-        views of the engine's Workspace
+    def records(self, rows: int):
+        """Per-node k/v and g/beta buffers of the first `rows` requests: ({layer prefix: (rec_kv,
+        rec_gb)}, {group: stacked [layers, rows, N, ...]}), views of the engine's Workspace
         (workspace.py): every step's verify overwrites the rows it commits from and the commit of
         the same step reads them, so no step allocates and a CUDA graph's records sit at fixed
         addresses."""
-        key = (rows, N or self.ctx.N)
-        if key not in self._record_views:
-            self._record_views[key] = self.workspace.records(*key)
-        return self._record_views[key]
+        if rows not in self._record_views:
+            self._record_views[rows] = self.workspace.records(rows)
+        return self._record_views[rows]
 
-    def gdn_verify(self, rows: int, records: bool, N: int | None = None) -> GdnVerify:
+    def gdn_verify(self, rows: int, records: bool) -> GdnVerify:
         """The GDN addressing of a verify of `rows` requests: the workspace's depth stack (and its
         records when the commit replays, or a graph or a test reads them)."""
         return GdnVerify(write_snapshots=self.ctx.cfg.gdn_state == "snapshots", stack=self.workspace.stack[:rows],
-                         records=self.records(rows, N)[0] if records else {})
+                         records=self.records(rows)[0] if records else {})

@@ -18,6 +18,9 @@ class WalkStage:
 
     def __init__(self, ctx: RoundContext):
         self.ctx = ctx
+        # budget "auto"'s smaller buckets (ctx.menu is final once the stages exist), on the device once
+        smaller = ctx.menu[:-1]
+        self._smaller = torch.tensor(smaller, device=ctx.device).view(-1, 1, 1) if smaller else None
 
     def sample(self, step: Step | None, original, metadata, draft_probs, logits, sampling_metadata):
         """The sampled tokens of the step ([path tokens, bonus, -1...] per request); fills step.walk."""
@@ -112,8 +115,8 @@ class WalkStage:
         accepted = walk.num_accepted - 1
         largest = step.N == ctx.N
         within = None
-        if largest and len(ctx.menu) > 1:  # what each smaller bucket, a prefix of this tree, would have accepted
-            within = _accepted_within(walk.accepted, ctx.menu[:-1])
+        if largest and self._smaller is not None:  # what each smaller bucket, a prefix of this tree, would accept
+            within = _accepted_within(walk.accepted, self._smaller)
         ctx.metrics.record_round(step.tree_rows, step.tree.num_nodes, accepted, walk.off_chain,
                                  accepted >= min(ctx.L, step.N - 1), within=within, largest=largest)
 
@@ -133,13 +136,13 @@ class TreeSampler:
         return getattr(self.original, name)
 
 
-def _accepted_within(path: torch.Tensor, budgets) -> torch.Tensor:
-    """[len(budgets), R]: accepted nodes of each request's path (slot indices [R, W], root first, -1
-    padded) within the tree's first b nodes, per budget b. Slots are in build order, parents first,
-    so the b-node tree is slots 0..b, and a walk of it (the same target tokens) stops where the path
-    first leaves them: exactly its accepted path under greedy verification."""
-    b = torch.tensor(budgets, device=path.device).view(-1, 1, 1)
-    inside = (path >= 0) & (path <= b)  # [M, R, W]
+def _accepted_within(path: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+    """[M, R]: accepted nodes of each request's path (slot indices [R, W], root first, -1 padded)
+    within the tree's first b nodes, per budget b of `budgets` ([M, 1, 1] on the path's device).
+    Slots are in build order, parents first, so the b-node tree is slots 0..b, and a walk of it (the
+    same target tokens) stops where the path first leaves them: exactly its accepted path under
+    greedy verification."""
+    inside = (path >= 0) & (path <= budgets)  # [M, R, W]
     return inside.to(torch.int64).cumprod(-1).sum(-1) - 1
 
 

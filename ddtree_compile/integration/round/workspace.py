@@ -14,8 +14,7 @@ itself. The buffers:
                                                     attention layer and every batch size
 
 (R = max_num_seqs, N = B + 1; the GDN buffers on hybrid targets only.) One set per engine, sized
-for the largest batch and bucket: a batch of R' requests uses the first R' rows of the GDN buffers
-(a smaller bucket of n + 1 slots the start of each layer's records, read as [R, n + 1, ...]) and the
+for the largest batch: a batch of R' requests uses the first R' rows of the GDN buffers and the
 partials of its own bucket at fixed offsets of the scratch, so every CUDA graph reads the same
 addresses, and the graphs share them because vLLM never replays two at once. Allocated by an op
 inside a FULL graph's capture instead, a buffer would be held by the graph pool once per batch
@@ -117,7 +116,7 @@ class Workspace:
         A = adapters.current()
         self.reserved = release(ctx.view.runner)
         planned = shapes(ctx.view, {"attention": ctx.attn_layers, "gdn": ctx.gdn_layers}, ctx.N)
-        self.per_group, self.layer_index, self.stack = {}, {}, None  # layer prefix -> (group, index)
+        self.per_layer, self.per_group, self.stack = {}, {}, None
         if ctx.hybrid:
             p = A.gdn_params(ctx.layer(ctx.gdn_layers[0]))
             for gid, names in ctx.gdn_groups.items():
@@ -125,23 +124,13 @@ class Workspace:
                 rec_kv, rec_gb = (_empty(group[k], ctx.device) for k in ("rec_kv", "rec_gb"))
                 self.per_group[gid] = (rec_kv, rec_gb)
                 for i, n in enumerate(names):
-                    self.layer_index[A.gdn_params(ctx.layer(n)).prefix] = (gid, i)
+                    self.per_layer[A.gdn_params(ctx.layer(n)).prefix] = (rec_kv[i], rec_gb[i])
             self.stack = _empty(planned["stack"], ctx.device)
         self.attn_scratch = _empty(planned["attn_scratch"], ctx.device) if "attn_scratch" in planned else None
         tensors = [t for kv_gb in self.per_group.values() for t in kv_gb] + [self.stack, self.attn_scratch]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def records(self, rows: int, N: int):
-        """({layer prefix: (rec_kv, rec_gb)}, {group: stacked [layers, rows, N, ...]}) of the first rows'
-        trees of N slots: each layer's records as contiguous [R, N, ...] (what the templates index)."""
-        groups = {g: (_slots(kv, N), _slots(gb, N)) for g, (kv, gb) in self.per_group.items()}
-        return ({k: (groups[g][0][i, :rows], groups[g][1][i, :rows]) for k, (g, i) in self.layer_index.items()},
-                {g: (kv[:, :rows], gb[:, :rows]) for g, (kv, gb) in groups.items()})
-
-
-def _slots(buf: torch.Tensor, N: int) -> torch.Tensor:
-    """[layers, R, N_max, ...] -> [layers, R, N, ...]: per layer, the start of its storage."""
-    if buf.shape[2] == N:
-        return buf
-    layers, R, rest = buf.shape[0], buf.shape[1], buf.shape[3:]
-    return buf.view(layers, -1)[:, : R * N * math.prod(rest)].view(layers, R, N, *rest)  # a view: same storage
+    def records(self, rows: int):
+        """({layer prefix: (rec_kv, rec_gb)}, {group: stacked [layers, rows, N, ...]}) of the first rows."""
+        return ({k: (kv[:rows], gb[:rows]) for k, (kv, gb) in self.per_layer.items()},
+                {g: (kv[:, :rows], gb[:, :rows]) for g, (kv, gb) in self.per_group.items()})
