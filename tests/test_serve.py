@@ -33,20 +33,59 @@ def dirs(tmp_path_factory):
     return {"root": root, "target": target, "drafter": models.write_tiny_dflash_drafter(target, root / "dflash")}
 
 
-@pytest.fixture(scope="module")
-def plain(dirs):
-    srv = sc.start(dirs["target"], dirs["drafter"], False, dirs["root"])
-    yield srv
-    srv.stop()
+def _bad_server(dirs):
+    """A server whose DDTree block is malformed (top_k 0): it must fail at start-up naming the field."""
+    bad = sc.ddtree_args(dirs["drafter"])
+    i = bad.index("--additional-config") + 1
+    bad[i] = json.dumps({"ddtree": {**json.loads(bad[i])["ddtree"], "top_k": 0}})
+    return sc.server.Server(dirs["target"], [*sc.BASE_ARGS, *bad], dirs["root"] / "bad.log", env=sc.SERVER_ENV,
+                            name="bad")
 
 
 @pytest.fixture(scope="module")
-def ddtree(dirs, plain):  # after `plain`: one engine start at a time on 2 cores
-    # The test draft harness rides along (tests/serve_hooks): requests whose prompt a test registered
-    # get drafts from the reference continuation (deep accepts, siblings); all others keep the drafter.
-    srv = sc.start(dirs["target"], dirs["drafter"], True, dirs["root"], env=sc.harness_env(dirs["root"] / "ref.json"))
-    yield srv
-    srv.stop()
+def servers(dirs):
+    """The server pair and the malformed server of the last test, started side by side: a start is
+    three Python processes importing vLLM one after the other (API server, engine core, worker),
+    single-threaded, so starts overlap on 2 cores. The malformed one fails before its model loads; its
+    outcome waits for its test (the pair is up and serving by then)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bad = _bad_server(dirs)
+    # The test draft harness rides along on the DDTree server (tests/serve_hooks): requests whose prompt a
+    # test registered get drafts from the reference continuation (deep accepts, siblings); all others
+    # keep the drafter.
+    starts = {"plain": lambda: sc.start(dirs["target"], dirs["drafter"], False, dirs["root"]),
+              "ddtree": lambda: sc.start(dirs["target"], dirs["drafter"], True, dirs["root"],
+                                         env=sc.harness_env(dirs["root"] / "ref.json")),
+              "bad": lambda: bad.start(timeout=300)}
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = {name: pool.submit(start) for name, start in starts.items()}
+    started, errors = {}, []
+    for name in ("plain", "ddtree"):
+        try:
+            started[name] = futures[name].result()
+        except BaseException as e:  # noqa: BLE001 - stop what did start, then re-raise
+            errors.append(e)
+    started["bad"] = (bad, futures["bad"])
+    try:
+        if errors:
+            raise errors[0]
+        yield started
+    finally:
+        bad.stop()  # a no-op unless it started after all (its test fails then)
+        for srv in started.values():
+            if isinstance(srv, sc.server.Server):
+                srv.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(servers):
+    return servers["plain"]
+
+
+@pytest.fixture(scope="module")
+def ddtree(servers):
+    return servers["ddtree"]
 
 
 class Steps:
@@ -416,12 +455,9 @@ def test_prometheus_series_after_traffic(plain, ddtree):
     assert not any(n.startswith("vllm:ddtree_") for n, _ in sc.scrape(plain))
 
 
-def test_malformed_ddtree_block_fails_at_startup_naming_the_field(dirs, ddtree):
-    bad = sc.ddtree_args(dirs["drafter"])
-    i = bad.index("--additional-config") + 1
-    bad[i] = json.dumps({"ddtree": {**json.loads(bad[i])["ddtree"], "top_k": 0}})
-    srv = sc.server.Server(dirs["target"], [*sc.BASE_ARGS, *bad], dirs["root"] / "bad.log", env=sc.SERVER_ENV, name="bad")
+def test_malformed_ddtree_block_fails_at_startup_naming_the_field(servers, ddtree):
+    srv, start = servers["bad"]  # started next to the pair (the `servers` fixture)
     with pytest.raises(RuntimeError, match="exited with"):
-        srv.start(timeout=300)
+        start.result()  # the outcome of srv.start(timeout=300)
     assert "additional_config['ddtree']['top_k'] must be >= 1, got 0" in srv.log()
     assert ddtree.healthy()  # the other server is untouched
