@@ -187,3 +187,223 @@ def check_op_graph_and_compact(results: list):
     t = do_bench(lambda: launch_kv_compact(keys, vals, bt, src, dst), warmup=5, rep=20, return_mode="median")
     results.append(dict(check="kv_compact_time_ms_4layers_R4", ms=t, ok=True))
     log(f"check kv_compact: {ok}, {t * 1e3:.1f} us")
+
+
+# ------------------------------------------------------------------ long context at the serve's shapes (issue 28)
+
+LONG_CONTEXTS = (256, 1024, 1536, 2048, 4096)
+LONG_SHAPE = dict(Hq=4, Hkv=2, D=64, block_size=176, max_model_len=4096, budgets=(16, 32))  # serve case 9
+TOP_K, SPINE = 4, 7  # the serve's DDTree: top_k 4, draft length 7
+
+
+def _ddtree_tree(B: int, g: torch.Generator, chain: bool = False) -> torch.Tensor:
+    """Ancestor-or-self mask [N, N] of a DDTree-shaped tree: the drafter's top-1 chain (SPINE nodes),
+    the other nodes hung off nodes of depth < SPINE with at most TOP_K children each (chain: one path)."""
+    from ddtree_compile.core.tree import ancestor_closure
+
+    N = B + 1
+    par, depth, kids = [-1] * N, [0] * N, [0] * N
+    for i in range(1, N):
+        if chain or i <= SPINE:
+            p = i - 1
+        else:
+            cands = [j for j in range(i) if depth[j] < SPINE and kids[j] < TOP_K]
+            p = cands[int(torch.randint(0, len(cands), (), generator=g))]
+        par[i], depth[i] = p, depth[p] + 1
+        kids[p] += 1
+    return ancestor_closure(torch.tensor([par]), N)[0]
+
+
+def device_chunks(ctx: int, n_slots: int, splits: int, tiles) -> tuple[int, int]:
+    """(chunk, splits that hold keys) as tree_attention's kernel derives them on the device."""
+    min_chunk = max(tiles.block_n, tiles.min_chunk // tiles.block_n * tiles.block_n)
+    total = ctx + n_slots
+    chunk = max(-(-(-(-total // splits)) // tiles.block_n) * tiles.block_n, min_chunk)
+    return chunk, -(-total // chunk)
+
+
+def _rel_rows(out, ref, live):
+    """Per (token, head) relative error [N, H] of live rows, as floats: max, mean, per-token max."""
+    e = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp(min=1e-6)
+    e = e.nan_to_num(float("inf"))[live]
+    return dict(max=float(e.max()), mean=float(e.mean()), per_token_max=[round(float(x), 5) for x in e.max(-1).values])
+
+
+def _fa3_tree(fa, kv, bt, ctx: int, anc, q, scale: float):
+    """vLLM's FA3 (paged, with a block table) computing the tree's function: every live node is a
+    one-token query over its own sequence (the context, then its root-to-node path in depth order).
+    The context's full pages are shared with the tree's block table; the partial page and the path go
+    to fresh pages appended to a copy of the packed cache. Returns [N, Hq, D] (padding rows zero)."""
+    bs, D = kv.shape[1], q.shape[-1]
+    N = anc.shape[0]
+    live = anc.diagonal().nonzero().flatten().tolist()
+    base, off = ctx // bs, ctx % bs
+    tails = -(-(off + N) // bs)
+    nb = kv.shape[0]
+    kv2 = torch.cat([kv, torch.zeros(len(live) * tails, *kv.shape[1:], dtype=kv.dtype, device=kv.device)])
+    bt2 = torch.zeros(len(live), base + tails, dtype=torch.int32, device=kv.device)
+    seq = torch.zeros(len(live), dtype=torch.int32, device=kv.device)
+    row = bt[0].long()
+    for n, i in enumerate(live):
+        path = anc[i].nonzero().flatten().to(kv.device)  # ancestors-or-self, ascending = by depth
+        pos = torch.cat([torch.arange(base * bs, ctx, device=kv.device), ctx + path])
+        ids = nb + n * tails + torch.arange(tails, device=kv.device)
+        dst = torch.arange(pos.numel(), device=kv.device)
+        kv2[ids[dst // bs], dst % bs] = kv[row[pos // bs], pos % bs]
+        bt2[n, :base], bt2[n, base:] = bt[0, :base], ids.int()
+        seq[n] = ctx + path.numel()
+    out = torch.zeros_like(q)
+    o = torch.empty(len(live), *q.shape[1:], dtype=q.dtype, device=q.device)
+    fa(q=q[live].contiguous(), k=kv2[..., :D], v=kv2[..., D:], out=o, max_seqlen_q=1,
+       cu_seqlens_q=torch.arange(len(live) + 1, dtype=torch.int32, device=q.device), max_seqlen_k=int(seq.max()),
+       seqused_k=seq, softmax_scale=scale, causal=True, block_table=bt2, fa_version=3)
+    out[live] = o
+    return out
+
+
+def check_long_context(results: list, contexts=LONG_CONTEXTS, dev=DEV, budgets=None, block_size=None,
+                       heads=None, seed: int = 7) -> None:
+    """Tree attention at long context over vLLM's paged layout, at `vllm serve` case 9's shapes (the tiny
+    multimodal Qwen3.5: 4 query / 2 KV heads of 64, bf16, KV blocks of 176 tokens, a block table 24 pages
+    wide for max_model_len 4096): per context and tree (DDTree-shaped B = 16 / 32, and a chain), the
+    Triton kernel with the plan and scratch the engine uses (split-KV + merge), the same kernel with one
+    split, the op replayed in a CUDA graph captured at a short context (as vLLM captures FULL graphs),
+    vLLM's FA3 (chain: one causal sequence, as the flat verify; tree: a one-token query per node over its
+    path), each against the float32 reference: max / mean relative error per (token, head) row."""
+    import ddtree_compile.templates.ops  # noqa: F401  registers ddtree::tree_attention_scratch
+    from ddtree_compile.core.tree import pack_bits
+    from ddtree_compile.templates import tree_attention as ta
+    from ddtree_compile.templates import tuning
+
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func as fa
+    except ImportError as e:
+        fa, fa_error = None, repr(e)
+    Hq, Hkv, D = heads or (LONG_SHAPE["Hq"], LONG_SHAPE["Hkv"], LONG_SHAPE["D"])
+    bs = block_size or LONG_SHAPE["block_size"]
+    budgets = budgets or LONG_SHAPE["budgets"]
+    dtype, scale = torch.bfloat16, D ** -0.5
+    g = torch.Generator().manual_seed(seed)
+    width = -(-LONG_SHAPE["max_model_len"] // bs)
+    width = max(width, -(-(max(contexts) + max(budgets) + 1) // bs))
+    nb = width + 3
+    # the packed K|V cache of vLLM's FLASH_ATTN layout; block ids shuffled; one request
+    kv = torch.randn(nb, bs, Hkv, 2 * D, generator=g).to(dtype).to(dev)
+    kc, vc = kv[..., :D], kv[..., D:]
+    bt = torch.randperm(nb, generator=g)[:width].view(1, width).int().to(dev)
+    for B in budgets:
+        N = B + 1
+        for chain in (False, True):
+            anc = _ddtree_tree(B, g, chain).to(dev)
+            bits, depths = pack_bits(anc[None]), (anc.sum(-1) - 1).clamp(min=0)[None]
+            live = anc.diagonal()
+            q = torch.randn(N, Hq, D, generator=g).to(dtype).to(dev)
+            cl = torch.zeros(1, dtype=torch.int32, device=dev)
+            tiles, _, _, splits = tuning.plan_tree_attention(q, kc, bits, bt)
+            scratch = torch.full((max(ta.bucket_scratch_elems(dev, 1, N, Hq, Hkv, D), 1),), float("nan"), device=dev)
+            graph = graph_out = None
+            if dev.type == "cuda":  # the op captured once at a short context (vLLM's capture), then replayed
+                graph_out = torch.full_like(q, float("nan"))
+                cl.fill_(16)
+                torch.ops.ddtree.tree_attention_scratch(q, kc, vc, bt, cl, bits, depths, graph_out, scale, 0, 0.0,
+                                                        scratch)  # warm-up: compile, plan
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    torch.ops.ddtree.tree_attention_scratch(q, kc, vc, bt, cl, bits, depths, graph_out, scale, 0,
+                                                            0.0, scratch)
+            for ctx in contexts:
+                cl.fill_(ctx)
+                rec = dict(check="long_context", B=B, N=N, tree="chain" if chain else "ddtree", ctx=ctx,
+                           Hq=Hq, Hkv=Hkv, D=D, block_size=bs, dtype="bfloat16", block_table_pages=width,
+                           tiles=dict(block_m=tuning.plan_tree_attention(q, kc, bits, bt)[1], block_n=tiles.block_n,
+                                      min_chunk=tiles.min_chunk, page_group=tiles.page_group),
+                           splits=splits, split_path=splits > 1)
+                chunk, used = device_chunks(ctx, N, splits, tiles)
+                rec.update(chunk=chunk, splits_with_keys=used, tree_split=used - 1,
+                           tree_across_pages=ctx // bs != (ctx + N - 1) // bs)
+                ref = torch.empty(q.shape, dtype=torch.float32, device=dev)
+                tree_attention_reference(q.float(), kc.float(), vc.float(), bt, cl, bits, depths, ref, scale, 0, 0.0)
+                out = torch.full_like(q, float("nan"))
+                scratch.fill_(float("nan"))
+                ta.launch_tree_attention(q, kc, vc, bt, cl, bits, depths, out, scale, 0, 0.0, scratch)
+                direct = torch.full_like(q, float("nan"))
+                ta.launch_tree_attention(q, kc, vc, bt, cl, bits, depths, direct, scale, 0, 0.0, splits=1)
+                rec["triton_vs_ref"] = _rel_rows(out, ref, live)
+                rec["triton_one_split_vs_ref"] = _rel_rows(direct, ref, live)
+                rec["triton_vs_one_split"] = _rel_rows(out, direct, live)
+                rec["nan"] = bool(out.isnan().any())
+                if graph is not None:
+                    graph_out.fill_(float("nan"))
+                    graph.replay()
+                    rec["graph_replay_equal_eager"] = bool(torch.equal(graph_out, out))
+                if fa is None:
+                    rec["fa3_error"] = "vLLM's FA3 not importable" if dev.type == "cuda" else "CPU run: no FA3"
+                    if dev.type == "cuda":
+                        rec["fa3_error"] += f": {fa_error}"
+                else:
+                    if chain:  # vLLM's flat verify: one causal sequence of N tokens over the paged cache
+                        f3 = torch.full_like(q, float("nan"))
+                        fa(q=q, k=kc, v=vc, out=f3, max_seqlen_q=N,
+                           cu_seqlens_q=torch.tensor([0, N], dtype=torch.int32, device=dev), max_seqlen_k=ctx + N,
+                           seqused_k=cl + N, softmax_scale=scale, causal=True, block_table=bt, fa_version=3)
+                    else:
+                        f3 = _fa3_tree(fa, kv, bt, ctx, anc, q, scale)
+                    rec["fa3_vs_ref"] = _rel_rows(f3, ref, live)
+                    rec["triton_vs_fa3"] = _rel_rows(out, f3, live)
+                tri, f3e = rec["triton_vs_ref"]["max"], rec.get("fa3_vs_ref", {}).get("max")
+                rec["ok"] = bool(not rec["nan"] and tri < 2e-2 and rec.get("graph_replay_equal_eager", True)
+                                 and (f3e is None or tri <= 2 * f3e + 1e-3))
+                results.append(rec)
+                log(f"long_context B={B} {rec['tree']:<6} ctx={ctx:<5} splits {splits} (with keys {used}, chunk "
+                    f"{chunk}): triton {tri:.2e} / one split {rec['triton_one_split_vs_ref']['max']:.2e}"
+                    + (f" / FA3 {f3e:.2e}" if f3e is not None else "")
+                    + (f" graph==eager {rec['graph_replay_equal_eager']}" if graph is not None else "")
+                    + f"  ok {rec['ok']}")
+
+
+def main(argv=None) -> int:
+    """python benchmarks/_attn_checks.py --out DIR/attn_long_context.json [--contexts 256,1024,...]"""
+    import argparse
+    import json
+    import pathlib
+    import sys
+    import time
+
+    ap = argparse.ArgumentParser(description="tree attention at long context (serve case 9 shapes) vs the float32 "
+                                             "reference and vLLM's FA3; writes JSON to --out")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--contexts", default=",".join(map(str, LONG_CONTEXTS)))
+    ap.add_argument("--budgets", default=",".join(map(str, LONG_SHAPE["budgets"])))
+    ap.add_argument("--block-size", type=int, default=LONG_SHAPE["block_size"])
+    ap.add_argument("--heads", default="{Hq},{Hkv},{D}".format(**LONG_SHAPE), help="Hq,Hkv,D")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the Triton kernel under TRITON_INTERPRET=1 "
+                                                     "(no FA3, no graphs: a dry run of this script)")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    doc = {"command": " ".join(["python benchmarks/_attn_checks.py"] + sys.argv[1:]), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "results": []}
+    try:
+        import triton
+        import vllm
+
+        doc.update(triton=triton.__version__, vllm=vllm.__version__)
+    except ImportError:
+        pass
+    t0 = time.perf_counter()
+    try:
+        check_long_context(doc["results"], [int(x) for x in args.contexts.split(",")], dev,
+                           [int(x) for x in args.budgets.split(",")], args.block_size,
+                           tuple(int(x) for x in args.heads.split(",")))
+    finally:
+        doc["wall_s"] = time.perf_counter() - t0
+        doc["ok"] = bool(doc["results"]) and all(r["ok"] for r in doc["results"])
+        path = pathlib.Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1))
+    log(f"wrote {args.out}: ok {doc['ok']} in {doc['wall_s']:.0f} s")
+    return 0 if doc["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

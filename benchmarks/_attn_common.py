@@ -47,19 +47,20 @@ def tree_meta(R: int, B: int, g: torch.Generator, chain: bool = False):
     return anc.to(DEV), pack_bits(anc).to(DEV), (anc.sum(-1) - 1).clamp(min=0).to(DEV)
 
 
-def paged_cache(R: int, L: int, Hkv: int, D: int, dtype, g: torch.Generator):
+def paged_cache(R: int, L: int, Hkv: int, D: int, dtype, g: torch.Generator, block_size: int = BLOCK_SIZE):
     """Random paged K/V with a shuffled block table holding L positions per request."""
-    per = -(-L // BLOCK_SIZE)
+    per = -(-L // block_size)
     nb = R * per + 1
     bt = torch.randperm(nb, generator=g)[: R * per].view(R, per).int().to(DEV)
-    kc = torch.randn(nb, BLOCK_SIZE, Hkv, D, device=DEV, dtype=dtype)
-    vc = torch.randn(nb, BLOCK_SIZE, Hkv, D, device=DEV, dtype=dtype)
+    kc = torch.randn(nb, block_size, Hkv, D, device=DEV, dtype=dtype)
+    vc = torch.randn(nb, block_size, Hkv, D, device=DEV, dtype=dtype)
     return kc, vc, bt
 
 
 def gather(cache, bt, r, n):
+    bs = cache.shape[1]
     pos = torch.arange(n, device=DEV)
-    return cache[bt[r].long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE]  # [n, Hkv, D]
+    return cache[bt[r].long()[pos // bs], pos % bs]  # [n, Hkv, D]
 
 
 def row_rel(out, ref):
