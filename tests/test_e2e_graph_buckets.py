@@ -39,12 +39,13 @@ def _ddtree_plugin():
 
 
 def _force_bucket_path(llm, monkeypatch):
-    """Every tree verify takes the FULL-graph path; every third proposal loses its trees."""
+    """Every tree verify takes the FULL-graph path of its bucket; every third proposal loses its trees."""
     state = engines.find_state(llm)
     graphs = state.verify.graphs
-    graphs.captured.update(range(1, state.ctx.view.max_num_reqs + 1))
-    monkeypatch.setattr(adapters.current(), "full_graph_tokens",
-                        lambda: state.step.R * state.ctx.N if state.step is not None else None)
+    slots = {n for n in graphs.query_lens() if n - 1 in state.ctx.menu}  # the tree buckets' graphs
+    graphs.captured.update((n, r) for n in slots for r in range(1, state.ctx.view.max_num_reqs + 1))
+    monkeypatch.setattr(adapters.current(), "full_graph_batch",
+                        lambda: (state.step.R * state.step.N, state.step.R) if state.step is not None else None)
     propose, calls = state.build.propose, [0]
 
     def dropping_propose(*args, **kw):
@@ -55,7 +56,7 @@ def _force_bucket_path(llm, monkeypatch):
     monkeypatch.setattr(state.build, "propose", dropping_propose)
     filled = []
     fill = graphs.fill
-    monkeypatch.setattr(graphs, "fill", lambda rows, step: filled.append(rows) or fill(rows, step))
+    monkeypatch.setattr(graphs, "fill", lambda N, rows, step: filled.append((N, rows)) or fill(N, rows, step))
     return state, filled
 
 
@@ -92,7 +93,7 @@ def _check_workspace(llm, state, scratch_seen):
     stack = 0 if ws.stack is None else ws.stack.numel() * 4
     if ctx.hybrid:
         assert stack and all(m.gdn.stack.data_ptr() == ws.stack.data_ptr() and m.gdn.stack.shape[0] == rows
-                             for rows, m in metas.items())
+                             for (_, rows), m in metas.items())
     runner = engines.find_runner(llm)
     assert workspace.plan(runner, ctx.cfg) == ws.nbytes >= stack + ws.attn_scratch.numel() * 4
     plugin._on_memory_profile(runner)
@@ -113,7 +114,10 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
         ref = harness.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
     finally:
         harness.shutdown(llm)
-    kw = config.vllm_kwargs(drafter, budget=16, top_k=4, num_speculative_tokens=8)
+    # the attention-only target runs budget "auto" over a menu: the bucket of L = 8 nodes shares the
+    # chain's verify length, so the chain's steps there run as chain-shaped Steps through its graph
+    menu = dict(budget=16) if hybrid else dict(budget="auto", auto_budget=[8, 16])
+    kw = config.vllm_kwargs(drafter, top_k=4, num_speculative_tokens=8, **menu)
     scratch_seen = _scratch_everywhere(monkeypatch)
     llm = LLM(**models.tiny_llm_kwargs(target, **base, **kw))
     try:
@@ -138,7 +142,10 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
     assert freed and all(f() is None for f in freed)  # shut down: nothing holds the engine's workspace
     print(f"\n{kind}: buckets filled {sorted(set(filled))}, {m['tree_steps']} tree steps, {m['chain_steps']} "
           f"chain steps ({m['fallback_steps']}), accepted {m['nodes_accepted']}, state check {check and check.paths}")
-    assert m["tree_steps"] > 0 and len(filled) >= m["tree_steps"] and set(filled) <= set(range(1, 5))
+    assert m["tree_steps"] > 0 and len(filled) >= m["tree_steps"] and {r for _, r in filled} <= set(range(1, 5))
+    assert {n for n, _ in filled} == ({17} if hybrid else {9, 17})  # every bucket's metadata
+    if not hybrid:  # the chain's steps: chain-shaped Steps through the L-node bucket's graph
+        assert m["budget_steps"].get(8, 0) > 0 and m["auto_chain_steps"] > 0
     assert m["fallback_steps"].get(DROPPED, 0) > 0  # uniform fallbacks ran as chain-shaped Steps
     assert m["sibling_rounds"] > 0 and m["graph_steps"] == 0  # no graph on CPU: the ops' Python ran
     if hybrid:

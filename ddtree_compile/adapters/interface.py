@@ -79,9 +79,11 @@ class RunnerView(abc.ABC):
         under the same names, callable the same way."""
 
     @abc.abstractmethod
-    def install_graph_capture(self, capture) -> bool:
-        """Make the runner capture its FULL decode graphs with `capture(num_tokens, capturing)`'s tree
-        context active; False when the engine has no such graphs."""
+    def install_graph_capture(self, capture, query_lens=()) -> set[int]:
+        """Make the runner capture its FULL uniform-decode graphs with `capture(num_tokens, num_reqs,
+        capturing)`'s tree context active (None: the graph keeps the original ops), for its own
+        query length and, where the runner can, each of `query_lens` (tokens per request); returns
+        the query lengths that get FULL graphs (empty when the engine has none)."""
 
     # -- the step's requests ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -160,9 +162,9 @@ class RunnerView(abc.ABC):
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def full_graph_tokens(self) -> int | None:
-        """Inside the target forward hook: the padded token count when this forward replays a FULL
-        uniform-decode CUDA graph, else None (PIECEWISE or eager: the ops' Python runs)."""
+    def full_graph_batch(self) -> tuple[int, int] | None:
+        """Inside the target forward hook: (padded tokens, padded requests) when this forward replays
+        a FULL uniform-decode CUDA graph, else None (PIECEWISE or eager: the ops' Python runs)."""
 
     @abc.abstractmethod
     def verify_bypasses_hooks(self) -> str | None:

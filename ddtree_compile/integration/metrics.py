@@ -83,7 +83,10 @@ class DDTreeMetrics:
         self.auto_chain_steps = 0  # budget "auto": steps it chose to verify as the drafter's chain
         self.auto = None  # budget "auto": its policy (round/auto_budget.py), for the snapshot
         self.graph_steps = 0  # verifies (tree or chain-shaped) that replayed a FULL CUDA graph
-        self.graph_sizes: list[int] = []  # batch sizes (requests) whose FULL graph holds the tree ops
+        self.graph_sizes: list[int] = []  # batch sizes (requests) whose FULL graph holds the largest tree's ops
+        self.graph_buckets: dict[int, list[int]] = {}  # tree bucket (nodes) -> batch sizes of its FULL graphs
+        self.chain_graph_sizes: list[int] = []  # budget "auto": batch sizes of the chain's FULL graphs (vLLM's ops)
+        self.plain_graph_steps = 0  # verifies without trees (auto's chain, fallbacks) that replayed a FULL graph
         self.fallback_steps: collections.Counter = collections.Counter()  # reason -> steps
         self.fallback_requests: collections.Counter = collections.Counter()  # reason -> request rounds
         self.seconds: collections.Counter = collections.Counter()  # phase -> wall seconds
@@ -146,6 +149,9 @@ class DDTreeMetrics:
             "auto": self.auto.snapshot() if self.auto is not None else None,
             "graph_steps": self.graph_steps,
             "graph_sizes": list(self.graph_sizes),
+            "graph_buckets": {int(b): list(r) for b, r in sorted(self.graph_buckets.items())},
+            "chain_graph_sizes": list(self.chain_graph_sizes),
+            "plain_graph_steps": self.plain_graph_steps,
             "fallback_steps": dict(self.fallback_steps),
             "fallback_requests": dict(self.fallback_requests),
             "fallback_total": sum(self.fallback_steps.values()) + sum(self.fallback_requests.values()),
@@ -171,7 +177,7 @@ def format_line(s: dict) -> str:
             f"sibling rounds {s['sibling_rounds']}, fallbacks {s['fallback_total']}")
 
 
-_DESCRIPTIVE = {"graph_sizes"}  # numeric lists that describe the engine, not counts
+_DESCRIPTIVE = {"graph_sizes", "graph_buckets", "chain_graph_sizes"}  # numeric lists that describe the engine, not counts
 
 
 def counters_delta(after: dict, before: dict) -> dict:

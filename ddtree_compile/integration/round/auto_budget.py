@@ -36,10 +36,11 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   largest tree's probes: those kinds have no acceptance to learn, and on hybrids the chain's step is
   the slower one.
 
-On CUDA, vLLM 0.26 captures FULL CUDA graphs for one uniform decode length (1 + K tokens per
-request, K = B) per engine: the largest bucket runs in those graphs, the chain and the smaller
-buckets as non-uniform batches (PIECEWISE graphs), which their measured costs then carry. FULL graphs
-per (bucket, batch) would need captures outside vLLM's dispatcher.
+On CUDA (vLLM 0.26, V1 runner) every kind has FULL CUDA graphs per batch bucket: vLLM's own for
+the largest tree (1 + K = B + 1 tokens per request), and the adapter's for the smaller buckets and
+the chain (round/graphs.py); the chain's hold vLLM's own ops, so a chain step costs what flat
+DFlash's step costs. Model Runner V2 captures its own length only: there the other kinds run
+PIECEWISE, which their measured costs then carry.
 """
 
 from __future__ import annotations

@@ -97,7 +97,11 @@ class DDTreeRound:
             "rejection_sampler": TreeSampler(self._on_sample, view.vllm_sampler()),
             "update_states": self._on_update_states, "propose_draft_token_ids": self._on_propose_draft_token_ids,
         }, draft_len)
-        view.install_graph_capture(self.verify.graphs.capture)
+        wanted = self.verify.graphs.query_lens()
+        full = view.install_graph_capture(self.verify.graphs.capture, wanted)
+        if full and wanted - full:
+            logger.info("DDTree: no FULL CUDA graphs for %s tokens per request on this runner (vLLM's own: %s): "
+                        "those steps run PIECEWISE", sorted(wanted - full), sorted(full))
         ws = self.verify.workspace
         if ws.nbytes:
             logger.info("DDTree: workspace %.2f GiB (GDN records and depth stack, tree-attention scratch; %s during "
@@ -151,7 +155,8 @@ class DDTreeRound:
 
     def _on_model_forward(self, **kw):
         if self.step is None:
-            self.verify.graphs.check_plain_forward(self.ctx.view.full_graph_tokens())
+            if self.verify.graphs.check_plain_forward(self.ctx.view.full_graph_batch()):
+                self.metrics.plain_graph_steps += 1
             return self._orig["model_forward"](**kw)
         return self.verify.forward(self.step, self._orig["model_forward"], **kw)
 

@@ -37,13 +37,15 @@ class VerifyStage:
         if not drafts:
             return None
         if pending is not None and pending.auto_chain:  # budget "auto" chose the chain: vLLM verifies it
-            R = ctx.view.num_reqs()
-            if len(drafts) == R and all(int(n) == ctx.L + 1 for n in num_scheduled_tokens[:R]):
+            R, N = ctx.view.num_reqs(), ctx.L + 1
+            if len(drafts) == R and all(int(n) == N for n in num_scheduled_tokens[:R]):
                 ctx.metrics.auto_chain_steps += 1
                 ctx.auto.verify_began(time.perf_counter())
+                if self.graphs.holds_trees(N):  # a tree bucket of L nodes: its graph holds the tree ops
+                    return self._chain_step(N)
             # (else a prefill or truncated drafts joined: not a clean chain step, not timed)
             return None
-        reason, uniform = self._step_fallback(pending, drafts, num_scheduled_tokens)
+        reason, N = self._step_fallback(pending, drafts, num_scheduled_tokens)
         if reason is not None:
             ctx.metrics.chain_steps += 1
             ctx.metrics.fallback(reason)
@@ -51,40 +53,45 @@ class VerifyStage:
                          "%s (logged once, counted in metrics)", reason)
             # A uniform batch may replay a FULL graph, which holds the tree ops: verify it as
             # chain-shaped trees through them (every row a chain row, vLLM's sampler), not as None.
-            return self._chain_step() if uniform and self.graphs.captured else None
+            return self._chain_step(N) if N is not None and self.graphs.holds_trees(N) else None
         step = self._make_step(pending)
         if ctx.auto is not None:
             ctx.auto.verify_began(step.t0)
         return step
 
-    def _step_fallback(self, pending, drafts, num_scheduled_tokens) -> tuple[str | None, bool]:
-        """(why this step is verified as a plain chain or None, whether its batch is vLLM's uniform
-        decode batch: B+1 tokens each, which may replay a FULL graph)."""
+    def _step_fallback(self, pending, drafts, num_scheduled_tokens) -> tuple[str | None, int | None]:
+        """(why this step is verified as a plain chain or None, the tokens per request when every
+        request has the same count: a uniform batch, which may replay a FULL graph, else None)."""
         ctx = self.ctx
         R = ctx.view.num_reqs()
         req_ids = ctx.view.req_ids(R)
-        N = ctx.N if pending is None or pending.tree is None else pending.tree.num_slots  # the step's bucket
-        if len(drafts) != R or any(int(n) != N for n in num_scheduled_tokens[:R]):
-            return "mixed batch (prefill or partial drafts next to trees)", False
+        counts = {int(n) for n in num_scheduled_tokens[:R]}
+        uniform = counts.pop() if len(counts) == 1 and len(drafts) == R else None
+        # the step's bucket; without trees, what was scheduled (a uniform batch of some length)
+        N = pending.tree.num_slots if pending is not None and pending.tree is not None else uniform or ctx.N
+        if uniform != N:
+            return "mixed batch (prefill or partial drafts next to trees)", uniform
         if any(len(drafts.get(r, ())) != N - 1 for r in req_ids):
-            return "drafts truncated by the scheduler", False
+            return "drafts truncated by the scheduler", None
         bypass = ctx.view.verify_bypasses_hooks()
         if bypass is not None:
-            return bypass, False
+            return bypass, None
         if pending is None:
-            return "drafts not from a tree (drafter skipped)", N == ctx.N
+            return "drafts not from a tree (drafter skipped)", N
         if any(r not in pending.index for r in req_ids):
-            return "request without a tree (resumed)", N == ctx.N
-        return None, N == ctx.N
+            return "request without a tree (resumed)", N
+        return None, N
 
-    def _chain_step(self) -> Step:
-        """The scheduled drafts as chain-shaped trees, every row a chain row (vLLM's sampler walks it)."""
+    def _chain_step(self, N: int) -> Step:
+        """The scheduled drafts (N - 1 per request) as chain-shaped trees, every row a chain row
+        (vLLM's sampler walks it)."""
         ctx = self.ctx
-        R, N = ctx.view.num_reqs(), ctx.N
+        R = ctx.view.num_reqs()
         parents, depths, bits = self._chain
+        parents, depths, bits = parents[:N], depths[:N], bits[:N, :num_mask_words(N)]
         tokens = ctx.view.input_ids()[: R * N].view(R, N).long()  # root + drafts, as scheduled
         tree = TreeBatch(tokens.clone(), parents.expand(R, N).clone(), depths.expand(R, N).clone(),
-                         torch.zeros(R, N, device=ctx.device), torch.full((R,), ctx.B, device=ctx.device),
+                         torch.zeros(R, N, device=ctx.device), torch.full((R,), N - 1, device=ctx.device),
                          bits.expand(R, *bits.shape).contiguous(), max_depth=ctx.max_depth)
         flat = ctx.view.positions(R * N)
         start = flat.view(R, N)[:, 0]
@@ -133,8 +140,8 @@ class VerifyStage:
     def forward(self, step: Step, original_forward, input_ids=None, positions=None, intermediate_tensors=None,
                 inputs_embeds=None, **kw):
         pos = self.ctx.view.tree_positions(positions, step.positions, step.tree.depths)
-        rows = self.graphs.replay_rows(self.ctx.view.full_graph_tokens())
-        meta = step.meta if rows is None else self.graphs.fill(rows, step)
+        rows = self.graphs.replay_rows(self.ctx.view.full_graph_batch(), step.N)
+        meta = step.meta if rows is None else self.graphs.fill(step.N, rows, step)
         self._forward_metadata(step, meta, rows)
         with tree_verify(meta):
             out = original_forward(input_ids=input_ids, positions=pos, intermediate_tensors=intermediate_tensors,
