@@ -78,3 +78,21 @@ def test_lossless_with_full_cuda_graphs(kind, bench, results, tmp_path):
         sc = r["state_check"]
         assert sc["paths"] > 0 and sc["sibling_paths"] > 0, sc
     assert r["ok"]
+
+
+def test_auto_menu_replays_full_graphs_for_every_bucket_and_the_chain(bench, results, tmp_path, monkeypatch):
+    """Budget "auto" over the menu 8 / 16 nodes (L = 7): FULL graphs are captured for both tree buckets
+    (with the tree ops) and for the chain (L + 1 tokens, vLLM's ops); every tree step and every chain
+    step replays one; the gates hold."""
+    monkeypatch.setattr(bench, "AUTO_MENU", [8, 16])
+    monkeypatch.setattr(bench, "SKIP_FLAT", True)
+    r = bench.run_kind("qwen3", tmp_path)
+    results["runs"].append(dict(r, auto_menu=[8, 16]))
+    assert r["attached"], r.get("fallbacks_at_start")
+    assert set(map(int, r["graph_buckets"])) == {8, 16} and r["chain_graph_sizes"], (r["graph_buckets"], r)
+    c = r["counters_random"]
+    assert c["budget_steps"].get(8, 0) > 0 and c["budget_steps"].get(16, 0) > 0, c["budget_steps"]
+    assert c["graph_steps"] >= c["tree_steps"] > 0, c  # the tree steps replayed their buckets' graphs
+    assert c["auto_chain_steps"] > 0 and c["plain_graph_steps"] >= c["auto_chain_steps"], c  # and the chain's
+    assert all(g["ok"] for g in r["gates_random"] + r["gates_harness"]), (r["gates_random"], r["gates_harness"])
+    assert r["auto_graphs_ok"]
