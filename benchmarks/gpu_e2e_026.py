@@ -189,29 +189,13 @@ def _write_models(kind: str, root: pathlib.Path, name: str):
 
 
 def _segments(ref_llm, cand_llm, prompt: dict, total: int) -> list[dict]:
-    """Every divergence of `cand_llm` from `ref_llm` over `total` greedy tokens: after each, both go on
-    from the reference's prefix through the divergent token, to the end (so the first record is the
-    one-pass gate's divergence; later ones start from a fresh prefill of the longer prefix). One
-    regret_gate record per divergence with its position `at`; unlike harness.regret_segments this goes
-    on past a failing one (up to MAX_SEGMENTS), so a systematic drift shows as many failures."""
+    """Every divergence of `cand_llm` from `ref_llm` over `total` greedy tokens (harness.regret_segments
+    in one window, going on past a failing one up to MAX_SEGMENTS, so a systematic drift shows as many
+    failures; later records start from a fresh prefill of the longer prefix)."""
     from ddtree_compile.testing import harness
 
-    prefix, done, out = list(prompt["prompt_token_ids"]), 0, []
-    while done < total and len(out) < MAX_SEGMENTS:
-        n = total - done
-        ref = harness.generate_with_logprobs(ref_llm, [{"prompt_token_ids": prefix}], n)[0]
-        got = harness.generate(cand_llm, [{"prompt_token_ids": prefix}], n)[0]
-        g = harness.regret_gate(ref, got, TOL)
-        if g["divergence"] is None:
-            prefix += ref[0]
-            done += n
-            continue
-        g["at"] = done + g["divergence"]
-        out.append(g)
-        keep = g["divergence"] + 1
-        prefix += ref[0][:keep]
-        done += keep
-    return out
+    return harness.regret_segments(ref_llm, cand_llm, prompt, total, TOL, window=total, stop_at_failure=False,
+                                   max_segments=MAX_SEGMENTS)
 
 
 TREE_ATTN_PLANS: set = set()  # (R, N, Hq, Hkv, D, page size, table pages, splits) of the tree-attention calls seen

@@ -295,17 +295,20 @@ def regret_gate(reference, got: list[int], tol: float = 0.2) -> dict:
 
 
 def regret_segments(ref_llm, cand_llm, prompt: dict, total: int, tol: float = 0.2, window: int = 64,
-                    draft_harness: "DraftHarness | None" = None) -> list[dict]:
+                    draft_harness: "DraftHarness | None" = None, stop_at_failure: bool = True,
+                    max_segments: int | None = None) -> list[dict]:
     """Gate EVERY divergence over `total` tokens: after each (near-tie) divergence both engines
     continue from the reference's prefix through the divergent token, `window` tokens at a time.
 
     Returns one `regret_gate` record per divergence (with its absolute position `at`); stops at the
-    first one that fails. With `draft_harness`, its reference follows each segment's reference
-    continuation, so the candidate keeps accepting deep paths and siblings across segments.
+    first one that fails (with `stop_at_failure`; else goes on, so a systematic drift shows as many
+    failures) or after `max_segments` records. With `draft_harness`, its reference follows each
+    segment's reference continuation, so the candidate keeps accepting deep paths and siblings
+    across segments.
     """
     prefix = list(prompt["prompt_token_ids"])
     done, out = 0, []
-    while done < total:
+    while done < total and (max_segments is None or len(out) < max_segments):
         n = min(window, total - done)
         ref = generate_with_logprobs(ref_llm, [{"prompt_token_ids": prefix}], n)[0]
         if draft_harness is not None:
@@ -318,7 +321,7 @@ def regret_segments(ref_llm, cand_llm, prompt: dict, total: int, tol: float = 0.
             continue
         g["at"] = done + g["divergence"]
         out.append(g)
-        if not g["ok"]:
+        if stop_at_failure and not g["ok"]:
             break
         keep = g["divergence"] + 1
         prefix += ref[0][:keep]
