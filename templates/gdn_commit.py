@@ -124,7 +124,7 @@ if triton is not None:
 
 
 def gdn_commit_triton(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                      width, snap_depth=None, block_d: int = 128, block_v: int = 16, num_warps: int = 2):
+                      width, snap_depth=None, block_d: int = 128, block_v: int = 32, num_warps: int = 4):
     """Triton launcher (the state launch, then the conv launch that also sets num_accepted).
     Same contract as `gdn_commit_ref`; no host sync, no allocation after the first call."""
     if triton is None:

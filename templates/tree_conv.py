@@ -9,6 +9,8 @@ one of the history columns in registers, as `conv_anc` says).
 
 from __future__ import annotations
 
+import torch
+
 from ddtree_compile.templates.tree_conv_ref import check_conv_args
 
 try:
@@ -20,19 +22,30 @@ except ImportError:  # CPU installs without triton: only the reference is availa
 if triton is not None:
 
     @triton.jit
-    def _pred(acc, x, s_xt, anc_ptr, tm, r, N, c, m2, n1, n2, n3, wk):
+    def _product(val, wk, x, ROUND: tl.constexpr):
+        """val * wk, rounded to bf16 when vLLM's kernel multiplies in bf16 (tree_conv_ref.product_rounding).
+        Rounded to nearest even on the bits: the interpreter's float32 -> bf16 cast truncates."""
+        p = val * wk
+        if ROUND:
+            bits = p.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            p = bits.to(tl.float32, bitcast=True)
+        return p
+
+    @triton.jit
+    def _pred(acc, x, s_xt, anc_ptr, tm, r, N, c, m2, n1, n2, n3, wk, ROUND: tl.constexpr):
         """Add one predecessor's contribution: a tree slot (code >= 0) or a history column."""
         code = tl.load(anc_ptr, mask=tm, other=-1)
         row = r * N + tl.maximum(code, 0)
         tv = tl.load(x + row[:, None].to(tl.int64) * s_xt + c[None, :], mask=m2 & (code >= 0)[:, None], other=0.0)
         hv = tl.where((code == -1)[:, None], n1[None, :], tl.where((code == -2)[:, None], n2[None, :], n3[None, :]))
         val = tl.where((code >= 0)[:, None], tv.to(tl.float32), hv)
-        return acc + val * wk[None, :]
+        return acc + _product(val, wk[None, :], x, ROUND)
 
     @triton.jit
     def _tree_conv_kernel(x, s_xt, w, s_wd, s_ww, bias, state, s_sl, s_sd, s_sc, idx, s_ir, nacc, anc, out, s_ot,
                           N, D, W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                          BD: tl.constexpr, TB: tl.constexpr):
+                          BD: tl.constexpr, TB: tl.constexpr, ROUND: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1) * BD + tl.arange(0, BD)
         cm = c < D
@@ -77,16 +90,17 @@ if triton is not None:
             xo = tl.load(x + rows[:, None] * s_xt + c[None, :], mask=m2, other=0.0)
             tl.store(sp[None, :] + (W - 2 + t)[:, None] * s_sc, xo.to(state.dtype.element_ty),
                      mask=tl.where(has, m2, False))
-            acc = xo.to(tl.float32) * w_own[None, :]
+            # vLLM's order (tree_conv_ref): the bias, the oldest predecessor first, the token's own input last
+            acc = tl.zeros([TB, BD], dtype=tl.float32) + b[None, :]
             ap = anc + (r * N + t) * (W - 1)
-            acc = _pred(acc, x, s_xt, ap, tm, r, N, c, m2, n1, n2, n3, w1)
-            if W > 2:
-                acc = _pred(acc, x, s_xt, ap + 1, tm, r, N, c, m2, n1, n2, n3, w2)
             if W > 3:
-                acc = _pred(acc, x, s_xt, ap + 2, tm, r, N, c, m2, n1, n2, n3, w3)
-            acc += b[None, :]
+                acc = _pred(acc, x, s_xt, ap + 2, tm, r, N, c, m2, n1, n2, n3, w3, ROUND)
+            if W > 2:
+                acc = _pred(acc, x, s_xt, ap + 1, tm, r, N, c, m2, n1, n2, n3, w2, ROUND)
+            acc = _pred(acc, x, s_xt, ap, tm, r, N, c, m2, n1, n2, n3, w1, ROUND)
+            acc = acc + _product(xo.to(tl.float32), w_own[None, :], x, ROUND)
             if SILU:
-                acc = acc * tl.sigmoid(acc)
+                acc = acc / (1 + tl.exp(-acc))
             tl.store(out + rows[:, None] * s_ot + c[None, :], acc.to(out.dtype.element_ty), mask=m2)
 
 
@@ -106,4 +120,6 @@ def tree_conv1d_triton(x, weight, bias, conv_state, state_indices, num_accepted,
         conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         state_indices, state_indices.stride(0), num_accepted, conv_anc, out, out.stride(0),
         N, D, W=W, HAS_BIAS=bias is not None, SILU=bool(silu), BD=block_d,
-        TB=min(block_t, triton.next_power_of_2(N)), num_warps=num_warps)
+        TB=min(block_t, triton.next_power_of_2(N)),
+        ROUND=x.dtype == weight.dtype == conv_state.dtype == torch.bfloat16,
+        num_warps=num_warps)

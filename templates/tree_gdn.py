@@ -118,7 +118,7 @@ if triton is not None:
 
 def tree_gdn_triton(qkv, a, b, A_log, dt_bias, ssm_state, state_indices, num_accepted, walk, stack, out,
                     rec_kv, rec_gb, num_k_heads, head_k_dim, scale, write_snapshots,
-                    block_v: int = 16, num_warps: int = 2):
+                    block_v: int = 32, num_warps: int = 4):
     """Triton launcher; same contract as `tree_gdn_ref`. No host sync, no allocation."""
     if triton is None:
         raise RuntimeError("tree_gdn: triton is not installed")
