@@ -9,9 +9,7 @@ one of the history columns in registers, as `conv_anc` says).
 
 from __future__ import annotations
 
-import torch
-
-from ddtree_compile.templates.tree_conv_ref import check_conv_args
+from ddtree_compile.templates.tree_conv_ref import check_conv_args, vllm_cuda_order
 
 try:
     import triton
@@ -23,7 +21,7 @@ if triton is not None:
 
     @triton.jit
     def _product(val, wk, x, ROUND: tl.constexpr):
-        """val * wk, rounded to bf16 when vLLM's kernel multiplies in bf16 (tree_conv_ref.product_rounding).
+        """val * wk, rounded to bf16 when following vLLM's CUDA conv (tree_conv_ref.vllm_cuda_order).
         Rounded to nearest even on the bits: the interpreter's float32 -> bf16 cast truncates."""
         p = val * wk
         if ROUND:
@@ -90,22 +88,32 @@ if triton is not None:
             xo = tl.load(x + rows[:, None] * s_xt + c[None, :], mask=m2, other=0.0)
             tl.store(sp[None, :] + (W - 2 + t)[:, None] * s_sc, xo.to(state.dtype.element_ty),
                      mask=tl.where(has, m2, False))
-            # vLLM's order (tree_conv_ref): the bias, the oldest predecessor first, the token's own input last
-            acc = tl.zeros([TB, BD], dtype=tl.float32) + b[None, :]
             ap = anc + (r * N + t) * (W - 1)
-            if W > 3:
-                acc = _pred(acc, x, s_xt, ap + 2, tm, r, N, c, m2, n1, n2, n3, w3, ROUND)
-            if W > 2:
-                acc = _pred(acc, x, s_xt, ap + 1, tm, r, N, c, m2, n1, n2, n3, w2, ROUND)
-            acc = _pred(acc, x, s_xt, ap, tm, r, N, c, m2, n1, n2, n3, w1, ROUND)
-            acc = acc + _product(xo.to(tl.float32), w_own[None, :], x, ROUND)
-            if SILU:
-                acc = acc / (1 + tl.exp(-acc))
+            if ROUND:  # vLLM's CUDA order (tree_conv_ref.vllm_cuda_order): bias, oldest first, own input last
+                acc = tl.zeros([TB, BD], dtype=tl.float32) + b[None, :]
+                if W > 3:
+                    acc = _pred(acc, x, s_xt, ap + 2, tm, r, N, c, m2, n1, n2, n3, w3, ROUND)
+                if W > 2:
+                    acc = _pred(acc, x, s_xt, ap + 1, tm, r, N, c, m2, n1, n2, n3, w2, ROUND)
+                acc = _pred(acc, x, s_xt, ap, tm, r, N, c, m2, n1, n2, n3, w1, ROUND)
+                acc = acc + _product(xo.to(tl.float32), w_own[None, :], x, ROUND)
+                if SILU:
+                    acc = acc / (1 + tl.exp(-acc))
+            else:
+                acc = xo.to(tl.float32) * w_own[None, :]
+                acc = _pred(acc, x, s_xt, ap, tm, r, N, c, m2, n1, n2, n3, w1, ROUND)
+                if W > 2:
+                    acc = _pred(acc, x, s_xt, ap + 1, tm, r, N, c, m2, n1, n2, n3, w2, ROUND)
+                if W > 3:
+                    acc = _pred(acc, x, s_xt, ap + 2, tm, r, N, c, m2, n1, n2, n3, w3, ROUND)
+                acc += b[None, :]
+                if SILU:
+                    acc = acc * tl.sigmoid(acc)
             tl.store(out + rows[:, None] * s_ot + c[None, :], acc.to(out.dtype.element_ty), mask=m2)
 
 
 def tree_conv1d_triton(x, weight, bias, conv_state, state_indices, num_accepted, conv_anc, out, silu,
-                       block_d: int = 64, block_t: int = 32, num_warps: int = 4):
+                       vllm_order=None, block_d: int = 64, block_t: int = 32, num_warps: int = 4):
     """Triton launcher; same contract as `tree_conv1d_ref`. No host sync, no allocation."""
     if triton is None:
         raise RuntimeError("tree_conv1d: triton is not installed")
@@ -121,5 +129,5 @@ def tree_conv1d_triton(x, weight, bias, conv_state, state_indices, num_accepted,
         state_indices, state_indices.stride(0), num_accepted, conv_anc, out, out.stride(0),
         N, D, W=W, HAS_BIAS=bias is not None, SILU=bool(silu), BD=block_d,
         TB=min(block_t, triton.next_power_of_2(N)),
-        ROUND=x.dtype == weight.dtype == conv_state.dtype == torch.bfloat16,
+        ROUND=bool(vllm_cuda_order(x, weight, conv_state) if vllm_order is None else vllm_order),
         num_warps=num_warps)

