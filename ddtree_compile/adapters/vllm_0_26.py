@@ -242,13 +242,15 @@ def _extra_query_lens(runner, query_lens) -> set[int]:
     vc, dispatcher = runner.vllm_config, runner.cudagraph_dispatcher
     own = runner.uniform_decode_query_len
     rows = sorted({d.num_reqs for d in dispatcher.cudagraph_keys[CUDAGraphMode.FULL] if d.uniform and d.num_reqs})
-    extra = {int(q) for q in query_lens if int(q) != own and 1 < int(q) and rows and rows[-1] * int(q) <= runner.max_num_tokens}
+    extra = {int(q) for q in query_lens
+             if int(q) != own and 1 < int(q) and rows and rows[-1] * int(q) <= runner.max_num_tokens}
     if (not rows or not extra or vc.lora_config is not None or vc.parallel_config.data_parallel_size > 1
             or vc.compilation_config.pass_config.enable_sp):
         return set()
     for q in extra:
         for r in rows:
-            dispatcher.add_cudagraph_key(CUDAGraphMode.FULL, BatchDescriptor(num_tokens=r * q, num_reqs=r, uniform=True))
+            dispatcher.add_cudagraph_key(CUDAGraphMode.FULL,
+                                         BatchDescriptor(num_tokens=r * q, num_reqs=r, uniform=True))
     determine = runner._determine_batch_execution_and_padding
     signature = inspect.signature(determine)
 
@@ -262,7 +264,8 @@ def _extra_query_lens(runner, query_lens) -> set[int]:
         pad = next((r for r in rows if r >= R), None)
         if (q in extra and uniform and pad is not None and not a["force_eager"] and not a["use_cascade_attn"]
                 and not a["num_encoder_reqs"] and not a["force_has_lora"]):
-            return CUDAGraphMode.FULL, BatchDescriptor(num_tokens=pad * q, num_reqs=pad, uniform=True), False, None, None
+            desc = BatchDescriptor(num_tokens=pad * q, num_reqs=pad, uniform=True)
+            return CUDAGraphMode.FULL, desc, False, None, None
         return determine(*args, **kw)
 
     runner._determine_batch_execution_and_padding = _determine_batch_execution_and_padding

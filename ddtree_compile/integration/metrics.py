@@ -177,7 +177,8 @@ def format_line(s: dict) -> str:
             f"sibling rounds {s['sibling_rounds']}, fallbacks {s['fallback_total']}")
 
 
-_DESCRIPTIVE = {"graph_sizes", "graph_buckets", "chain_graph_sizes"}  # numeric lists that describe the engine, not counts
+# numeric lists that describe the engine, not counts
+_DESCRIPTIVE = {"graph_sizes", "graph_buckets", "chain_graph_sizes"}
 
 
 def counters_delta(after: dict, before: dict) -> dict:

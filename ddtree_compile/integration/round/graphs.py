@@ -152,7 +152,8 @@ class GraphBuckets:
             self.captured.add((N, rows))
             m = self.ctx.metrics
             m.graph_sizes = sorted(r for n, r in self.captured if n == self.ctx.N)
-            m.graph_buckets = {n - 1: sorted(r for k, r in self.captured if k == n) for n in {k for k, _ in self.captured}}
+            slots = {k for k, _ in self.captured}
+            m.graph_buckets = {n - 1: sorted(r for k, r in self.captured if k == n) for n in slots}
 
     # -- replay ------------------------------------------------------------------------------------
     def replay_rows(self, batch: tuple[int, int] | None, N: int) -> int | None:
