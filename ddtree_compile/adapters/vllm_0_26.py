@@ -234,8 +234,6 @@ def _extra_query_lens(runner, query_lens) -> set[int]:
     token count to sizes that are multiples of its one length, `cudagraph_dispatcher.py:132-156`).
     Not with LoRA, data parallelism or sequence parallelism (their padding and keys differ): then
     nothing is added. Returns the query lengths added."""
-    import inspect
-
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import BatchDescriptor
 
@@ -252,18 +250,16 @@ def _extra_query_lens(runner, query_lens) -> set[int]:
             dispatcher.add_cudagraph_key(CUDAGraphMode.FULL,
                                          BatchDescriptor(num_tokens=r * q, num_reqs=r, uniform=True))
     determine = runner._determine_batch_execution_and_padding
-    signature = inspect.signature(determine)
 
     def _determine_batch_execution_and_padding(*args, **kw):
-        a = signature.bind(*args, **kw)
-        a.apply_defaults()
-        a = a.arguments
-        q, R = int(a["max_num_scheduled_tokens"]), int(a["num_reqs"])
-        forced = a["force_uniform_decode"]
-        uniform = forced if forced is not None else a["num_tokens"] == q * R
+        # Both callers (execute_model :4216, _dummy_run :5875) pass keywords: read them directly, once
+        # per step (a positional call goes to vLLM's own dispatch unchanged).
+        q, R = int(kw.get("max_num_scheduled_tokens", 0)), int(kw.get("num_reqs", 0))
+        forced = kw.get("force_uniform_decode")
+        uniform = forced if forced is not None else kw.get("num_tokens") == q * R
         pad = next((r for r in rows if r >= R), None)
-        if (q in extra and uniform and pad is not None and not a["force_eager"] and not a["use_cascade_attn"]
-                and not a["num_encoder_reqs"] and not a["force_has_lora"]):
+        if (not args and q in extra and uniform and pad is not None and not kw.get("force_eager")
+                and not kw.get("use_cascade_attn") and not kw.get("num_encoder_reqs") and not kw.get("force_has_lora")):
             desc = BatchDescriptor(num_tokens=pad * q, num_reqs=pad, uniform=True)
             return CUDAGraphMode.FULL, desc, False, None, None
         return determine(*args, **kw)
