@@ -190,6 +190,23 @@ def plan_topk(rows: int, vocab: int, device: torch.device, block: int | None = N
     return block, chunk, -(-vocab // chunk), num_warps or cfg.num_warps, pipe
 
 
+def compiled_variant(rows: int, vocab: int, device: torch.device) -> tuple:
+    """What Triton compiles a separate kernel for at this many rows: the launch table's constexprs
+    (BLOCK, warps, PIPE, DIRECT; the merge's SP) and the integer specializations of `splits` (== 1,
+    % 16). The plan follows the batch (splits fill the SMs), so a batch size never seen before can
+    compile a kernel mid-serving (on the H100 at L = 15, about six variants between 1 and 36 requests)."""
+    block, _, splits, warps, pipe = plan_topk(rows, vocab, device)
+    return block, warps, pipe, splits == 1, splits % 16 == 0, None if splits == 1 else _next_pow2(splits)
+
+
+def variant_batches(max_batch: int, depth: int, vocab: int, device: torch.device) -> list[int]:
+    """The smallest batch R in 1..max_batch of each compiled variant of a [R, depth, vocab] call."""
+    first: dict = {}
+    for R in range(1, max_batch + 1):
+        first.setdefault(compiled_variant(R * depth, vocab, device), R)
+    return sorted(first.values())
+
+
 _SCRATCH: dict = {}
 
 

@@ -284,3 +284,25 @@ def test_build_tree_impl_argument():
     _assert_trees_equal(dd.build_tree(logits, dd.TreeSpec(budget=40, top_k=40)),
                         dd.build_tree(logits, dd.TreeSpec(budget=40, top_k=40), impl="torch"))
     assert math.isfinite(float(dd.build_tree(logits, dd.TreeSpec(budget=4), impl="triton").scores[0, 1]))
+
+
+@pytest.mark.parametrize("depth,vocab", [(15, 151936), (7, 300), (16, 248320)])
+def test_variant_batches_cover_every_batch_size(monkeypatch, depth, vocab):
+    """The warm-up's batch sizes (BuildStage._warm_up): every batch size's launch shares every
+    compile-relevant parameter with one of them (the H100's SM count; the plan follows the batch)."""
+    monkeypatch.setattr(topk_mod.tuning, "arch_of", lambda device: ("sm_90", 132))
+    dev = torch.device("cpu")
+    sizes = topk_mod.variant_batches(64, depth, vocab, dev)
+    assert sizes[0] == 1 and sizes == sorted(set(sizes))
+
+    def launch(R):  # what the kernels are compiled for: constexprs, warps, and splits' int specialization
+        block, chunk, splits, warps, pipe = topk_mod.plan_topk(R * depth, vocab, dev)
+        sp = None if splits == 1 else 1 << (splits - 1).bit_length()
+        return block, warps, pipe, splits == 1, splits % 16 == 0, chunk % 16 == 0, sp
+
+    reps = {launch(r): r for r in sizes}
+    assert len(reps) == len(sizes)  # one batch size per variant
+    for R in range(1, 65):
+        assert launch(R) in reps and reps[launch(R)] <= R, R
+    if vocab > 100_000:  # the vocabulary is split across the SMs at small batches: several merge widths
+        assert len(sizes) >= 4

@@ -9,14 +9,18 @@ import time
 import torch
 
 from ...core.build import build_tree
+from ..metrics import logger
 from .auto_budget import CHAIN, TREE
 from .step import Pending, RoundContext
+
+_WARM_BYTES = 1 << 30  # the largest dummy logits the warm-up allocates (once, freed after)
 
 
 class BuildStage:
     def __init__(self, ctx: RoundContext):
         self.ctx = ctx
         self._captured: tuple | None = None  # (drafter logits [R*L, V], their argmax [R*L])
+        self._warmed = False
 
     def sample_draft_tokens(self, hidden_states, sampling_metadata):
         """Stands in for the drafter's own sampling: keep the logits, hand back the argmax."""
@@ -40,6 +44,8 @@ class BuildStage:
         original_propose(num_speculative_tokens=ctx.L, **kw)
         (logits, top1), self._captured = self._captured, None
         logits, top1 = logits.view(R, ctx.L, -1), top1.view(R, ctx.L)
+        if not self._warmed:
+            self._warm_up(logits)
         req_ids = ctx.view.req_ids(R)
         chain = [ctx.chain_reason(r) for r in req_ids]
         if kind == CHAIN:  # flat DFlash's drafts, verified by vLLM: no tree built, flat's own work
@@ -58,6 +64,33 @@ class BuildStage:
             tree.tokens[:, 1:] = drafts
         self._done(kind, R, t0)
         return drafts, Pending(req_ids, tree, top1, chain)
+
+    def _warm_up(self, logits: torch.Tensor) -> None:
+        """Once, at the first proposal on CUDA: the top-k kernel's variants of every batch size
+        compiled now (templates/draft_topk.variant_batches), not at the first step of a batch size
+        not seen before, where a compile costs that step ~0.3-1 s. Dummy logits of the real dtype,
+        vocabulary and row pitch, sliced from one buffer."""
+        from ...templates.draft_topk import variant_batches
+
+        self._warmed = True
+        ctx = self.ctx
+        if logits.device.type != "cuda":
+            return
+        t0 = time.perf_counter()
+        _, L, V = logits.shape
+        sizes = variant_batches(ctx.view.max_num_reqs, ctx.spec.depth_limit(L), V, logits.device)
+        width = logits.stride(1) if logits.stride(2) == 1 and logits.stride(1) >= V else V  # the real row pitch
+        row_bytes = L * width * logits.element_size()
+        skipped = [r for r in sizes if r * row_bytes > _WARM_BYTES]
+        sizes = [r for r in sizes if r * row_bytes <= _WARM_BYTES]
+        if sizes:
+            buf = torch.zeros(max(sizes), L, width, dtype=logits.dtype, device=logits.device)[..., :V]
+            for r in sizes:
+                build_tree(buf[:r], ctx.spec)
+            del buf
+        logger.info("DDTree: tree build warmed up for batch sizes %s (one per top-k kernel variant) in %.2f s%s",
+                    sizes, time.perf_counter() - t0,
+                    f"; not {skipped} (dummy logits over {_WARM_BYTES >> 20} MiB)" if skipped else "")
 
     def _done(self, kind: str, R: int, t0: float) -> None:
         t1 = time.perf_counter()
