@@ -103,10 +103,11 @@ def test_unknown_costs_are_explored_then_the_faster_kind_wins():
     _step(p, ab.CHAIN, 1, 1.1, 0.005)
     # the lower quartile of each window (here: its faster step)
     assert p.costs == {(ab.TREE, 1): pytest.approx(0.010), (ab.CHAIN, 1): pytest.approx(0.006)}
-    kinds = [p.choose(1) for _ in range(8)]  # 4/6 > 5/10 tokens per ms: the chain wins, the tree is probed
-    assert kinds.count(ab.CHAIN) == 6 and kinds.count(ab.TREE) == 2 and p.probes == 2, kinds
+    kinds = [p.choose(1) for _ in range(16)]  # 4/6 > 5/10 tokens per ms: the chain wins, the tree is probed
+    at = [i for i, k in enumerate(kinds) if k == ab.TREE]
+    assert len(at) == 2 and at[1] - at[0] == 8 and p.probes == 2 and p.probe_gap == 16, kinds  # backing off
     p.costs[(ab.CHAIN, 1)] = 0.009  # now 4/9 < 5/10: the tree wins
-    assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 4
+    assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 4 and p.probe_gap == 4
     # the losing chain is still timed now and then (its cost may have been a stall): every 4 * 8th step
     kinds = [p.choose(1) for _ in range(64)]
     at = [i for i, k in enumerate(kinds) if k == ab.CHAIN]
@@ -133,7 +134,30 @@ def test_a_chain_cost_held_up_by_stalls_is_measured_again():
     _step(p, ab.CHAIN, 1, 20.0, 0.004)  # the chain's steady step: 6 ms
     assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.006)
     assert _rates(p, 1)[ab.CHAIN] > _rates(p, 1)[ab.TREE]  # 5/6 > 5/10: the chain wins again,
-    assert [p.choose(1) for _ in range(4)] == [ab.TREE, ab.CHAIN] * 2 and p.probes == 2  # the tree probed every 2nd
+    assert [p.choose(1) for _ in range(4)] == [ab.TREE] + [ab.CHAIN] * 3 and p.probes == 1  # the tree probed
+
+
+def test_the_largest_trees_probes_back_off_while_another_kind_wins():
+    """While the chain wins, each probe of the largest tree that leaves it winning doubles the gap to
+    the next (up to probe_interval * _PROBE_BACKOFF steps): on the H100's 4B shape a tree step costs
+    ~1.8 chain steps, so probes every 16 steps cost ~5% for as long as the chain wins. The tree
+    winning a decision resets the gap."""
+    m, p = _policy(probe=2)
+    for i in range(2):
+        _step(p, ab.TREE, 1, float(i), 0.008)  # tree 10 ms
+        _step(p, ab.CHAIN, 1, 10.0 + i, 0.004)  # chain 6 ms
+    _round(m, [4, 4], [0, 0])  # equal acceptance: the chain wins on cost
+    while p.tokens[ab.TREE] is None:
+        p.choose(1)
+    kinds = [p.choose(1) for _ in range(200)]
+    at = [i for i, k in enumerate(kinds) if k == ab.TREE]
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    cap = 2 * ab._PROBE_BACKOFF
+    assert gaps[:4] == [4, 8, 16, cap] and set(gaps[4:]) == {cap}, gaps  # 2 -> 4 -> 8 -> 16 -> 32 (the cap)
+    assert p.probes == len(at) and p.snapshot()["probe_gap"] == cap
+    _round(m, [20, 20], [20, 20])  # the tree's paths left the chain at once: read back, the tree wins
+    kinds = [p.choose(1) for _ in range(16)]
+    assert kinds[-8:] == [ab.TREE] * 8 and p.probe_gap == 2, kinds  # the next loss probes 2 steps on
 
 
 def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
@@ -182,7 +206,7 @@ def test_a_menu_learns_every_buckets_acceptance_from_the_largest_trees_and_picks
         assert kind == ab.CHAIN or p.choose(1) != kind
     # tokens per ms: tree 5/20, tree:8 4/8, tree:4 2.5/6, chain 4.5/10 -> tree:8 wins
     picks = [p.choose(1) for _ in range(12)]
-    assert picks.count(t8) == 9 and picks.count(ab.TREE) == 3 and p.probes == 3, picks
+    assert picks.count(t8) == 10 and picks.count(ab.TREE) == 2 and p.probes == 2, picks  # probes 4, then 8 apart
     picks = [p.choose(1) for _ in range(4 * ab._CHAIN_PROBE_FACTOR)]
     assert picks.count(ab.CHAIN) == 1 and picks.count(t4) == 1 and p.budget_probes == 1, picks
     snap = p.snapshot()
