@@ -1,5 +1,6 @@
-"""`ddtree-compile precompile` on CPU: tiny float32 Qwen3, budgets 4 and 8, batches 1 and 2 (eager:
-the compile-cache part is vLLM's own and is measured on the GPU, cold vs warm)."""
+"""`ddtree-compile precompile` on CPU: tiny float32 Qwen3, a fixed budget of 4 and budget "auto" over
+the menu 4 / 8 (its buckets and the chain), batches 1 and 2, the last engine started twice (eager: the
+compile-cache part is vLLM's own and is measured on the GPU, cold vs warm)."""
 
 import json
 
@@ -8,6 +9,7 @@ import pytest
 from ddtree_compile import cli
 from ddtree_compile.cli import precompile
 from ddtree_compile.integration import plugin
+from ddtree_compile.integration.round import auto_budget as ab
 from ddtree_compile.testing import models
 
 
@@ -19,6 +21,10 @@ def test_batch_buckets_and_bad_input():
         precompile.batch_buckets(0)
     with pytest.raises(SystemExit, match="--budgets"):
         cli.main(["precompile", "--model", "m", "--draft", "d", "--budgets", "8,x", "--max-batch", "2"])
+    with pytest.raises(SystemExit, match="--auto-budget"):
+        cli.main(["precompile", "--model", "m", "--draft", "d", "--auto-budget", "8,16;", "--max-batch", "2"])
+    with pytest.raises(SystemExit, match="--budgets or --auto-budget"):
+        cli.main(["precompile", "--model", "m", "--draft", "d", "--max-batch", "2"])
     with pytest.raises(SystemExit, match="--llm-kwargs"):
         cli.main(["precompile", "--model", "m", "--draft", "d", "--budgets", "8", "--max-batch", "2",
                   "--llm-kwargs", "[1]"])
@@ -31,15 +37,28 @@ def test_precompile_writes_the_cost_table(tmp_path, monkeypatch):
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
     kw = models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32")
     kw.pop("model"), kw.pop("max_num_seqs")
-    rc = cli.main(["precompile", "--model", str(target), "--draft", str(drafter), "--budgets", "4,8",
-                   "--max-batch", "2", "--top-k", "4", "--draft-len", "7", "--max-tokens", "8",
-                   "--llm-kwargs", json.dumps(kw)])
+    rc = cli.main(["precompile", "--model", str(target), "--draft", str(drafter), "--budgets", "4",
+                   "--auto-budget", "4,8", "--max-batch", "2", "--top-k", "4", "--draft-len", "7", "--max-tokens", "8",
+                   "--warm-start", "--llm-kwargs", json.dumps(kw)])
     assert rc == 0
     path = precompile.default_path(target, drafter, 4, 7, 2)
     assert path.parent == tmp_path / "cache" / "ddtree"
     table = json.loads(path.read_text())
-    assert [(b["budget"], b["batch"]) for b in table["buckets"]] == [(4, 1), (4, 2), (8, 1), (8, 2)]
+    t4 = ab.tree_kind(4, 8)
+    assert [(b["budget"], b.get("kind"), b["batch"]) for b in table["buckets"]] == [
+        (4, None, 1), (4, None, 2),  # the fixed budget's engine
+        (8, ab.TREE, 1), (8, ab.TREE, 2), (4, t4, 1), (4, t4, 2), (7, ab.CHAIN, 1), (7, ab.CHAIN, 2)]  # the menu's
     for b in table["buckets"]:
-        assert b["round_ms"] > 0 and b["tree_steps"] > 0, b
-        assert set(b["phase_ms"]) >= {"build", "verify", "walk", "commit"}
-    assert set(table["starts"]) == {"4", "8"} and all(s > 0 for s in table["starts"].values())
+        chain = b.get("kind") == ab.CHAIN
+        # every step of a row took the kind it times: trees of that bucket, or the chain
+        took_its_kind = b["chain_steps"] > 0 and b["tree_steps"] == 0 if chain else b["tree_steps"] > 0
+        assert b["round_ms"] > 0 and took_its_kind, b
+        assert set(b["phase_ms"]) >= ({"build"} if chain else {"build", "verify", "walk", "commit"}), b
+    assert set(table["starts"]) == {"4", "auto:4/8"} and all(s > 0 for s in table["starts"].values())
+    warm = table["warm_start"]
+    assert warm["engine"] == "auto:4/8" and warm["cold_s"] == table["starts"]["auto:4/8"] and warm["warm_s"] > 0
+    # budget "auto" reads the menu's rows as its priors: every bucket's tree and the chain, per batch bucket
+    priors = ab.table_priors(table, 8, 7, (4, 8))
+    want = {(kind, R): next(b["round_ms"] / 1e3 for b in table["buckets"] if b.get("kind") == kind and b["batch"] == R)
+            for kind in (ab.TREE, t4, ab.CHAIN) for R in (1, 2)}
+    assert priors == want

