@@ -37,6 +37,7 @@ What differs from 0.32 (everything else is the same code, checked line by line):
 
 from __future__ import annotations
 
+from ..core.buckets import capture_tokens
 from .forward import (  # noqa: F401  inside the replacement ops: forward context, layers
     AttentionParams,
     GdnParams,
@@ -241,14 +242,14 @@ def _extra_query_lens(runner, query_lens) -> set[int]:
     own = runner.uniform_decode_query_len
     rows = sorted({d.num_reqs for d in dispatcher.cudagraph_keys[CUDAGraphMode.FULL] if d.uniform and d.num_reqs})
     extra = {int(q) for q in query_lens
-             if int(q) != own and 1 < int(q) and rows and rows[-1] * int(q) <= runner.max_num_tokens}
+             if int(q) != own and 1 < int(q) and rows and capture_tokens(rows[-1], int(q)) <= runner.max_num_tokens}
     if (not rows or not extra or vc.lora_config is not None or vc.parallel_config.data_parallel_size > 1
             or vc.compilation_config.pass_config.enable_sp):
         return set()
     for q in extra:
         for r in rows:
             dispatcher.add_cudagraph_key(CUDAGraphMode.FULL,
-                                         BatchDescriptor(num_tokens=r * q, num_reqs=r, uniform=True))
+                                         BatchDescriptor(num_tokens=capture_tokens(r, q), num_reqs=r, uniform=True))
     determine = runner._determine_batch_execution_and_padding
 
     def _determine_batch_execution_and_padding(*args, **kw):
@@ -260,7 +261,7 @@ def _extra_query_lens(runner, query_lens) -> set[int]:
         pad = next((r for r in rows if r >= R), None)
         if (not args and q in extra and uniform and pad is not None and not kw.get("force_eager")
                 and not kw.get("use_cascade_attn") and not kw.get("num_encoder_reqs") and not kw.get("force_has_lora")):
-            desc = BatchDescriptor(num_tokens=pad * q, num_reqs=pad, uniform=True)
+            desc = BatchDescriptor(num_tokens=capture_tokens(pad, q), num_reqs=pad, uniform=True)
             return CUDAGraphMode.FULL, desc, False, None, None
         return determine(*args, **kw)
 

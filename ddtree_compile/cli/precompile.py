@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from ddtree_compile.core import buckets as buckets_mod
 from ddtree_compile.integration.drafter_logits import DrafterLogitsHook
 
 _CAND, _LOW = math.log(1e-9), -30.0  # the one candidate's logit; every other token's
@@ -54,14 +55,8 @@ class NeverRightDrafter(DrafterLogitsHook):
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, ... and max_batch itself."""
-    if max_batch < 1:
-        raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
-    out, r = [], 1
-    while r < max_batch:
-        out.append(r)
-        r *= 2
-    return out + [max_batch]
+    """1, 2, 4, ... and max_batch itself: budget "auto"'s batch buckets (core/buckets.py)."""
+    return buckets_mod.batch_buckets(max_batch)
 
 
 def default_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:

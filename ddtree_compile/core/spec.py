@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .buckets import verify_tokens
+
 MAX_BUDGET = 1024  # the paper sweeps up to 1024 nodes; past that a verify is not a decode step
 
 
@@ -47,7 +49,7 @@ class TreeSpec:
     @property
     def num_slots(self) -> int:
         """Verify tokens per request: root + budget."""
-        return self.budget + 1
+        return verify_tokens(self.budget)
 
     def depth_limit(self, draft_len: int) -> int:
         """Deepest possible node for a drafter proposing `draft_len` positions."""

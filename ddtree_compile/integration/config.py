@@ -23,6 +23,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from ddtree_compile.core import buckets
 from ddtree_compile.core.spec import MAX_BUDGET, TreeSpec
 from ddtree_compile.passes.entry import compilation_config
 
@@ -140,15 +141,9 @@ def _menu(value) -> int | tuple:
 
 
 def effective_budget(budget: int, top_k: int, draft_len: int) -> int:
-    """min(budget, nodes a top_k x draft_len tree can hold): a tree never has padding slots."""
-    k = min(top_k, budget)
-    total, level = 0, 1
-    for _ in range(draft_len):
-        level *= k
-        total += level
-        if total >= budget:
-            return budget
-    return total
+    """min(budget, nodes a top_k x draft_len tree can hold): a tree never has padding slots
+    (core/buckets.EFFECTIVE_BUDGET)."""
+    return buckets.effective_budget(budget, top_k, draft_len)
 
 
 def parse(additional_config) -> DDTreeConfig | None:

@@ -57,6 +57,7 @@ import pathlib
 
 import torch
 
+from ...core.buckets import batch_bucket
 from ..metrics import logger
 
 TREE, CHAIN = "tree", "chain"
@@ -77,8 +78,8 @@ def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) ->
 
 
 def bucket(R: int) -> int:
-    """The batch bucket of R requests: the largest power of two <= R."""
-    return 1 << (max(R, 1).bit_length() - 1)
+    """The batch bucket of R requests: the largest power of two <= R (core/buckets.BATCH_BUCKET)."""
+    return batch_bucket(R)
 
 
 def tree_kind(budget: int, largest: int) -> str:

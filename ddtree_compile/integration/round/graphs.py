@@ -31,6 +31,7 @@ import contextlib
 
 import torch
 
+from ...core.buckets import chain_tokens, verify_tokens
 from ...core.tree import num_mask_words
 from ..tree_context import TreeVerifyMetadata, tree_verify
 from .checks import check_reached
@@ -56,7 +57,7 @@ class GraphBuckets:
         """The uniform query lengths to capture FULL graphs of: every tree bucket's slots, the chain's
         L + 1 with budget "auto" (flat DFlash's verify)."""
         ctx = self.ctx
-        return {b + 1 for b in ctx.menu} | ({ctx.L + 1} if ctx.auto is not None else set())
+        return {verify_tokens(b) for b in ctx.menu} | ({chain_tokens(ctx.L)} if ctx.auto is not None else set())
 
     def holds_trees(self, N: int) -> bool:
         """Whether some FULL graph of N-slot batches holds the tree ops (a forward of such a batch must
@@ -123,14 +124,15 @@ class GraphBuckets:
         N, rest = divmod(num_tokens, max(num_reqs, 1))
         tree = not rest and N - 1 in ctx.menu and 0 < num_reqs <= ctx.view.max_num_reqs
         if not tree:
-            if not rest and N == ctx.L + 1 and ctx.auto is not None:
+            if not rest and N == chain_tokens(ctx.L) and ctx.auto is not None:
                 if capturing:
                     self.chain_captured.add(num_reqs)
                     ctx.metrics.chain_graph_sizes = sorted(self.chain_captured)
             else:
+                slots = "/".join(str(verify_tokens(b)) for b in ctx.menu)
                 ctx.log_once(f"graph:{num_tokens}/{num_reqs}", "DDTree: FULL CUDA graph of %d tokens for %d "
                              "requests is not a batch of trees of a bucket's size (%s slots): captured "
-                             "without the tree verify", num_tokens, num_reqs, "/".join(str(b + 1) for b in ctx.menu))
+                             "without the tree verify", num_tokens, num_reqs, slots)
             return None
         return self._capturing(N, num_reqs, capturing)
 

@@ -69,7 +69,7 @@ class RoundContext:
         self.spec = spec
         self.L = draft_len
         self.B = spec.budget  # the largest tree bucket: vLLM's draft slots, the round's buffers
-        self.N = self.B + 1
+        self.N = spec.num_slots
         self.menu = cfg.budget_menu(draft_len)  # the tree buckets a step may verify (budget "auto")
         self.max_depth = max(self.L, self.B)
         self.device = view.device

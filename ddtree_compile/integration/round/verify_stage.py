@@ -9,6 +9,7 @@ import time
 import torch
 
 from ... import adapters
+from ...core.buckets import chain_tokens
 from ...core.tree import TreeBatch, ancestor_closure, num_mask_words, pack_bits
 from ..tree_context import GdnVerify, TreeVerifyMetadata, tree_verify
 from .checks import check_reached
@@ -37,7 +38,7 @@ class VerifyStage:
         if not drafts:
             return None
         if pending is not None and pending.auto_chain:  # budget "auto" chose the chain: vLLM verifies it
-            R, N = ctx.view.num_reqs(), ctx.L + 1
+            R, N = ctx.view.num_reqs(), chain_tokens(ctx.L)
             if len(drafts) == R and all(int(n) == N for n in num_scheduled_tokens[:R]):
                 ctx.metrics.auto_chain_steps += 1
                 ctx.auto.verify_began(time.perf_counter())

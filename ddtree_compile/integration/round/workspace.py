@@ -32,6 +32,7 @@ import math
 import torch
 
 from ... import adapters
+from ...core import buckets
 from ...templates import tree_attention
 
 _RESERVE = "_ddtree_reserve"  # on the runner instance: the bytes held from profiling to attach
@@ -41,10 +42,10 @@ def gdn_shapes(p, n_layers: int, R: int, N: int, dtype) -> dict:
     """name -> (shape, dtype) of the GDN buffers for `n_layers` GDN layers of parameters `p`
     (adapters' GdnParams), R requests and trees of N slots. rec_kv / rec_gb are per KV cache
     group in Workspace; their byte total depends only on the layer count."""
-    qkv = p.num_k_heads * p.head_k_dim + p.num_v_heads * p.head_v_dim
-    return {"rec_kv": ((n_layers, R, N, qkv), dtype),
-            "rec_gb": ((n_layers, R, N, 2, p.num_v_heads), torch.float32),
-            "stack": ((R, max(N - 1, 1), p.num_v_heads, p.head_v_dim, p.head_k_dim), torch.float32)}
+    shape = buckets.gdn_workspace(n_layers, R, max(N - 1, 1), p.num_k_heads, p.head_k_dim, p.num_v_heads,
+                                  p.head_v_dim)
+    return {"rec_kv": (shape["rec_kv"], dtype), "rec_gb": (shape["rec_gb"], torch.float32),
+            "stack": (shape["stack"], torch.float32)}
 
 
 def attention_scratch_elems(view, attn_layers, R: int, N: int) -> int:

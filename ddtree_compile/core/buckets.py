@@ -1,0 +1,94 @@
+"""The round's bucket arithmetic in one place, as sympy expressions.
+
+    symbol  meaning
+    b       a tree bucket's nodes (the budget B for the largest)
+    L       the drafter's draft length (flat DFlash's chain)
+    k       top_k: candidates per depth
+    R       requests in a batch
+    q       tokens per request of a uniform batch
+    n       GatedDeltaNet layers in a KV cache group
+    H, K    GDN key heads and key head size; HV, V: value heads and value head size
+
+The capture (round/graphs.py, the vLLM 0.26 adapter's FULL keys), budget "auto" (its batch buckets),
+the precompile command (the batch sizes it times) and the memory plan (round/workspace.py) evaluate
+these expressions instead of restating them; `ddtree_compile.core.buckets.EXPRESSIONS` lists them.
+Evaluation substitutes integers and is exact (sympy's integer arithmetic, floor of a log included),
+cached per argument tuple: the hot path (auto's bucket per step) pays a dict lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import sympy as sp
+
+b, L, k, R, q, d = sp.symbols("b L k R q d", integer=True, positive=True)
+n, H, K, HV, V = sp.symbols("n H K HV V", integer=True, positive=True)
+
+VERIFY_TOKENS = b + 1  # a tree bucket's tokens per request: the root (last step's bonus) + b nodes
+CHAIN_TOKENS = L + 1  # the chain's: flat DFlash's verify of L drafts
+CAPTURE_TOKENS = R * q  # a FULL CUDA graph of R uniform requests of q tokens
+BATCH_BUCKET = 2 ** sp.floor(sp.log(R, 2))  # budget "auto"'s cost bucket: the largest power of two <= R
+TREE_CAPACITY = sp.Sum(k**d, (d, 1, L))  # nodes a top-k x L tree can hold (k per depth, L depths)
+EFFECTIVE_BUDGET = sp.Min(b, TREE_CAPACITY)  # the budget a tree can fill: a tree never has padding slots
+# the round's GDN workspace (round/workspace.py), shapes for R requests and b-node trees: per KV cache
+# group the per-node k and v of every GDN layer (model dtype) and g and beta (float32); the tree GDN
+# kernel's state at each depth (float32), shared by every layer
+GDN_SHAPES = {"rec_kv": (n, R, VERIFY_TOKENS, H * K + HV * V), "rec_gb": (n, R, VERIFY_TOKENS, 2, HV),
+              "stack": (R, b, HV, V, K)}
+
+EXPRESSIONS = {"verify_tokens": VERIFY_TOKENS, "chain_tokens": CHAIN_TOKENS, "capture_tokens": CAPTURE_TOKENS,
+               "batch_bucket": BATCH_BUCKET, "tree_capacity": TREE_CAPACITY, "effective_budget": EFFECTIVE_BUDGET}
+
+
+@functools.lru_cache(maxsize=4096)
+def _eval(name: str, values: tuple) -> int:
+    expr = EXPRESSIONS[name].doit() if name in ("tree_capacity", "effective_budget") else EXPRESSIONS[name]
+    out = expr.subs(dict(values))
+    if not out.is_Integer:
+        out = sp.simplify(out)
+    if not out.is_Integer:
+        raise ValueError(f"buckets.{name}{dict(values)} is not an integer: {out}")
+    return int(out)
+
+
+def _ints(**values) -> tuple:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"buckets: `{name}` must be an int >= 1, got {v!r}")
+    return tuple((globals()[name], v) for name, v in sorted(values.items()))
+
+
+def verify_tokens(budget: int) -> int:
+    return _eval("verify_tokens", _ints(b=budget))
+
+
+def chain_tokens(draft_len: int) -> int:
+    return _eval("chain_tokens", _ints(L=draft_len))
+
+
+def capture_tokens(requests: int, tokens_per_request: int) -> int:
+    return _eval("capture_tokens", _ints(R=requests, q=tokens_per_request))
+
+
+def batch_bucket(requests: int) -> int:
+    return _eval("batch_bucket", _ints(R=max(requests, 1)))
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes the precompile command times: every bucket below max_batch, and max_batch."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+    return sorted({batch_bucket(r) for r in range(1, max_batch)} | {max_batch})
+
+
+def effective_budget(budget: int, top_k: int, draft_len: int) -> int:
+    """min(budget, nodes a top_k x draft_len tree can hold)."""
+    return _eval("effective_budget", _ints(b=budget, k=min(top_k, budget), L=draft_len))
+
+
+def gdn_workspace(layers: int, requests: int, budget: int, key_heads: int, key_dim: int, value_heads: int,
+                  value_dim: int) -> dict:
+    """name -> shape of the GDN workspace: rec_kv and rec_gb of one KV cache group, the shared stack."""
+    v = dict(_ints(n=layers, R=requests, b=budget, H=key_heads, K=key_dim, HV=value_heads, V=value_dim))
+    return {name: tuple(int(sp.sympify(x).subs(v)) for x in shape) for name, shape in GDN_SHAPES.items()}
