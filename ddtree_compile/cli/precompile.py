@@ -75,7 +75,7 @@ def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_
     # the timing drives the engine's runner in this process (drafter hook, counters): without this a
     # plain shell's engine core would be a child process and DDTree's state out of reach
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from ddtree_compile.integration import config
+    from ddtree_compile.integration import config, engines
 
     if not budgets and not menu:
         raise ValueError("--budgets or --auto-budget must name at least one budget, e.g. 8,16,32")
@@ -98,13 +98,9 @@ def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_
             _time_engine(llm, key, buckets, prompts, max_tokens, draft_len, table["buckets"], progress,
                          len(engines_kw))
         finally:
-            from ddtree_compile.integration import engines
-
             engines.shutdown(llm)
     if warm_start:  # the last engine again: vLLM's compile cache (and Triton's) now warm
         llm, warm = _start(kw)
-        from ddtree_compile.integration import engines
-
         engines.shutdown(llm)
         key = engines_kw[-1][0]
         table["warm_start"] = {"engine": key, "cold_s": table["starts"][key], "warm_s": warm}
