@@ -194,7 +194,8 @@ def compiled_variant(rows: int, vocab: int, device: torch.device) -> tuple:
     """What Triton compiles a separate kernel for at this many rows: the launch table's constexprs
     (BLOCK, warps, PIPE, DIRECT; the merge's SP) and the integer specializations of `splits` (== 1,
     % 16). The plan follows the batch (splits fill the SMs), so a batch size never seen before can
-    compile a kernel mid-serving (on the H100 at L = 15, about six variants between 1 and 36 requests)."""
+    compile a kernel mid-serving (the H100 at the 4B shape: seven variants, 9 kernels, between 1 and 24
+    requests; benchmarks/results/gpu_jit_026_h100.json)."""
     block, _, splits, warps, pipe = plan_topk(rows, vocab, device)
     return block, warps, pipe, splits == 1, splits % 16 == 0, None if splits == 1 else _next_pow2(splits)
 
