@@ -20,7 +20,7 @@ except ImportError:  # CPU installs without triton: only the reference is availa
 if triton is not None:
 
     @triton.jit
-    def _product(val, wk, x, ROUND: tl.constexpr):
+    def _product(val, wk, ROUND: tl.constexpr):
         """val * wk, rounded to bf16 when following vLLM's CUDA conv (tree_conv_ref.vllm_cuda_order).
         Rounded to nearest even on the bits: the interpreter's float32 -> bf16 cast truncates."""
         p = val * wk
@@ -38,7 +38,7 @@ if triton is not None:
         tv = tl.load(x + row[:, None].to(tl.int64) * s_xt + c[None, :], mask=m2 & (code >= 0)[:, None], other=0.0)
         hv = tl.where((code == -1)[:, None], n1[None, :], tl.where((code == -2)[:, None], n2[None, :], n3[None, :]))
         val = tl.where((code >= 0)[:, None], tv.to(tl.float32), hv)
-        return acc + _product(val, wk[None, :], x, ROUND)
+        return acc + _product(val, wk[None, :], ROUND)
 
     @triton.jit
     def _tree_conv_kernel(x, s_xt, w, s_wd, s_ww, bias, state, s_sl, s_sd, s_sc, idx, s_ir, nacc, anc, out, s_ot,
@@ -96,7 +96,7 @@ if triton is not None:
                 if W > 2:
                     acc = _pred(acc, x, s_xt, ap + 1, tm, r, N, c, m2, n1, n2, n3, w2, ROUND)
                 acc = _pred(acc, x, s_xt, ap, tm, r, N, c, m2, n1, n2, n3, w1, ROUND)
-                acc = acc + _product(xo.to(tl.float32), w_own[None, :], x, ROUND)
+                acc = acc + _product(xo.to(tl.float32), w_own[None, :], ROUND)
                 if SILU:
                     acc = acc / (1 + tl.exp(-acc))
             else:

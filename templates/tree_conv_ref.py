@@ -69,7 +69,6 @@ def tree_conv1d_ref(x, weight, bias, conv_state, state_indices, num_accepted, co
     wf = weight.float()
     if vllm_order is None:
         vllm_order = vllm_cuda_order(x, weight, conv_state)
-    rnd = (lambda t: t.to(torch.bfloat16).float()) if vllm_order else (lambda t: t)
     preds = []
     for j in range(Wm1):  # (j+1)-th predecessor along the ancestry
         code = conv_anc[:, :, j].long()
@@ -79,9 +78,9 @@ def tree_conv1d_ref(x, weight, bias, conv_state, state_indices, num_accepted, co
     own = xr * wf[:, W - 1]
     if vllm_order:
         acc = bias.float().expand(R, N, D) if bias is not None else torch.zeros(R, N, D, device=x.device)
-        for p in reversed(preds):
-            acc = acc + rnd(p)
-        acc = acc + rnd(own)
+        for p in reversed(preds):  # each product rounded to bf16, as vLLM's kernel multiplies bf16 x bf16
+            acc = acc + p.to(torch.bfloat16).float()
+        acc = acc + own.to(torch.bfloat16).float()
         if silu:
             acc = acc / (1 + torch.exp(-acc))
     else:

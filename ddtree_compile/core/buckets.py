@@ -41,10 +41,12 @@ EXPRESSIONS = {"verify_tokens": VERIFY_TOKENS, "chain_tokens": CHAIN_TOKENS, "ca
                "batch_bucket": BATCH_BUCKET, "tree_capacity": TREE_CAPACITY, "effective_budget": EFFECTIVE_BUDGET}
 
 
+_EVALUABLE = {name: expr.doit() for name, expr in EXPRESSIONS.items()}  # the sum in closed form, once
+
+
 @functools.lru_cache(maxsize=4096)
 def _eval(name: str, values: tuple) -> int:
-    expr = EXPRESSIONS[name].doit() if name in ("tree_capacity", "effective_budget") else EXPRESSIONS[name]
-    out = expr.subs(dict(values))
+    out = _EVALUABLE[name].subs(dict(values))
     if not out.is_Integer:
         out = sp.simplify(out)
     if not out.is_Integer:
