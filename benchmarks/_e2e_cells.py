@@ -21,7 +21,8 @@ def median(runs) -> dict:
     """The run of median tok/s, with every run's tok/s and outputs and their summed wall time."""
     mid = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
     return mid | {"tok_s_runs": [r["tok_s"] for r in runs], "runs_outputs": [r["outputs"] for r in runs],
-                     "wall_s_total": sum(r["wall_s"] for r in runs)}  # the span of the cell's round counters
+                     "wall_s_total": sum(r["wall_s"] for r in runs),  # the span of the cell's round counters
+                     "steps_total": sum(r["steps"] for r in runs)}
 
 
 def match(outputs, reference) -> float:
@@ -39,6 +40,8 @@ def summary(r, ref, max_tokens) -> dict:
     out = {k: r[k] for k in ("wall_s", "output_tokens", "tok_s", "tpot_p50_ms", "tpot_p90_ms")} | {
         "reference_match": match(outputs, ref), "tok_s_runs": r.get("tok_s_runs", [r["tok_s"]]),
         "wall_s_total": r.get("wall_s_total", r["wall_s"])}
+    if "steps_total" in r:  # every mode's engine steps (prefill included): ms per step side by side
+        out["ms_per_step"] = 1e3 * out["wall_s_total"] / max(r["steps_total"], 1)
     if out["reference_match"] < 0.9:  # evidence for the closing note: where the outputs left the reference
         out["mismatch_heads"] = [{"output": o[:24], "reference": x[:24]} for o, x in zip(outputs, ref)][:4]
     return out

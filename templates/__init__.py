@@ -13,11 +13,13 @@ reference and the argument checks the launcher shares. ops.py registers every `d
     ddtree::gdn_commit        gdn_commit.py       gdn_commit_ref.py
     draft top-k (no op)       draft_topk.py       core/build.py `draft_topk`
     tree build (no op)        tree_build.py       core/build.py `_build`
+    GDN tree metadata (no op) gdn_meta_triton.py  gdn_meta.py `build_gdn_meta`
 
-The last two are not ops: core/build.py calls their Triton kernels in place of its own torch code
-(on CUDA, or when asked to), so that torch code is their reference.
+The last three are not ops: their callers (core/build.py, gdn_step.make_gdn_meta) run the Triton
+kernels in place of their own torch code on CUDA (or when asked to), so that torch code is their
+reference. The round's eager commit calls gdn_commit's and kv_compact's launchers directly on CUDA.
 
 Shared: tuning.py (launch parameters per GPU and the tree-attention bucket plan), launch.py (direct
-Triton launches), gdn_meta.py (per-step tree metadata of the GDN kernels), gdn_step.py (the GDN
+Triton launches), gdn_meta.py (per-step tree metadata of the GDN kernels, and its reference), gdn_step.py (the GDN
 verify / commit calls the integration makes).
 """

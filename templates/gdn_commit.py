@@ -6,7 +6,8 @@ layer its own cache tensors; the kernels read them through a cached device table
 (`pointer_table`), so there is one launch for all layers' states (records strategy: the replay;
 snapshots strategy: the copies; one program per block of BV value rows x request x value head x
 layer) and one for all layers' conv lines (one program per request x block of BD channels x layer;
-it also sets num_accepted).
+it also sets num_accepted). Layers of several KV cache groups share the launches: each layer reads
+its group's state lines and num_accepted (`layer_group`, a cached device table like the pointers).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ except ImportError:  # CPU installs without triton: only the reference is availa
 
 
 _PTR_TABLES: dict = {}
+_GROUP_TABLES: dict = {}
 
 
 def pointer_table(tensors) -> torch.Tensor:
@@ -40,11 +42,14 @@ if triton is not None:
     from ddtree_compile.templates.tree_gdn import gdn_update  # the delta-rule step the verify kernel runs
 
     @triton.jit
-    def _conv_commit_kernel(tab, like, s_sl, s_sd, s_sc, idx, s_ir, nacc, acc, s_ar, plen, D,
+    def _conv_commit_kernel(tab, like, s_sl, s_sd, s_sc, idx, s_ig, s_ir, nacc, s_ng, lgrp, acc, s_ar, plen, D,
                             W: tl.constexpr, BD: tl.constexpr):
         r = tl.program_id(0)
         cb = tl.program_id(1)
         layer = tl.program_id(2)
+        grp = tl.load(lgrp + layer).to(tl.int64)
+        idx += grp * s_ig
+        nacc += grp * s_ng
         n = tl.load(plen + r)
         line = tl.load(idx + r * s_ir).to(tl.int64)
         if n > 0:
@@ -59,17 +64,20 @@ if triton is not None:
                     s = tl.load(acc + r * s_ar + m)
                     v = tl.load(lp + (W - 2 + s) * s_sc, mask=tl.where(s != m, cm, False))
                     tl.store(lp + (W - 2 + m) * s_sc, v, mask=tl.where(s != m, cm, False))
-            if (cb == 0) & (layer == 0):
+            if cb == 0:  # every layer of the group stores the same n (nothing in this launch reads it)
                 tl.store(nacc + r, n)
 
     @triton.jit
-    def _state_commit_kernel(tab, like, s_sl, s_sh, s_sv, s_sk, idx, s_ir, s_ic, nacc, acc, s_ar, plen, snap,
-                             rec_kv, rec_gb, s_kvl, s_gbl, N, NS, H: tl.constexpr, HV: tl.constexpr,
+    def _state_commit_kernel(tab, like, s_sl, s_sh, s_sv, s_sk, idx, s_ig, s_ir, s_ic, nacc, s_ng, lgrp, acc, s_ar,
+                             plen, snap, rec_kv, rec_gb, s_kvl, s_gbl, N, NS, H: tl.constexpr, HV: tl.constexpr,
                              K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              REC: tl.constexpr, SNAP: tl.constexpr):
         i_v = tl.program_id(0)
         i_rh = tl.program_id(1)
         layer = tl.program_id(2).to(tl.int64)
+        grp = tl.load(lgrp + layer).to(tl.int64)
+        idx += grp * s_ig
+        nacc += grp * s_ng
         r = i_rh // HV
         hv = i_rh % HV
         hk = hv // (HV // H)
@@ -123,32 +131,47 @@ if triton is not None:
                 tl.store(base + dst * s_sl + st_off, h, mask=cm)
 
 
+def group_table(layer_group, n_layers: int, device) -> torch.Tensor:
+    """int32 device tensor of each layer's group (all 0 without groups), cached like pointer_table."""
+    key = (device, tuple(int(g) for g in layer_group) if layer_group is not None else (0,) * n_layers)
+    tab = _GROUP_TABLES.get(key)
+    if tab is None:
+        tab = torch.tensor(key[1], dtype=torch.int32, device=device)
+        _GROUP_TABLES[key] = tab
+    return tab
+
+
 def gdn_commit_triton(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                      width, snap_depth=None, block_d: int = 128, block_v: int = 32, num_warps: int = 4):
+                      width, snap_depth=None, layer_group=None, block_d: int = 128, block_v: int = 32,
+                      num_warps: int = 4):
     """Triton launcher (the state launch, then the conv launch that also sets num_accepted).
     Same contract as `gdn_commit_ref`; no host sync, no allocation after the first call."""
     if triton is None:
         raise RuntimeError("gdn_commit: triton is not installed")
     check_commit_args(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                      width, snap_depth)
+                      width, snap_depth, layer_group)
     R = accepted.shape[0]
     nl = len(conv_states)
+    grouped = layer_group is not None
+    lgrp = group_table(layer_group, nl, accepted.device)
+    s_ig, s_ng = (state_indices.stride(0), num_accepted.stride(0)) if grouped else (0, 0)
+    si = state_indices[0] if grouped else state_indices  # group 0's; a layer's group adds its offset
     rec = rec_kv is not None
-    if rec or state_indices.shape[1] > 1:
+    if rec or si.shape[1] > 1:
         ssm = ssm_states[0]
         _, HV, V, K = ssm.shape
         BV = min(block_v, triton.next_power_of_2(V))
-        dummy = state_indices  # (pointers the constexpr branches never read)
+        dummy = si  # (pointers the constexpr branches never read)
         _state_commit_kernel[(triton.cdiv(V, BV), R * HV, nl)](
-            pointer_table(ssm_states), ssm, *ssm.stride(), state_indices, *state_indices.stride(), num_accepted,
-            accepted, accepted.stride(0), path_len, dummy if snap_depth is None else snap_depth,
+            pointer_table(ssm_states), ssm, *ssm.stride(), state_indices, s_ig, *si.stride(), num_accepted, s_ng,
+            lgrp, accepted, accepted.stride(0), path_len, dummy if snap_depth is None else snap_depth,
             rec_kv if rec else dummy, rec_gb if rec else dummy, rec_kv.stride(0) if rec else 0,
-            rec_gb.stride(0) if rec else 0, rec_kv.shape[2] if rec else 0, state_indices.shape[1],
+            rec_gb.stride(0) if rec else 0, rec_kv.shape[2] if rec else 0, si.shape[1],
             H=(rec_kv.shape[3] - HV * V) // K if rec else 1, HV=HV, K=K, V=V,
             BK=triton.next_power_of_2(K), BV=BV, REC=rec, SNAP=snap_depth is not None, num_warps=num_warps)
     conv = conv_states[0]
     D = conv.shape[1]
     _conv_commit_kernel[(R, triton.cdiv(D, block_d), nl)](
-        pointer_table(conv_states), conv, *conv.stride(), state_indices, state_indices.stride(0), num_accepted,
-        accepted, accepted.stride(0), path_len, D, W=width, BD=block_d,
+        pointer_table(conv_states), conv, *conv.stride(), state_indices, s_ig, si.stride(0), num_accepted, s_ng,
+        lgrp, accepted, accepted.stride(0), path_len, D, W=width, BD=block_d,
         num_warps=4)

@@ -18,6 +18,11 @@ leaves vLLM's own chain layout, as if the n path tokens had been verified as a c
   path's already);
 - `num_accepted[r] = n` (in place): what vLLM itself sets from the sampled tokens.
 Per-layer cache tensors go in as lists (vLLM gives each layer its own tensors).
+
+Layers of several KV cache groups (each group its own state lines) go in one call: `state_indices`
+[G, R, NS] and `num_accepted` [G, R] per group, `layer_group[l]` the group of layer l. One call for
+every group instead of one per group: on the 4B shape vLLM makes 5 GDN groups, on the 27B 10, and
+each call costs host time (custom op dispatch, checks, launches) on every step.
 """
 
 from __future__ import annotations
@@ -35,9 +40,21 @@ def _check_same(tensors, name):
 
 
 def check_commit_args(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                      width, snap_depth=None):
+                      width, snap_depth=None, layer_group=None):
     """Shape/dtype checks (host only, no sync)."""
     R = accepted.shape[0]
+    if layer_group is not None:
+        G = state_indices.shape[0] if state_indices.dim() == 3 else 0
+        if state_indices.dim() != 3 or num_accepted.dim() != 2 or num_accepted.shape[0] != G:
+            raise ValueError(f"with layer_group, state_indices must be [G, R, NS] and num_accepted [G, R], got "
+                             f"{tuple(state_indices.shape)}, {tuple(num_accepted.shape)}")
+        if len(layer_group) != len(conv_states) or any(not 0 <= int(g) < G for g in layer_group):
+            raise ValueError(f"layer_group must give each of the {len(conv_states)} layers a group in 0..{G - 1}, "
+                             f"got {list(layer_group)}")
+        state_indices, num_accepted = state_indices[0], num_accepted[0]
+    elif state_indices.dim() != 2:
+        raise ValueError(f"state_indices must be int32 [R={R}, NS] (or [G, R, NS] with layer_group), got "
+                         f"{tuple(state_indices.shape)}")
     if snap_depth is not None and (snap_depth.shape != (R,) or snap_depth.dtype != torch.int32):
         raise ValueError(f"snap_depth must be int32 [R={R}] or None, got {snap_depth.dtype} {tuple(snap_depth.shape)}")
     if width not in (2, 3, 4):
@@ -77,10 +94,22 @@ def check_commit_args(conv_states, ssm_states, state_indices, num_accepted, acce
 
 
 def gdn_commit_ref(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                   width, snap_depth=None):
+                   width, snap_depth=None, layer_group=None):
     """Torch reference (float32 replay). Mutates the listed caches and num_accepted."""
     check_commit_args(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                      width, snap_depth)
+                      width, snap_depth, layer_group)
+    if layer_group is None:
+        layer_group, state_indices, num_accepted = [0] * len(conv_states), state_indices[None], num_accepted[None]
+    groups = sorted(set(int(g) for g in layer_group))
+    for g in groups:  # group by group: each group's layers read and set its own lines and num_accepted
+        mine = [i for i, x in enumerate(layer_group) if int(x) == g]
+        recs = (None, None) if rec_kv is None else (rec_kv[mine], rec_gb[mine])
+        _commit_group([conv_states[i] for i in mine], [ssm_states[i] for i in mine], state_indices[g],
+                      num_accepted[g], accepted, path_len, *recs, width, snap_depth)
+
+
+def _commit_group(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
+                  width, snap_depth):
     src_lines = committed_lines(state_indices, num_accepted)
     single = state_indices.shape[1] == 1
     for r in range(accepted.shape[0]):

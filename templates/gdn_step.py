@@ -11,7 +11,9 @@ import os
 
 import torch
 
+from ddtree_compile.templates import gdn_meta_triton
 from ddtree_compile.templates import ops  # noqa: F401  registers the ddtree:: ops called below
+from ddtree_compile.templates.gdn_commit import gdn_commit_triton
 from ddtree_compile.templates.gdn_meta import GdnTreeMeta, build_gdn_meta, validate_path, validate_tree
 
 
@@ -20,9 +22,12 @@ def debug_enabled() -> bool:
 
 
 def make_gdn_meta(parents: torch.Tensor, width: int, max_depth: int | None = None) -> GdnTreeMeta:
-    """`build_gdn_meta`, validating the tree first in debug mode."""
+    """`build_gdn_meta`, validating the tree first in debug mode. On CUDA one Triton launch builds
+    the same tensors (gdn_meta_triton); the torch ops it replaces are ~350 kernels a graph replay."""
     if debug_enabled():
         validate_tree(parents, max_depth)
+    if parents.is_cuda and gdn_meta_triton.supports(parents.shape[-1]):
+        return gdn_meta_triton.build_gdn_meta_triton(parents, width, max_depth)
     return build_gdn_meta(parents, width, max_depth)
 
 
@@ -48,9 +53,14 @@ def tree_gdn_verify(mixed_qkv, b, a, core_attn_out, conv_state, ssm_state, conv_
 
 
 def commit_accepted_path(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, width,
-                         rec_kv=None, rec_gb=None, parents=None, snap_depth=None):
-    """All GDN layers' commit (see gdn_commit). In debug mode the walk result is checked against `parents`."""
+                         rec_kv=None, rec_gb=None, parents=None, snap_depth=None, layer_group=None):
+    """All GDN layers' commit, of every KV cache group with `layer_group` (see gdn_commit). In debug
+    mode the walk result is checked against `parents`."""
     if debug_enabled() and parents is not None:
         validate_path(accepted, path_len, parents)
-    torch.ops.ddtree.gdn_commit(list(conv_states), list(ssm_states), state_indices, num_accepted, accepted,
-                                path_len, rec_kv, rec_gb, width, snap_depth)
+    args = (list(conv_states), list(ssm_states), state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
+            width, snap_depth, layer_group)
+    if accepted.is_cuda:  # always eager, never traced: the launcher without the op's per-call dispatch
+        gdn_commit_triton(*args)
+    else:
+        torch.ops.ddtree.gdn_commit(*args)

@@ -152,20 +152,20 @@ def _tree_gdn_fake(qkv, a, b, A_log, dt_bias, ssm_state, state_indices, num_acce
 @torch.library.custom_op("ddtree::gdn_commit", mutates_args=("conv_states", "ssm_states", "num_accepted"))
 def gdn_commit(conv_states: list[Tensor], ssm_states: list[Tensor], state_indices: Tensor, num_accepted: Tensor,
                accepted: Tensor, path_len: Tensor, rec_kv: Optional[Tensor], rec_gb: Optional[Tensor],
-               width: int, snap_depth: Optional[Tensor] = None) -> None:
+               width: int, snap_depth: Optional[Tensor] = None, layer_group: Optional[list[int]] = None) -> None:
     gdn_commit_ref(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb, width,
-                   snap_depth)
+                   snap_depth, layer_group)
 
 
 @gdn_commit.register_kernel("cuda")
 def _gdn_commit_cuda(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                     width, snap_depth=None) -> None:
+                     width, snap_depth=None, layer_group=None) -> None:
     gdn_commit_triton(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                      width, snap_depth)
+                      width, snap_depth, layer_group)
 
 
 @gdn_commit.register_fake
 def _gdn_commit_fake(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                     width, snap_depth=None) -> None:
+                     width, snap_depth=None, layer_group=None) -> None:
     check_commit_args(conv_states, ssm_states, state_indices, num_accepted, accepted, path_len, rec_kv, rec_gb,
-                      width, snap_depth)
+                      width, snap_depth, layer_group)

@@ -32,6 +32,7 @@ def test_bench_e2e_smoke(bench, tmp_path):
         assert r["output_tokens"] == 24 * c and r["tok_s"] > 0 and r["reference_match"] == 1.0, r
         assert r["tpot_p50_ms"] > 0 and r["tpot_p90_ms"] >= r["tpot_p50_ms"]
         assert len(r["tok_s_runs"]) == 2 and r["tok_s"] in r["tok_s_runs"] and r["wall_s_total"] > r["wall_s"]
+        assert 0 < r["ms_per_step"] < 1e3 * r["wall_s_total"] / 2, r  # at least one step per run
         if mode != "nospec":
             assert r["tokens_per_round"] > 1.5 and r["rounds"] > 0, r  # the oracle's drafts were accepted
     for c in (1, 2):

@@ -201,6 +201,48 @@ def test_commit_triton_matches_reference(W, records, snap):
     assert torch.equal(res[1][2], res[0][2]) and int(res[0][2][3]) == int(na[3])
 
 
+@pytest.mark.parametrize("records", [False, True])
+def test_commit_of_several_groups_in_one_call(records):
+    """Layers of two KV cache groups (their own state lines and num_accepted) in one call: equal to one
+    reference call per group, and the Triton kernels equal the grouped reference."""
+    gen = torch.Generator().manual_seed(7 + records)
+    W, R, N, groups = 4, 3, 6, [0, 1, 0, 1, 1]
+    nl = len(groups)
+    convs = [torch.randn(4 * R * N, W - 2 + N, D, generator=gen).transpose(1, 2) for _ in range(nl)]
+    ssms = [torch.randn(4 * R * N, HV, V, K, generator=gen) for _ in range(nl)]
+    si = torch.stack([1 + torch.arange(R * N, dtype=torch.int32).view(R, N),
+                      1 + R * N + torch.randperm(R * N, generator=gen).to(torch.int32).view(R, N)])
+    na = torch.randint(1, N + 1, (2, R), generator=gen, dtype=torch.int32)
+    parents = torch.tensor([random_parents(k, N, N, gen) for k in ("bushy", "deep", "star")])
+    accepted, path_len = pick_paths(parents, gen, "last")
+    rec_kv = torch.randn(nl, R, N, H * K + HV * V, generator=gen) if records else None
+    rec_gb = torch.rand(nl, R, N, 2, HV, generator=gen) if records else None
+
+    def run(fn):
+        c, s, n = [t.clone() for t in convs], [t.clone() for t in ssms], na.clone()
+        if fn is None:  # one reference call per group, the oracle of the grouping
+            for g in (0, 1):
+                mine = [i for i, x in enumerate(groups) if x == g]
+                recs = (rec_kv[mine], rec_gb[mine]) if records else (None, None)
+                gdn_commit_ref([c[i] for i in mine], [s[i] for i in mine], si[g], n[g], accepted, path_len, *recs, W)
+        else:
+            fn(c, s, si, n, accepted, path_len, rec_kv, rec_gb, W, None, groups)
+        return c, s, n
+
+    want, ref, got = run(None), run(gdn_commit_ref), run(gdn_commit_triton)
+    for i in range(nl):
+        assert torch.equal(ref[0][i], want[0][i]) and torch.equal(ref[1][i], want[1][i])
+        assert not torch.equal(want[1][i], ssms[i]) or not records  # the commit wrote something
+        torch.testing.assert_close(got[0][i], want[0][i], rtol=0, atol=0)
+        torch.testing.assert_close(got[1][i], want[1][i], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ref[2], want[2]) and torch.equal(got[2], want[2])
+    assert torch.equal(want[2][0], path_len) and torch.equal(want[2][1], path_len)
+    with pytest.raises(ValueError, match="layer_group must give each"):
+        gdn_commit_ref(convs, ssms, si, na.clone(), accepted, path_len, rec_kv, rec_gb, W, None, [0, 1, 2, 0, 0])
+    with pytest.raises(ValueError, match=r"state_indices must be \[G, R, NS\]"):
+        gdn_commit_ref(convs, ssms, si[0], na[0].clone(), accepted, path_len, rec_kv, rec_gb, W, None, groups)
+
+
 def test_custom_ops_cpu_and_compile():
     """torch.ops.ddtree.* run the reference on CPU and trace under torch.compile (fake impls)."""
     gen = torch.Generator().manual_seed(0)

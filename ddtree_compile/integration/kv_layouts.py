@@ -62,9 +62,14 @@ class StridedLayout:
     def compact(self, kv_caches, head_size, block_table, src_pos, dst_pos) -> None:
         """Move token src_pos[r, m] -> dst_pos[r, m] in every layer (moves in list order)."""
         from ddtree_compile.templates import ops  # noqa: F401  registers ddtree::kv_compact
+        from ddtree_compile.templates.kv_compact import launch_kv_compact
 
         pairs = [self.views(c, head_size) for c in kv_caches]
-        torch.ops.ddtree.kv_compact([k for k, _ in pairs], [v for _, v in pairs], block_table, src_pos, dst_pos)
+        args = ([k for k, _ in pairs], [v for _, v in pairs], block_table, src_pos, dst_pos)
+        if src_pos.is_cuda:  # always eager, never traced: the launcher without the op's per-call dispatch
+            launch_kv_compact(*args)
+        else:
+            torch.ops.ddtree.kv_compact(*args)
 
 
 class PackedLayout(StridedLayout):

@@ -36,10 +36,14 @@ class CommitStage:
                 if len(layouts) != 1:  # one ISA per KV cache group (vLLM picks it per group)
                     raise RuntimeError(f"KV cache group {gid}: layers in several layouts {layouts}")
                 kv[gid] = (layouts.pop(), [x.kv_cache for x in layers], A.attention_params(layers[0]).head_size)
-            gdn = {}
-            for gid, names in ctx.gdn_groups.items():
+            gdn, every = {}, ([], [], [])  # per group; and all groups' layers in group order
+            for g, (gid, names) in enumerate(ctx.gdn_groups.items()):
                 views = [A.gdn_state_views(ctx.layer(n)) for n in names]
                 gdn[gid] = ([c for c, _, _ in views], [s for _, s, _ in views], views[0][2].shape[-1])
+                every[0].extend(gdn[gid][0])
+                every[1].extend(gdn[gid][1])
+                every[2].extend([g] * len(names))
+            gdn["all"] = every
             self._views = {"kv": kv, "gdn": gdn}
         return self._views
 
@@ -49,8 +53,9 @@ class CommitStage:
             layout.compact(caches, head_size, step.block_tables[gid].to(torch.int32), plan.src_pos, plan.dst_pos)
 
     def _commit_gdn(self, step: Step) -> None:
-        """Per GDN KV cache group: conv window and state of the accepted path; with prefix caching
-        also the state at the step's block boundary (core.commit.block_boundary_depth)."""
+        """Every GDN KV cache group's conv window and state of the accepted path in one call (each
+        group reads its own state lines); with prefix caching also the state at the step's block
+        boundary (core.commit.block_boundary_depth)."""
         from ...templates.gdn_step import commit_accepted_path
 
         replay = self.ctx.cfg.gdn_state == "replay"
@@ -58,21 +63,28 @@ class CommitStage:
         path_len = step.walk.num_accepted.to(torch.int32)
         block = self.ctx.view.settings.mamba_align_block_size
         snap = None if block is None else block_boundary_depth(step.start, path_len, block)
-        for gid, names in self.ctx.gdn_groups.items():
-            state_indices, verify_num_accepted = step.gdn_groups[gid]
-            convs, ssms, width = self._cache_views()["gdn"][gid]
-            before = None
-            if self.commit_hooks:  # the requests' conv lines as the verify left them
-                before = {"conv_lines": [c[state_indices[:, 0].long()].clone() for c in convs]}
-            num_accepted = verify_num_accepted.clone()  # the verify's committed column; becomes the path's length
-            rec_kv, rec_gb = step.gdn_records[gid] if replay else (None, None)
-            commit_accepted_path(convs, ssms, state_indices, num_accepted, accepted, path_len, width,
-                                 rec_kv=rec_kv, rec_gb=rec_gb, parents=step.tree.parents, snap_depth=snap)
+        views = self._cache_views()["gdn"]
+        gids = list(self.ctx.gdn_groups)
+        state_indices = torch.stack([step.gdn_groups[g][0] for g in gids]).to(torch.int32)
+        # the verify's committed columns, one row per group; the commit makes them the paths' lengths
+        num_accepted = torch.stack([step.gdn_groups[g][1] for g in gids]).to(torch.int32)
+        before = None
+        if self.commit_hooks:  # the requests' conv lines as the verify left them
+            before = {g: {"conv_lines": [c[state_indices[i, :, 0].long()].clone() for c in views[g][0]]}
+                      for i, g in enumerate(gids)}
+        convs, ssms, layer_group = views["all"]
+        rec_kv, rec_gb = step.gdn_records_all if replay else (None, None)
+        commit_accepted_path(convs, ssms, state_indices, num_accepted, accepted, path_len, views[gids[0]][2],
+                             rec_kv=rec_kv, rec_gb=rec_gb, parents=step.tree.parents, snap_depth=snap,
+                             layer_group=layer_group)
+        for i, gid in enumerate(gids if self.commit_hooks else ()):
+            group_convs, group_ssms, width = views[gid]
+            info = {"step": step, "group": gid, "layers": self.ctx.gdn_groups[gid], "before": before[gid],
+                    "ssm": group_ssms, "conv": group_convs, "width": width, "state_indices": state_indices[i],
+                    "verify_num_accepted": step.gdn_groups[gid][1], "num_accepted": num_accepted[i],
+                    "records": step.gdn_records.get(gid), "snap_depth": snap}
             for hook in self.commit_hooks:
-                hook(self.ctx, {"step": step, "group": gid, "layers": names, "before": before, "ssm": ssms,
-                                "conv": convs, "width": width, "state_indices": state_indices,
-                                "verify_num_accepted": verify_num_accepted, "num_accepted": num_accepted,
-                                "records": step.gdn_records.get(gid), "snap_depth": snap})
+                hook(self.ctx, info)
 
     def reorder_drafter_inputs(self, step: Step, aux_hidden_states) -> None:
         """Accepted path rows first in each request's segment (core.walk.drafter_order, which the

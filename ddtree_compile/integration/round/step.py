@@ -48,6 +48,7 @@ class Step:
     block_tables: dict = field(default_factory=dict)  # kv group id -> block table of the verify
     gdn_groups: dict = field(default_factory=dict)  # kv group id -> (state_indices, num_accepted) of the verify
     gdn_records: dict = field(default_factory=dict)  # kv group id -> (rec_kv, rec_gb) of all its layers
+    gdn_records_all: tuple | None = None  # (rec_kv, rec_gb) of every GDN layer, in KV cache group order
     debug_pre: dict | None = None  # tests: GDN layer -> fp32 committed state [R, HV, V, K] before the verify
     walk: WalkResult | None = None  # combined (tree + chain rows) accepted paths
     committed: bool = False  # commit_stage ran (once per step)

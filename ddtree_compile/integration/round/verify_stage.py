@@ -175,12 +175,12 @@ class VerifyStage:
                     ssm = adapters.current().gdn_state_views(ctx.layer(n))[1]
                     step.debug_pre[n] = ssm[lines].float().clone()
         if graph_rows is not None:  # the bucket's GdnVerify and records, as captured in its graph
-            step.gdn_records = self.records(graph_rows)[1]
+            _, step.gdn_records, step.gdn_records_all = self.records(graph_rows)
             return
         records = ctx.cfg.gdn_state == "replay" or self.debug_gdn_records
         meta.gdn = self.gdn_verify(step.R, records)
         if records:
-            step.gdn_records = self.records(step.R)[1]
+            _, step.gdn_records, step.gdn_records_all = self.records(step.R)
 
     def close(self) -> None:
         """Free the workspace and every bucket's metadata (the engine shut down)."""
@@ -191,7 +191,7 @@ class VerifyStage:
 
     def records(self, rows: int):
         """Per-node k/v and g/beta buffers of the first `rows` requests: ({layer prefix: (rec_kv,
-        rec_gb)}, {group: stacked [layers, rows, N, ...]}), views of the engine's Workspace
+        rec_gb)}, {group: stacked [layers, rows, N, ...]}, all layers stacked), views of the engine's Workspace
         (workspace.py): every step's verify overwrites the rows it commits from and the commit of
         the same step reads them, so no step allocates and a CUDA graph's records sit at fixed
         addresses."""

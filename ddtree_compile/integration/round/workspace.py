@@ -117,21 +117,26 @@ class Workspace:
         A = adapters.current()
         self.reserved = release(ctx.view.runner)
         planned = shapes(ctx.view, {"attention": ctx.attn_layers, "gdn": ctx.gdn_layers}, ctx.N)
-        self.per_layer, self.per_group, self.stack = {}, {}, None
+        self.per_layer, self.per_group, self.all_layers, self.stack = {}, {}, None, None
         if ctx.hybrid:
-            p = A.gdn_params(ctx.layer(ctx.gdn_layers[0]))
+            # one buffer for every GDN layer, in KV cache group order: a group's layers are a slice of
+            # it, and the commit of all groups reads it in one launch (commit_stage.py)
+            rec_kv, rec_gb = (_empty(planned[k], ctx.device) for k in ("rec_kv", "rec_gb"))
+            self.all_layers = (rec_kv, rec_gb)
+            first = 0
             for gid, names in ctx.gdn_groups.items():
-                group = gdn_shapes(p, len(names), ctx.view.max_num_reqs, ctx.N, ctx.view.dtype)
-                rec_kv, rec_gb = (_empty(group[k], ctx.device) for k in ("rec_kv", "rec_gb"))
-                self.per_group[gid] = (rec_kv, rec_gb)
-                for i, n in enumerate(names):
+                self.per_group[gid] = (rec_kv[first:first + len(names)], rec_gb[first:first + len(names)])
+                for i, n in enumerate(names, first):
                     self.per_layer[A.gdn_params(ctx.layer(n)).prefix] = (rec_kv[i], rec_gb[i])
+                first += len(names)
             self.stack = _empty(planned["stack"], ctx.device)
         self.attn_scratch = _empty(planned["attn_scratch"], ctx.device) if "attn_scratch" in planned else None
-        tensors = [t for kv_gb in self.per_group.values() for t in kv_gb] + [self.stack, self.attn_scratch]
+        tensors = [*(self.all_layers or ()), self.stack, self.attn_scratch]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def records(self, rows: int):
-        """({layer prefix: (rec_kv, rec_gb)}, {group: stacked [layers, rows, N, ...]}) of the first rows."""
+        """({layer prefix: (rec_kv, rec_gb)}, {group: stacked [layers, rows, N, ...]}, every layer's
+        (rec_kv, rec_gb) in group order) of the first rows."""
+        every = None if self.all_layers is None else tuple(t[:, :rows] for t in self.all_layers)
         return ({k: (kv[:rows], gb[:rows]) for k, (kv, gb) in self.per_layer.items()},
-                {g: (kv[:, :rows], gb[:, :rows]) for g, (kv, gb) in self.per_group.items()})
+                {g: (kv[:, :rows], gb[:, :rows]) for g, (kv, gb) in self.per_group.items()}, every)
