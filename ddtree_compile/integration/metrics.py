@@ -77,6 +77,9 @@ class DDTreeMetrics:
         # budget "auto"'s inputs: tree rows, accepted, off-chain of the largest bucket's steps, then
         # per smaller bucket of the menu what it would have accepted (set_menu)
         self._largest = torch.zeros(3, dtype=torch.int64, device=device)
+        # on the device once: indexing a CUDA tensor with a host list copies the list from pageable
+        # memory, which waits for the stream (here: for the whole tree verify, every step)
+        self._acceptance = torch.tensor(_ACCEPTANCE, device=device)
         self.budget_steps: collections.Counter = collections.Counter()  # tree bucket (nodes) -> tree steps
         self.tree_steps = 0  # steps verified as trees
         self.chain_steps = 0  # steps with drafts verified as a plain chain (whole-step fallback)
@@ -114,7 +117,7 @@ class DDTreeMetrics:
         self._acc += row
         self._hist.scatter_add_(0, acc.clamp(max=self.max_depth), t)
         if largest:
-            parts = [row[_ACCEPTANCE]] + ([] if within is None else [(within * t).sum(-1)])
+            parts = [row.index_select(0, self._acceptance)] + ([] if within is None else [(within * t).sum(-1)])
             self._largest += torch.cat(parts)
 
     def acceptance_totals(self) -> torch.Tensor:
