@@ -83,6 +83,10 @@ def runs(request, dirs):
         harness.shutdown(llm)
     llm = _ddtree(dirs, top_k=TOP_K, gdn_state=gdn_state)
     try:
+        out["gdn_state"] = gdn_state  # and the GDN state slots vLLM allotted (tests/test_gdn_slots.py)
+        out["spec_blocks"] = {g.kv_cache_spec.num_speculative_blocks for g in
+                              engines.find_runner(llm).kv_cache_config.kv_cache_groups
+                              if hasattr(g.kv_cache_spec, "num_speculative_blocks")}
         state = engines.find_state(llm)
         state.debug_gdn_records = True
         check = harness.GdnStateCheck()
@@ -121,6 +125,12 @@ def test_tree_matches_its_chain_harness_drafter_with_siblings(runs, dirs):
     # Many rounds before any divergence, sibling rounds among them.
     agreed = [g["divergence"] or MAX_TOKENS for g in report]
     assert sum(agreed) >= MAX_TOKENS * len(PROMPTS) // 2
+
+
+def test_gdn_state_slots_follow_the_strategy(runs):
+    """Budget 16 > L = 8: replay runs on flat DFlash's 1 + L state slots per request, snapshots keep
+    1 + K (a state per tree node)."""
+    assert runs["spec_blocks"] == ({DRAFT_LEN} if runs["gdn_state"] == "replay" else {BUDGET})
 
 
 def test_committed_gdn_state_matches_float32_replay(runs):

@@ -193,6 +193,18 @@ class RunnerView(abc.ABC):
     def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(state_indices int32 [R, 1+K], num_accepted int32 [R]) of a pure spec-decode GDN batch."""
 
+    @abc.abstractmethod
+    def gdn_state_slots(self) -> tuple[int, int]:
+        """(GDN state slots vLLM allotted per request: 1 + its spec blocks, from the engine's KV cache
+        config; bytes of one slot over every GDN layer), (0, 0) without GDN layers. Columns of
+        `gdn_spec_addressing` past the slots hold vLLM's null block (adapters/gdn_slots.py)."""
+
+    @abc.abstractmethod
+    def limit_accepted(self, max_tokens: int) -> None:
+        """From now on vLLM's own rejection sampler on this runner emits at most `max_tokens` tokens per
+        request (a prefix of its output: lossless), for an engine the round does not serve whose GDN
+        state slots are fewer than 1 + num_speculative_tokens."""
+
     # -- the drafter -----------------------------------------------------------------------------------
     @abc.abstractmethod
     def drafter_draft_len(self) -> int: ...

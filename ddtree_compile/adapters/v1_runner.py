@@ -12,6 +12,7 @@ import torch
 
 from .engine import engine_settings
 from .forward import forward_attn_metadata
+from .gdn_state import gdn_state_slots, limit_accepted
 from .interface import RunnerView, SpecBatch
 
 _PATCHED = "_ddtree_patched"
@@ -249,6 +250,12 @@ class V1RunnerView(RunnerView):
         path rolls the conv window by num_speculative_tokens: fewer drafts corrupt the state
         (seen on 0.32: outputs diverge after the first short verify)."""
         return self.device.type == "cuda"
+
+    def gdn_state_slots(self) -> tuple[int, int]:
+        return gdn_state_slots(self.runner)
+
+    def limit_accepted(self, max_tokens: int) -> None:
+        limit_accepted(self.runner, max_tokens)
 
     def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(state_indices int32 [R, 1+K], num_accepted int32 [R]) of a pure spec-decode GDN batch."""

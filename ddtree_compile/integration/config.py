@@ -13,8 +13,10 @@ from the precompile cost table and the acceptance DDTree measures (round/auto_bu
 `additional_config` is hashed into vLLM's config and compile-cache keys and reaches every process.
 L is the drafter's block (the flat DFlash chain length: the drafter proposes L positions per round);
 K sizes vLLM's draft slots and buffers, so it must hold the tree (K >= B) and the drafter's query
-(K >= L). `vllm_kwargs` picks K for you. Hybrid (GatedDeltaNet) targets keep one conv window per
-draft slot, and the tree templates need exactly one slot per tree node: K == B there.
+(K >= L). `vllm_kwargs` picks K for you. On hybrid (GatedDeltaNet) targets the tree templates read
+conv lines of W - 1 + K columns and K + 1 state indices per request: K == B there. With the default
+"replay" GDN strategy vLLM allots only 1 + L GDN state slots per request, as for flat DFlash
+(adapters/gdn_slots.py); "snapshots" keeps 1 + K (a state per tree node).
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: flo
     b_eff = effective_budget(cfg.tree_budget, top_k, cfg.draft_len)
     kwargs = {
         "speculative_config": {"method": "dflash", "model": str(draft_model),
-                               "num_speculative_tokens": max(b_eff, cfg.draft_len)},
+                               "num_speculative_tokens": buckets.draft_slots(b_eff, cfg.draft_len)},
         "additional_config": {KEY: cfg.to_dict()},
         "async_scheduling": False,
     }

@@ -4,8 +4,8 @@ pyproject entry point (group `vllm.general_plugins`):  ddtree = "ddtree_compile.
 
 vLLM runs `register()` once per process (front end, engine core, workers) before the runner
 classes are used. It only installs the adapter's runner hooks (adapters/: before the model loads,
-when vLLM profiles memory, once the KV caches exist), which do nothing unless an engine's
-`additional_config` holds a "ddtree" entry. On a vLLM outside the adapters' window nothing is
+when vLLM profiles memory, when it collects the layers' KV cache specs, once the KV caches exist),
+which do nothing unless an engine's `additional_config` holds a "ddtree" entry. On a vLLM outside the adapters' window nothing is
 patched: an engine with DDTree switched on then runs as flat DFlash, and the
 reason is logged once per process and counted (metrics.PROCESS_STARTUP_FALLBACKS).
 """
@@ -34,6 +34,7 @@ def register() -> None:
         return
     adapter.install_model_load_hook(_on_model_load)
     adapter.install_memory_profile_hook(_on_memory_profile)
+    adapter.install_kv_cache_spec_hook(_gdn_spec_blocks)
     adapter.install_kv_cache_hook(_on_kv_caches_ready)
 
 
@@ -63,6 +64,19 @@ def _on_memory_profile(runner) -> None:
         from ddtree_compile.integration.round import workspace
 
         workspace.reserve(runner, cfg)
+
+
+def _gdn_spec_blocks(runner) -> int | None:
+    """vLLM collects the layers' KV cache specs (in the worker, before the cache is sized; the engine
+    core and its scheduler take them from there): a hybrid DDTree engine that replays its GDN state
+    needs L speculative state slots per request, not num_speculative_tokens (round/checks.py
+    gdn_spec_blocks); None leaves vLLM's."""
+    from ddtree_compile.integration import config
+    from ddtree_compile.integration.round.checks import gdn_spec_blocks
+
+    A = adapters.current()
+    cfg = config.parse(A.engine_switches(runner)[0])
+    return None if cfg is None else gdn_spec_blocks(A.settings_of(runner), cfg)
 
 
 def _on_kv_caches_ready(runner) -> None:

@@ -38,13 +38,28 @@ def validate(settings, cfg: config_mod.DDTreeConfig) -> tuple[int, int]:
                          f"ddtree_compile.vllm_kwargs sets it for you")
     if settings.is_hybrid and K != b_eff:
         raise ValueError(
-            f"hybrid (GatedDeltaNet) target: the tree needs one state/conv slot per node, so "
+            f"hybrid (GatedDeltaNet) target: the tree templates read a conv line and state indices sized for "
+            f"one draft slot per node, so "
             f"speculative_config.num_speculative_tokens must equal the budget ({b_eff}), got {K}; this needs "
             f"budget >= num_speculative_tokens (the draft length {L}) on hybrid models")
     if not settings.padded_drafter_batch:
         raise ValueError("DDTree needs vLLM's padded drafter batch: leave speculative_config."
                          "disable_padded_drafter_batch off")
     return L, K
+
+
+def gdn_spec_blocks(settings, cfg: config_mod.DDTreeConfig) -> int | None:
+    """The speculative GDN state slots per request a hybrid engine needs beyond the committed one:
+    L with the replay strategy (the verify reads the committed slot only, the commit writes column
+    n - 1 <= L, vLLM's chain of L drafts columns 0..L), or None: vLLM's K (snapshots keep a state
+    per tree node; settings `validate` refuses; not a hybrid; L == K)."""
+    if not settings.is_hybrid or cfg.gdn_state != "replay":
+        return None
+    try:
+        L, K = validate(settings, cfg)
+    except ValueError:  # attach fails the engine with the same message
+        return None
+    return L if L < K else None
 
 
 def classify_layers(view) -> dict:

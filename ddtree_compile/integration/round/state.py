@@ -23,9 +23,14 @@ CPU templates (torch references) sync internally (`.tolist()` loops); the CUDA o
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
+import torch
+
 from ... import adapters
+from ...core.buckets import gdn_request_bytes
+from ...core.walk import drafter_order
 from .. import config as config_mod
 from ..engines import set_state, state_of
 from ..metrics import PROCESS_STARTUP_FALLBACKS, DDTreeMetrics, logger
@@ -33,7 +38,7 @@ from ..tree_ops import kv_layout, redirect_ops_for_eager, release_eager_redirect
 from .auto_budget import from_config as auto_policy
 from .auto_budget import serveable_menu
 from .build_stage import BuildStage
-from .checks import UnsupportedEngine, check_engine, classify_layers, validate
+from .checks import UnsupportedEngine, check_engine, classify_layers, gdn_spec_blocks, validate
 from .commit_stage import CommitStage
 from .step import Pending, RoundContext, Step
 from .verify_stage import VerifyStage
@@ -51,14 +56,19 @@ def attach(runner, cfg: config_mod.DDTreeConfig) -> "DDTreeRound | None":
         return state_of(runner)
     view = adapters.current().view_of(runner)
     draft_len, num_spec = validate(view.settings, cfg)
+    slots = view.gdn_state_slots()[0]
     try:
         layers = classify_layers(view)
         check_engine(view, layers["attention"])
     except UnsupportedEngine as e:
         release_workspace(runner)  # what vLLM's memory profile reserved for the round goes back
         PROCESS_STARTUP_FALLBACKS[str(e)] += 1
+        limited = ""
+        if 0 < slots < 1 + num_spec:  # the GDN state slots were sized for the round's chain (gdn_slots.py)
+            view.limit_accepted(slots)
+            limited = f", at most {slots - 1} drafts accepted per step: its GDN state slots"
         logger.warning("DDTree is switched on but cannot run here: %s. Starting as flat DFlash "
-                       "(num_speculative_tokens=%d).", e, num_spec)
+                       "(num_speculative_tokens=%d%s).", e, num_spec, limited)
         return None
     state = DDTreeRound(runner, view, cfg, draft_len, layers)
     set_state(runner, state)
@@ -85,6 +95,7 @@ class DDTreeRound:
                                reason, spec.budget)
             ctx.auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.settings, spec.budget, draft_len,
                                                        ctx.menu)
+        self.max_tokens = self._gdn_state_slots(view, cfg, draft_len) if ctx.hybrid else None
         self.build, self.verify = BuildStage(ctx), VerifyStage(ctx)
         self.walk, self.commit = WalkStage(ctx), CommitStage(ctx)
         self.pending: Pending | None = None
@@ -116,6 +127,28 @@ class DDTreeRound:
                     ctx.B, f"auto: {'/'.join(map(str, ctx.menu))} or the chain" if cfg.auto else cfg.budget,
                     cfg.top_k, ctx.L, "hybrid" if ctx.hybrid else "attention-only",
                     "/".join(self.metrics.kv_layouts), f", GDN state: {cfg.gdn_state}" if ctx.hybrid else "")
+
+    @staticmethod
+    def _gdn_state_slots(view, cfg, draft_len: int) -> int | None:
+        """The most tokens a step may commit per request, when vLLM allotted the GDN state slots of
+        the drafter's chain (1 + L, adapters/gdn_slots.py) rather than of its draft slots (1 + K);
+        else None. Logs the slots and what they cost per request."""
+        slots, slot_bytes = view.gdn_state_slots()
+        K = view.settings.num_speculative_tokens
+        wanted = gdn_spec_blocks(view.settings, cfg)
+        if wanted is not None and slots != 1 + wanted:
+            reason = (f"GatedDeltaNet state slots: vLLM allotted {slots} per request where the replay strategy "
+                      f"needs {1 + wanted} (the engine's KV cache spec was not sized by DDTree's plugin)")
+            PROCESS_STARTUP_FALLBACKS[reason] += 1
+            logger.warning("DDTree: %s; requests keep %d slots.", reason, slots)
+        if slots not in (1 + K, 1 + draft_len) or (slots < 1 + K and cfg.gdn_state != "replay"):
+            raise RuntimeError(f"DDTree: {slots} GatedDeltaNet state slots per request, expected {1 + K} "
+                               f"(num_speculative_tokens + 1) or, replaying the state, {1 + draft_len} (L + 1)")
+        GiB, vllms = 2**30, gdn_request_bytes(1 + K, slot_bytes) / 2**30
+        logger.info("DDTree: GatedDeltaNet state: %d slots per request, %.3f GiB per request%s", slots,
+                    gdn_request_bytes(slots, slot_bytes) / GiB,
+                    "" if slots == 1 + K else f" (vLLM's {1 + K} for num_speculative_tokens {K}: {vllms:.3f} GiB)")
+        return slots if slots < 1 + K else None
 
     # tests and tools reach the stages' switches through the round
     @property
@@ -161,7 +194,44 @@ class DDTreeRound:
         return self.verify.forward(self.step, self._orig["model_forward"], **kw)
 
     def _on_sample(self, original, metadata, draft_probs, logits, sampling_metadata):
-        return self.walk.sample(self.step, original, metadata, draft_probs, logits, sampling_metadata)
+        out = self.walk.sample(self.step, original, metadata, draft_probs, logits, sampling_metadata)
+        step, P = self.step, self.max_tokens
+        if P is None:
+            return out
+        # Tree paths are at most L deep; chain rows and chain-verified steps may accept more drafts
+        # than the GDN state slots hold: cut them (host reads only: the step's shape and vLLM's counts).
+        if step is not None and step.N > P and any(step.chain_rows):
+            self._cap_walk(step, P)
+            return self._cap_tokens(out, P, torch.full((step.R,), step.N - 1, device=self.ctx.device))
+        spec = self.ctx.view.spec_batch(metadata) if step is None else None
+        if spec is not None and max(spec.drafts_per_request) >= P:
+            return self._cap_tokens(out, P, self.ctx.h2d(spec.drafts_per_request, torch.int64))
+        return out
+
+    def _cap_tokens(self, out, P: int, drafts):
+        """vLLM's sampled tokens cut to `P` per request: a prefix of what the target agreed with is
+        committed losslessly (greedy: its argmax at each; sampling: each token is drawn from its
+        distribution given the ones before, and where the cut falls depends on the position only)."""
+        view = self.ctx.view
+        tokens = view.sampled_tokens(out)[0]
+        if tokens.shape[1] <= P:
+            return out
+        tokens = tokens.clone()
+        tokens[:, P:] = -1
+        return view.replace_sampled(out, tokens, torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device),
+                                    drafts)
+
+    @staticmethod
+    def _cap_walk(step, P: int) -> None:
+        """The step's accepted paths cut to `P` nodes (root included), as the commit and the drafter read them."""
+        w = step.walk
+        accepted, tokens = w.accepted.clone(), w.tokens.clone()
+        accepted[:, P:] = -1
+        tokens[:, P:] = -1
+        num = w.num_accepted.clamp(max=P)
+        bonus = torch.where(w.num_accepted > P, w.tokens[:, P - 1], w.bonus)
+        step.walk = dataclasses.replace(w, accepted=accepted, num_accepted=num, tokens=tokens, bonus=bonus,
+                                        order=drafter_order(accepted, step.N))
 
     def _on_update_states(self, output_token_ids, scheduler_output):
         step = self.step
