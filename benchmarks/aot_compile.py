@@ -43,6 +43,7 @@ from triton.runtime import jit as triton_jit
 from ddtree_compile.core.tree import TreeBatch
 from ddtree_compile.templates import draft_topk, tree_attention, tuning
 from ddtree_compile.templates.gdn_commit import gdn_commit_triton
+from ddtree_compile.templates.gdn_meta_triton import build_gdn_meta_triton
 from ddtree_compile.templates.kv_compact import launch_kv_compact
 from ddtree_compile.templates.tree_attention import launch_tree_attention
 from ddtree_compile.templates.tree_build import build_tree_triton
@@ -130,6 +131,10 @@ def tree_walk_case(arch, B):
     walk_tree_triton(tree, _t(4, N, **i64), top1=_t(4, DRAFT_LEN, **i64))  # the round's variant: off-chain too
 
 
+def gdn_meta_case(arch, B):
+    build_gdn_meta_triton(_t(4, B + 1, dtype=torch.int64), CONV_W, max(DRAFT_LEN, B))  # the round's depth bound
+
+
 def _gdn_io(R, B, H, HV):
     N, K = B + 1, GDN_K
     dim = 2 * H * K + HV * K
@@ -184,6 +189,7 @@ def cases(quick: bool, probe: bool):
     for B in ((64,) if quick else BUDGETS):
         out.append(("tree_build", f"B={B} L={DRAFT_LEN} K={TOP_K}", lambda a, B=B: tree_build_case(a, B)))
         out.append(("tree_walk", f"B={B} L={DRAFT_LEN}", lambda a, B=B: tree_walk_case(a, B)))
+        out.append(("gdn_meta", f"B={B} W={CONV_W}", lambda a, B=B: gdn_meta_case(a, B)))
     for model, heads in (list(GDN_SHAPES.items())[:1] if quick else GDN_SHAPES.items()):
         for B in ((64,) if quick else (16, 64)):
             lab = f"{model} R=4 B={B}"

@@ -19,11 +19,11 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "aot_compile.py"
 SM121_SMEM, REGS_PER_BLOCK, REGS_PER_THREAD = 101376, 65536, 255  # GB10: 99 KB smem/block (CUDA guide, 12.x)
-TEMPLATES = {"tree_attention", "kv_compact", "draft_topk", "tree_build", "tree_walk", "tree_conv", "tree_gdn",
-             "gdn_commit"}
+TEMPLATES = {"tree_attention", "kv_compact", "draft_topk", "tree_build", "tree_walk", "gdn_meta", "tree_conv",
+             "tree_gdn", "gdn_commit"}
 KERNELS = {"tree_attn_fwd_kernel", "tree_attn_combine_kernel", "kv_compact_kernel", "topk_partial_kernel",
-           "topk_merge_kernel", "tree_build_kernel", "tree_walk_kernel", "tree_conv_kernel", "tree_gdn_kernel",
-           "state_commit_kernel", "conv_commit_kernel"}
+           "topk_merge_kernel", "tree_build_kernel", "tree_walk_kernel", "gdn_meta_kernel", "tree_conv_kernel",
+           "tree_gdn_kernel", "state_commit_kernel", "conv_commit_kernel"}
 
 
 def _ptxas_path() -> str:
