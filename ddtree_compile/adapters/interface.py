@@ -191,7 +191,8 @@ class RunnerView(abc.ABC):
 
     @abc.abstractmethod
     def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(state_indices int32 [R, 1+K], num_accepted int32 [R]) of a pure spec-decode GDN batch."""
+        """(state_indices [R, 1+K], num_accepted [R]) of a pure spec-decode GDN batch: vLLM's own
+        tensors (views; read them, copy before writing)."""
 
     @abc.abstractmethod
     def gdn_state_slots(self) -> tuple[int, int]:

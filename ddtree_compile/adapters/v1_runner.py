@@ -258,13 +258,13 @@ class V1RunnerView(RunnerView):
         limit_accepted(self.runner, max_tokens)
 
     def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(state_indices int32 [R, 1+K], num_accepted int32 [R]) of a pure spec-decode GDN batch."""
+        """(state_indices [R, 1+K], num_accepted [R]) of a pure spec-decode GDN batch: vLLM's own
+        tensors (views; read them, copy before writing)."""
         g = self._attn_metadata()[self.layer(layer_name).prefix]
         if g.num_spec_decodes != R or g.num_prefills or g.num_decodes:
             raise RuntimeError(f"DDTree: the GDN metadata of a tree step is not a pure spec batch (spec "
                                f"{g.num_spec_decodes}, prefills {g.num_prefills}, decodes {g.num_decodes})")
-        return (g.spec_state_indices_tensor[:R].to(torch.int32).contiguous(),
-                g.num_accepted_tokens[:R].to(torch.int32).clone())
+        return g.spec_state_indices_tensor[:R], g.num_accepted_tokens[:R]
 
 
 def model_features_unsupported(model_config, cache_config) -> str | None:

@@ -65,8 +65,9 @@ class CommitStage:
         snap = None if block is None else block_boundary_depth(step.start, path_len, block)
         views = self._cache_views()["gdn"]
         gids = list(self.ctx.gdn_groups)
+        # int32 copies of vLLM's addressing, one row per group (vLLM's tensors are not written): the
+        # verify's committed columns in num_accepted become the paths' lengths
         state_indices = torch.stack([step.gdn_groups[g][0] for g in gids]).to(torch.int32)
-        # the verify's committed columns, one row per group; the commit makes them the paths' lengths
         num_accepted = torch.stack([step.gdn_groups[g][1] for g in gids]).to(torch.int32)
         before = None
         if self.commit_hooks:  # the requests' conv lines as the verify left them
