@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import _phase_timers
 from summarize_e2e import rounds_per_s
 
 
@@ -52,7 +53,8 @@ def counters(llm, budget) -> dict:
     from ddtree_compile.integration import metrics
     from ddtree_compile.testing import harness
 
-    return {"vllm": harness.spec_counters(llm), "ddtree": metrics.collect(llm)[0] if budget else None}
+    return {"vllm": harness.spec_counters(llm), "ddtree": metrics.collect(llm)[0] if budget else None,
+            "phases": _phase_timers.snapshot(llm)}
 
 
 def rounds_of(budget, before, after) -> dict:
@@ -65,6 +67,8 @@ def rounds_of(budget, before, after) -> dict:
     drafts = va["vllm:spec_decode_num_drafts"] - vb.get("vllm:spec_decode_num_drafts", 0)
     acc = va["vllm:spec_decode_num_accepted_tokens"] - vb.get("vllm:spec_decode_num_accepted_tokens", 0)
     out = {"rounds": drafts, "tokens_per_round": 1 + acc / max(drafts, 1)}
+    if after.get("phases") is not None:  # --phase-timers: host wall per phase (per step: add_row)
+        out["phase_s"] = {k: v - (before.get("phases") or {}).get(k, 0.0) for k, v in after["phases"].items()}
     if budget:
         from ddtree_compile.integration import metrics
 
@@ -110,11 +114,26 @@ def gpu_profile(llm, prompts, max_tokens, budget, top=30) -> dict:
                          for c, t, k in host[:top]]}
 
 
+def trace(llm, prompts, max_tokens, path) -> str:
+    """A short run under torch.profiler with Python stacks, written as a gzipped Chrome trace to
+    `path` (*.json.gz): the timeline of host and GPU per round, for benchmarks/trace_summary.py."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ddtree_compile.cli.timing import timed_steps
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as p:
+        timed_steps(llm, prompts, max_tokens)
+    p.export_chrome_trace(str(path))
+    return str(path)
+
+
 def add_row(result, args, mode, budget, prof, c, r, ref, rounds) -> None:
     from ddtree_compile.testing import oracle
 
     row = {"mode": mode, "budget": budget, "profile": prof.name, "concurrency": c,
            **summary(r, ref[:c], args.max_tokens), **rounds}
+    if "phase_s" in rounds and r.get("steps_total"):
+        row["phase_ms_per_step"] = {k: 1e3 * v / r["steps_total"] for k, v in rounds["phase_s"].items()}
     row["simulated_tokens_per_round"] = None if budget == "auto" else oracle.simulate(
         prof, budget or args.flat_len, args.top_k if budget else 1, args.flat_len, samples=2000)
     result["runs"].append(row)

@@ -8,6 +8,7 @@ import os
 import time
 
 import _e2e_cells as cells
+import _phase_timers
 from _e2e_engine import ddtree_attached, install_oracle, start_engine
 
 
@@ -122,6 +123,8 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
     try:
         plugin.register()
         llm, start = start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"], mode=mode)
+        if getattr(args, "phase_timers", False):
+            _phase_timers.install(llm)
         conn.send(("ok", {"start_s": start, "attached": not budget or ddtree_attached(llm),
                           "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid()}))
     except Exception:

@@ -45,6 +45,7 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _e2e_cells as cells  # noqa: E402  (beside this file)
+import _phase_timers  # noqa: E402
 from _e2e_engine import SHAPES, VOCAB, attached, install_oracle, spec_of, start_engine, write_shaped  # noqa: E402
 from _e2e_side_by_side import side_by_side  # noqa: E402
 
@@ -82,6 +83,8 @@ def run(args) -> dict:
 
     def engine(name, spec=None, extra=None):
         llm, result["starts"][name] = start_engine(args, target, conc, prompts, spec, extra)
+        if args.phase_timers:
+            _phase_timers.install(llm)
         return llm
 
     ref_path = pathlib.Path(args.reference) if args.reference else None
@@ -137,6 +140,13 @@ def run(args) -> dict:
                             {"mode": mode, "profile": prof.name, "concurrency": conc[0],
                              **cells.gpu_profile(llm, prompts[: conc[0]], args.max_tokens, budget)})
                         save()
+                    if args.trace_tokens and prof is profiles[0]:
+                        stem = pathlib.Path(args.out).with_suffix("")
+                        result.setdefault("traces", []).extend(
+                            {"mode": mode, "profile": prof.name, "concurrency": c, "tokens": args.trace_tokens,
+                             "path": cells.trace(llm, prompts[:c], args.trace_tokens,
+                                                 f"{stem}_trace_{mode}_c{c}.json.gz")} for c in conc)
+                        save()
                 finally:
                     od.uninstall()
         finally:
@@ -176,6 +186,11 @@ def main(argv=None) -> int:
                     "(default: a new temporary folder)")
     ap.add_argument("--gpu-profile", action="store_true", help="per mode, one more run at the first concurrency "
                     "and profile under torch.profiler: GPU busy ms per round and the top kernels (gpu_profiles)")
+    ap.add_argument("--trace-tokens", type=int, default=0, help="per mode and concurrency, one more run of this "
+                    "many tokens under torch.profiler with Python stacks, saved as a gzipped Chrome trace beside "
+                    "--out (benchmarks/trace_summary.py: where a round's host time goes)")
+    ap.add_argument("--phase-timers", action="store_true", help="host wall time per phase of vLLM's step "
+                    "(scheduler, runner, drafter; _phase_timers.py) for every mode: rows get phase_ms_per_step")
     ap.add_argument("--side-by-side", action="store_true", help="all speculative modes' engines up at once, "
                     "one process each (GPU memory split evenly), their runs alternating within each cell: ratios "
                     "immune to a drift of the host's speed between engines (see _e2e_side_by_side.py)")
@@ -199,8 +214,8 @@ def main(argv=None) -> int:
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.profile_names = args.profile_names.split(",")
     args.modes = args.modes.split(",")
-    if args.side_by_side and args.gpu_profile:
-        ap.error("--gpu-profile: not with --side-by-side (profile the modes one engine at a time)")
+    if args.side_by_side and (args.gpu_profile or args.trace_tokens):
+        ap.error("--gpu-profile, --trace-tokens: not with --side-by-side (profile the modes one engine at a time)")
     if args.tensor_parallel_size > 1:
         if args.gpu_profile:
             ap.error("--gpu-profile: not with --tensor-parallel-size > 1 (the kernels run in the rank processes, "

@@ -360,6 +360,8 @@ def _run_candidates(out, kind, dtype, target, drafter, extra_kw, prompts, ref, r
     out["graph_sizes"] = c_all.get("graph_sizes", [])
     out["graph_buckets"] = c_all.get("graph_buckets", {})  # tree bucket -> batch sizes of its FULL graphs
     out["chain_graph_sizes"] = c_all.get("chain_graph_sizes", [])  # budget auto: the chain's FULL graphs
+    # the commit replayed as CUDA graphs (round/stage_graphs.py) in the runs without commit hooks
+    out["stage_replays"] = c_random.get("stage_replays", {})
     out["random_equal"] = random_out == ref_tokens
     out["harness_equal"] = harness_out == ref_tokens
     out["gates_random"] = [harness.regret_gate(r, g) for r, g in zip(ref, random_out)]
@@ -397,6 +399,7 @@ def _run_candidates(out, kind, dtype, target, drafter, extra_kw, prompts, ref, r
     out["ok"] = bool(out["attached"] and c_random.get("tree_steps", 0) > 0 and gates_ok
                      and seeded_ok and out["seeded_seeds_differ"]
                      and (not full or (out["graph_sizes"] and c_all.get("graph_steps", 0) > 0))
+                     and out["stage_replays"].get("commit", 0) > 0
                      and (not hybrid or out.get("state_check", {}).get("paths", 0) > 0))
     return out
 

@@ -26,7 +26,8 @@ def test_vllm_kwargs_is_the_switch():
                             num_speculative_tokens=15)
     assert kw["speculative_config"] == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 22}
     assert kw["additional_config"] == {"ddtree": {"budget": 22, "top_k": 8, "temperature": 0.7, "chain_seed": False,
-                                                  "draft_len": 15, "gdn_state": "replay", "log_interval": 100}}
+                                                  "draft_len": 15, "gdn_state": "replay", "log_interval": 100,
+                                                  "round_graphs": True}}
     assert config.parse(kw["additional_config"]) == config.DDTreeConfig(22, 8, 0.7, False, 15)
     # vLLM's slots hold the larger of the tree and the drafter's block.
     assert config.vllm_kwargs("/d", budget=4, num_speculative_tokens=15)["speculative_config"][
@@ -81,7 +82,8 @@ def test_effective_budget():
     ({"budget": 0}, "budget"), ({"budget": 2000}, "budget"), ({"budget": 8, "top_k": 0}, "top_k"),
     ({"budget": 8, "temperature": 0}, "temperature"), ({"budget": 8, "temperature": float("nan")}, "temperature"),
     ({"budget": 8, "chain_seed": "yes"}, "chain_seed"), ({"budget": 8, "draft_len": 0}, "draft_len"),
-    ({"budget": 8, "gdn_state": "copy"}, "gdn_state"), ({"budget": "8"}, "budget"),
+    ({"budget": 8, "gdn_state": "copy"}, "gdn_state"), ({"budget": 8, "round_graphs": 1}, "round_graphs"),
+    ({"budget": "8"}, "budget"),
 ])
 def test_bad_values_name_the_field(raw, field):
     with pytest.raises(ValueError, match=rf"\['ddtree'\]\['{field}'\]"):

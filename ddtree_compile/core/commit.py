@@ -21,13 +21,14 @@ class CommitPlan:
     dst_pos: torch.Tensor  # int64 [R, L+1]: cache position to write, -1 = nothing to move
 
 
-def commit_plan(walk: WalkResult, start) -> CommitPlan:
+def commit_plan(walk: WalkResult | torch.Tensor, start) -> CommitPlan:
     """Source -> destination cache positions for compacting each request's accepted path.
 
-    `start` is the root's cache position (an int or an int tensor [R]). Identity moves (the path
-    already lies where it must, e.g. the main chain) and padding are -1.
+    `walk` is the WalkResult or its `accepted` paths [R, L+1]; `start` is the root's cache position
+    (an int or an int tensor [R]). Identity moves (the path already lies where it must, e.g. the
+    main chain) and padding are -1.
     """
-    acc = walk.accepted
+    acc = walk if isinstance(walk, torch.Tensor) else walk.accepted
     R, L1 = acc.shape
     if isinstance(start, torch.Tensor):
         if start.shape not in ((R,), (R, 1), ()):

@@ -32,7 +32,7 @@ from ddtree_compile.passes.entry import compilation_config
 KEY = "ddtree"
 GDN_STATES = ("snapshots", "replay")
 _FIELDS = ("budget", "top_k", "temperature", "chain_seed", "draft_len", "gdn_state", "log_interval", "auto_budget",
-           "probe_interval", "cost_table")
+           "probe_interval", "cost_table", "round_graphs")
 AUTO = "auto"
 _AUTO_FIELDS = ("auto_budget", "probe_interval", "cost_table")
 
@@ -69,6 +69,8 @@ class DDTreeConfig:
                   the tree's acceptance keeps being measured
     cost_table    budget "auto" only: the precompile cost table (JSON); None: the default path
                   beside vLLM's compile cache for this target/drafter (no table: costs measured online)
+    round_graphs  CUDA: the commit's device work replayed as one CUDA graph per batch shape
+                  (round/stage_graphs.py) instead of ~40 ops and launches per step; false: eager
     """
 
     budget: int | str
@@ -81,6 +83,7 @@ class DDTreeConfig:
     auto_budget: int | tuple | None = None
     probe_interval: int | None = None
     cost_table: str | None = None
+    round_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.budget == AUTO:
@@ -107,6 +110,8 @@ class DDTreeConfig:
         if self.gdn_state not in GDN_STATES:
             _fail("gdn_state", f"must be one of {', '.join(GDN_STATES)}, got {self.gdn_state!r}")
         _int("log_interval", self.log_interval, 0)
+        if not isinstance(self.round_graphs, bool):
+            _fail("round_graphs", f"must be true or false, got {self.round_graphs!r}")
 
     @property
     def auto(self) -> bool:

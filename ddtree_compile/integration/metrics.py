@@ -90,6 +90,9 @@ class DDTreeMetrics:
         self.graph_buckets: dict[int, list[int]] = {}  # tree bucket (nodes) -> batch sizes of its FULL graphs
         self.chain_graph_sizes: list[int] = []  # budget "auto": batch sizes of the chain's FULL graphs (vLLM's ops)
         self.plain_graph_steps = 0  # verifies without trees (auto's chain, fallbacks) that replayed a FULL graph
+        self.stage_replays: collections.Counter = collections.Counter()  # stage -> steps it replayed a graph
+        self.stage_eager: collections.Counter = collections.Counter()  # stage -> steps it ran eagerly (CUDA)
+        self.stage_graphs: dict[str, int] = {}  # stage -> graphs captured (round/stage_graphs.py)
         self.fallback_steps: collections.Counter = collections.Counter()  # reason -> steps
         self.fallback_requests: collections.Counter = collections.Counter()  # reason -> request rounds
         self.seconds: collections.Counter = collections.Counter()  # phase -> wall seconds
@@ -155,6 +158,9 @@ class DDTreeMetrics:
             "graph_buckets": {int(b): list(r) for b, r in sorted(self.graph_buckets.items())},
             "chain_graph_sizes": list(self.chain_graph_sizes),
             "plain_graph_steps": self.plain_graph_steps,
+            "stage_replays": dict(self.stage_replays),
+            "stage_eager": dict(self.stage_eager),
+            "stage_graphs": dict(self.stage_graphs),
             "fallback_steps": dict(self.fallback_steps),
             "fallback_requests": dict(self.fallback_requests),
             "fallback_total": sum(self.fallback_steps.values()) + sum(self.fallback_requests.values()),

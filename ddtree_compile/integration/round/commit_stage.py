@@ -8,6 +8,7 @@ import torch
 from ... import adapters
 from ...core.commit import block_boundary_depth, commit_plan
 from ..tree_ops import kv_layout
+from .stage_graphs import StageGraphs
 from .step import RoundContext, Step
 
 
@@ -16,13 +17,60 @@ class CommitStage:
         self.ctx = ctx
         self.commit_hooks: list = []  # tests: fn(ctx, info) after each GDN commit (per KV cache group)
         self._views: dict | None = None
+        self.graphs = StageGraphs(ctx, "commit", ctx.cfg.round_graphs)
 
     def commit(self, step: Step) -> None:
         """K/V (+ GDN state and conv) of the accepted paths, in the layout vLLM's chain leaves (its own
-        update then counts the accepted tokens and, with prefix caching, caches block states)."""
-        self._commit_kv(step)
+        update then counts the accepted tokens and, with prefix caching, caches block states). On CUDA
+        one graph replay per step (stage_graphs.py); tests' commit hooks and debug mode run eagerly."""
+        from ...templates.gdn_step import debug_enabled
+
+        copied, fixed = self._inputs(step)
+        if self.commit_hooks or debug_enabled():
+            before = self._conv_lines(copied) if self.commit_hooks else None
+            self._device_work(**copied, **fixed, parents=step.tree.parents)
+            self._run_hooks(step, copied, before)
+        else:
+            self.graphs.run(self._device_work, copied, fixed)
+
+    def _inputs(self, step: Step) -> tuple[dict, dict]:
+        """What the commit reads: (new every step, at fixed addresses)."""
+        copied = {"accepted": step.walk.accepted, "path_len": step.walk.num_accepted, "start": step.start}
+        copied |= {f"block_table_{gid}": step.block_tables[gid] for gid in self.ctx.kv_groups}
+        fixed = {}
         if self.ctx.hybrid:
-            self._commit_gdn(step)
+            # every GDN group's addressing, one row per group (vLLM's tensors are not written): the
+            # verify's committed columns in num_accepted become the paths' lengths
+            gids = list(self.ctx.gdn_groups)
+            copied["state_indices"] = torch.stack([step.gdn_groups[g][0] for g in gids])
+            copied["num_accepted"] = torch.stack([step.gdn_groups[g][1] for g in gids])
+            if self.ctx.cfg.gdn_state == "replay":
+                fixed["rec_kv"], fixed["rec_gb"] = step.gdn_records_all
+        return copied, fixed
+
+    def _device_work(self, accepted, path_len, start, state_indices=None, num_accepted=None, rec_kv=None,
+                     rec_gb=None, parents=None, **block_tables) -> None:
+        """Device work only (captured as a graph): K/V compaction per attention KV cache group, then
+        every GDN group's conv window and state of the accepted path in one call (each group reads
+        its own state lines); with prefix caching also the state at the step's block boundary
+        (core.commit.block_boundary_depth). The int32 casts of vLLM's addressing happen here, in
+        place: the stacked copies are the commit's own."""
+        from ...templates.gdn_step import commit_accepted_path
+
+        plan = commit_plan(accepted, start)
+        views = self._cache_views()
+        for gid, (layout, caches, head_size) in views["kv"].items():
+            layout.compact(caches, head_size, block_tables[f"block_table_{gid}"].to(torch.int32), plan.src_pos,
+                           plan.dst_pos)
+        if state_indices is None:
+            return
+        block = self.ctx.view.settings.mamba_align_block_size
+        path_len = path_len.to(torch.int32)
+        snap = None if block is None else block_boundary_depth(start, path_len, block)
+        convs, ssms, layer_group = views["gdn"]["all"]
+        commit_accepted_path(convs, ssms, state_indices.to(torch.int32), num_accepted.to(torch.int32),
+                             accepted.to(torch.int32), path_len, views["gdn"]["width"], rec_kv=rec_kv, rec_gb=rec_gb,
+                             parents=parents, snap_depth=snap, layer_group=layer_group)
 
     def _cache_views(self) -> dict:
         """Per KV cache group, the layers' caches and layout, built once: the caches exist from attach
@@ -44,45 +92,33 @@ class CommitStage:
                 every[1].extend(gdn[gid][1])
                 every[2].extend([g] * len(names))
             gdn["all"] = every
+            gdn["width"] = gdn[next(iter(ctx.gdn_groups))][2] if ctx.gdn_groups else None
             self._views = {"kv": kv, "gdn": gdn}
         return self._views
 
-    def _commit_kv(self, step: Step) -> None:
-        plan = commit_plan(step.walk, step.start)
-        for gid, (layout, caches, head_size) in self._cache_views()["kv"].items():
-            layout.compact(caches, head_size, step.block_tables[gid].to(torch.int32), plan.src_pos, plan.dst_pos)
-
-    def _commit_gdn(self, step: Step) -> None:
-        """Every GDN KV cache group's conv window and state of the accepted path in one call (each
-        group reads its own state lines); with prefix caching also the state at the step's block
-        boundary (core.commit.block_boundary_depth)."""
-        from ...templates.gdn_step import commit_accepted_path
-
-        replay = self.ctx.cfg.gdn_state == "replay"
-        accepted = step.walk.accepted.to(torch.int32)
-        path_len = step.walk.num_accepted.to(torch.int32)
-        block = self.ctx.view.settings.mamba_align_block_size
-        snap = None if block is None else block_boundary_depth(step.start, path_len, block)
+    def _conv_lines(self, copied: dict) -> dict:
+        """Tests: per GDN KV cache group, the requests' conv lines as the verify left them."""
+        if not self.ctx.hybrid:
+            return {}
         views = self._cache_views()["gdn"]
-        gids = list(self.ctx.gdn_groups)
-        # int32 copies of vLLM's addressing, one row per group (vLLM's tensors are not written): the
-        # verify's committed columns in num_accepted become the paths' lengths
-        state_indices = torch.stack([step.gdn_groups[g][0] for g in gids]).to(torch.int32)
-        num_accepted = torch.stack([step.gdn_groups[g][1] for g in gids]).to(torch.int32)
-        before = None
-        if self.commit_hooks:  # the requests' conv lines as the verify left them
-            before = {g: {"conv_lines": [c[state_indices[i, :, 0].long()].clone() for c in views[g][0]]}
-                      for i, g in enumerate(gids)}
-        convs, ssms, layer_group = views["all"]
-        rec_kv, rec_gb = step.gdn_records_all if replay else (None, None)
-        commit_accepted_path(convs, ssms, state_indices, num_accepted, accepted, path_len, views[gids[0]][2],
-                             rec_kv=rec_kv, rec_gb=rec_gb, parents=step.tree.parents, snap_depth=snap,
-                             layer_group=layer_group)
-        for i, gid in enumerate(gids if self.commit_hooks else ()):
+        return {gid: {"conv_lines": [c[copied["state_indices"][i, :, 0].long()].clone() for c in views[gid][0]]}
+                for i, gid in enumerate(self.ctx.gdn_groups)}
+
+    def _run_hooks(self, step: Step, copied: dict, before: dict) -> None:
+        """Tests: per GDN KV cache group, what the commit read and wrote."""
+        if not self.ctx.hybrid:
+            return
+        views = self._cache_views()["gdn"]
+        block = self.ctx.view.settings.mamba_align_block_size
+        path_len = step.walk.num_accepted.to(torch.int32)
+        snap = None if block is None else block_boundary_depth(step.start, path_len, block)
+        for i, gid in enumerate(self.ctx.gdn_groups):
             group_convs, group_ssms, width = views[gid]
             info = {"step": step, "group": gid, "layers": self.ctx.gdn_groups[gid], "before": before[gid],
-                    "ssm": group_ssms, "conv": group_convs, "width": width, "state_indices": state_indices[i],
-                    "verify_num_accepted": step.gdn_groups[gid][1], "num_accepted": num_accepted[i],
+                    "ssm": group_ssms, "conv": group_convs, "width": width,
+                    "state_indices": copied["state_indices"][i].to(torch.int32),
+                    "verify_num_accepted": step.gdn_groups[gid][1],
+                    "num_accepted": copied["num_accepted"][i].to(torch.int32),
                     "records": step.gdn_records.get(gid), "snap_depth": snap}
             for hook in self.commit_hooks:
                 hook(self.ctx, info)

@@ -1,0 +1,63 @@
+"""Host wall time per phase of an engine step, for every mode alike (bench_e2e_gpu --phase-timers).
+
+A profiler slows the host so much that the GPU always waits for it, which hides what a round waits
+for when it runs at speed; these are perf_counter stamps around methods of vLLM 0.26's V1 runner,
+its drafter and the scheduler (about a microsecond each), so flat DFlash's phases are timed the same
+way as DDTree's. A phase that grows with DDTree while the host work in it does not is a wait on the
+GPU: vLLM syncs on the sampled tokens in `_bookkeeping_sync` and on the drafts in
+`take_draft_token_ids` (the engine's post_step). Times are inclusive (nested phases overlap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+# (label, owner, method): owner "runner", "drafter" or "scheduler"
+PHASES = [
+    ("schedule", "scheduler", "schedule"),
+    ("execute_model", "runner", "execute_model"),
+    ("update_states", "runner", "_update_states"),
+    ("prepare_inputs", "runner", "_prepare_inputs"),
+    ("model_forward", "runner", "_model_forward"),
+    ("sample_tokens", "runner", "sample_tokens"),
+    ("sample", "runner", "_sample"),
+    ("propose_draft_token_ids", "runner", "propose_draft_token_ids"),
+    ("drafter.propose", "drafter", "propose"),
+    ("bookkeeping_sync", "runner", "_bookkeeping_sync"),
+    ("update_from_output", "scheduler", "update_from_output"),
+    ("take_draft_token_ids", "runner", "take_draft_token_ids"),
+]
+
+_TIMERS: dict[int, dict] = {}  # id(llm) -> label -> seconds
+
+
+def install(llm) -> dict:
+    """Wrap the phases' methods on this in-process engine's instances; returns the running totals."""
+    from ddtree_compile.integration import engines
+
+    runner = engines.find_runner(llm)
+    owners = {"runner": runner, "drafter": getattr(runner, "drafter", None),
+              "scheduler": llm.llm_engine.engine_core.engine_core.scheduler}
+    totals = _TIMERS.setdefault(id(llm), defaultdict(float))
+    for label, owner, name in PHASES:
+        obj = owners[owner]
+        if obj is not None and callable(getattr(obj, name, None)):
+            setattr(obj, name, _timed(getattr(obj, name), label, totals))
+    return totals
+
+
+def _timed(fn, label, totals):
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            totals[label] += time.perf_counter() - t0
+
+    return timed
+
+
+def snapshot(llm) -> dict | None:
+    totals = _TIMERS.get(id(llm))
+    return dict(totals) if totals is not None else None
