@@ -85,12 +85,20 @@ def _step(p, kind, R, t, verify_s, draft_s=0.002, gap_s=0.0):
     p.step_ended(t + draft_s + gap_s + verify_s)
 
 
+def _steps(p, kind, R, t, verify_s, n=2, **kw):
+    """n steps of one kind in a row, 1 s apart: the first is timed only if a step of its kind (and
+    bucket) came right before it."""
+    for i in range(n):
+        _step(p, kind, R, t + i, verify_s, **kw)
+
+
 def test_unknown_costs_are_explored_then_the_faster_kind_wins():
     m, p = _policy()
     assert p.choose(1) == ab.TREE  # nothing known: the tree (its acceptance is measured from tree steps)
-    _step(p, ab.TREE, 1, 0.0, 0.008)  # 8 ms verify + 2 ms drafting
-    assert (ab.TREE, 1) not in p.costs and p.choose(1) == ab.TREE  # one step is no cost yet: tried again
-    _step(p, ab.TREE, 1, 0.1, 0.009)
+    _step(p, ab.TREE, 1, 0.0, 0.008)  # the first step follows no step of its kind: not timed
+    _step(p, ab.TREE, 1, 0.1, 0.008)  # 8 ms verify + 2 ms drafting, after a tree step: timed
+    assert (ab.TREE, 1) not in p.costs and p.choose(1) == ab.TREE  # one timed step is no cost yet: tried again
+    _step(p, ab.TREE, 1, 0.2, 0.009)
     _round(m, [5, 3], [2, 0])  # its walk: tree 1 + 8/2 = 5 tokens per round; chain 1 + 6/2 = 4
     kinds = []
     while p.tokens[ab.TREE] is None and len(kinds) < 16:  # the counters are copied back every few
@@ -98,20 +106,24 @@ def test_unknown_costs_are_explored_then_the_faster_kind_wins():
     assert p.tokens == {ab.TREE: 5.0, ab.CHAIN: 4.0}
     # the tree until its acceptance is known, then the chain, whose cost at this bucket is unknown
     assert kinds == [ab.TREE] * (len(kinds) - 1) + [ab.CHAIN] and len(kinds) <= 3, kinds
-    _step(p, ab.CHAIN, 1, 1.0, 0.004)  # 4 ms verify + 2 ms drafting
+    _step(p, ab.CHAIN, 1, 1.0, 0.030)  # after a tree step: not timed (it carries the tree's leftovers)
+    assert (ab.CHAIN, 1) not in p.costs and p.choose(1) == ab.CHAIN
+    _step(p, ab.CHAIN, 1, 1.1, 0.004)  # 4 ms verify + 2 ms drafting
     assert p.choose(1) == ab.CHAIN
-    _step(p, ab.CHAIN, 1, 1.1, 0.005)
+    _step(p, ab.CHAIN, 1, 1.2, 0.005)
     # the lower quartile of each window (here: its faster step)
     assert p.costs == {(ab.TREE, 1): pytest.approx(0.010), (ab.CHAIN, 1): pytest.approx(0.006)}
     kinds = [p.choose(1) for _ in range(16)]  # 4/6 > 5/10 tokens per ms: the chain wins, the tree is probed
     at = [i for i, k in enumerate(kinds) if k == ab.TREE]
-    assert len(at) == 2 and at[1] - at[0] == 8 and p.probes == 2 and p.probe_gap == 16, kinds  # backing off
+    # a probe is two tree steps (the second is timed); the next one comes probe_gap steps later, backing off
+    assert at == [at[0], at[0] + 1, at[0] + 9, at[0] + 10] and p.probes == 2 and p.probe_gap == 16, kinds
     p.costs[(ab.CHAIN, 1)] = 0.009  # now 4/9 < 5/10: the tree wins
     assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 4 and p.probe_gap == 4
     # the losing chain is still timed now and then (its cost may have been a stall): every 4 * 8th step
     kinds = [p.choose(1) for _ in range(64)]
     at = [i for i, k in enumerate(kinds) if k == ab.CHAIN]
-    assert len(at) == 2 and at[1] - at[0] == 4 * ab._CHAIN_PROBE_FACTOR and p.chain_probes == 2, at
+    gap = 4 * ab._CHAIN_PROBE_FACTOR
+    assert at == [at[0], at[0] + 1, at[0] + 1 + gap, at[0] + 2 + gap] and p.chain_probes == 2, at  # pairs too
     assert p.snapshot()["chain_probes"] == 2
     assert _rates(p, 1)[ab.TREE] == pytest.approx(500.0) and _rates(p, 2)[ab.TREE] is None
 
@@ -121,20 +133,18 @@ def test_a_chain_cost_held_up_by_stalls_is_measured_again():
     won from then on and the chain was never timed again. A chain probe times it, and the window's
     lower quartile takes the steady cost, so the chain can win again."""
     m, p = _policy(probe=2)
-    for i in range(2):
-        _step(p, ab.TREE, 1, float(i), 0.008)  # tree: 10 ms per step
+    _steps(p, ab.TREE, 1, 0.0, 0.008, n=3)  # tree: 10 ms per step
     _round(m, [4, 4], [0, 0])  # the tree accepts no more than the chain: 5 tokens per round each
     while p.tokens[ab.TREE] is None:
         p.choose(1)
-    for i in range(2):
-        _step(p, ab.CHAIN, 1, 10.0 + i, 0.311)  # two stalls: the chain reads 313 ms
+    _steps(p, ab.CHAIN, 1, 10.0, 0.311, n=3)  # three stalls (the first not timed): the chain reads 313 ms
     assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.313)
-    kinds = [p.choose(1) for _ in range(2 * ab._CHAIN_PROBE_FACTOR)]
-    assert kinds[-1] == ab.CHAIN and kinds.count(ab.CHAIN) == 1, kinds  # the probe
-    _step(p, ab.CHAIN, 1, 20.0, 0.004)  # the chain's steady step: 6 ms
+    kinds = [p.choose(1) for _ in range(2 * ab._CHAIN_PROBE_FACTOR + 1)]
+    assert kinds[-2:] == [ab.CHAIN] * 2 and kinds.count(ab.CHAIN) == 2, kinds  # the probe: two chain steps
+    _steps(p, ab.CHAIN, 1, 20.0, 0.004)  # the chain's steady step: 6 ms (the second timed)
     assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.006)
     assert _rates(p, 1)[ab.CHAIN] > _rates(p, 1)[ab.TREE]  # 5/6 > 5/10: the chain wins again,
-    assert [p.choose(1) for _ in range(4)] == [ab.TREE] + [ab.CHAIN] * 3 and p.probes == 1  # the tree probed
+    assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 2 + [ab.CHAIN] * 2 and p.probes == 1  # the tree probed
 
 
 def test_the_largest_trees_probes_back_off_while_another_kind_wins():
@@ -143,18 +153,19 @@ def test_the_largest_trees_probes_back_off_while_another_kind_wins():
     ~1.8 chain steps, so probes every 16 steps cost ~5% for as long as the chain wins. The tree
     winning a decision resets the gap."""
     m, p = _policy(probe=2)
-    for i in range(2):
-        _step(p, ab.TREE, 1, float(i), 0.008)  # tree 10 ms
-        _step(p, ab.CHAIN, 1, 10.0 + i, 0.004)  # chain 6 ms
+    _steps(p, ab.TREE, 1, 0.0, 0.008, n=3)  # tree 10 ms
+    _steps(p, ab.CHAIN, 1, 10.0, 0.004, n=3)  # chain 6 ms
     _round(m, [4, 4], [0, 0])  # equal acceptance: the chain wins on cost
     while p.tokens[ab.TREE] is None:
         p.choose(1)
     kinds = [p.choose(1) for _ in range(200)]
     at = [i for i, k in enumerate(kinds) if k == ab.TREE]
-    gaps = [b - a for a, b in zip(at, at[1:])]
+    starts = at[::2]  # every probe is two tree steps in a row
+    assert at[1::2] == [i + 1 for i in starts], at
+    gaps = [b - (a + 1) for a, b in zip(starts, starts[1:])]  # from a probe's second step to the next probe
     cap = 2 * ab._PROBE_BACKOFF
     assert gaps[:4] == [4, 8, 16, cap] and set(gaps[4:]) == {cap}, gaps  # 2 -> 4 -> 8 -> 16 -> 32 (the cap)
-    assert p.probes == len(at) and p.snapshot()["probe_gap"] == cap
+    assert p.probes == len(starts) and p.snapshot()["probe_gap"] == cap
     _round(m, [20, 20], [20, 20])  # the tree's paths left the chain at once: read back, the tree wins
     kinds = [p.choose(1) for _ in range(16)]
     assert kinds[-8:] == [ab.TREE] * 8 and p.probe_gap == 2, kinds  # the next loss probes 2 steps on
@@ -167,9 +178,9 @@ def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
     (vLLM's chain verify syncs inside that window), and auto kept the slower tree. Costed by whole
     cycles, the chain wins there."""
     m, p = _policy()
-    for i in range(2):  # tree: 5 ms drafting, 20 ms waiting in vLLM's output processing, 9 ms in the window
-        _step(p, ab.TREE, 16, float(i), 0.009, draft_s=0.005, gap_s=0.020)
-        _step(p, ab.CHAIN, 16, 10.0 + i, 0.020, draft_s=0.005, gap_s=0.001)  # chain: waits in its window
+    # tree: 5 ms drafting, 20 ms waiting in vLLM's output processing, 9 ms in the window
+    _steps(p, ab.TREE, 16, 0.0, 0.009, n=3, draft_s=0.005, gap_s=0.020)
+    _steps(p, ab.CHAIN, 16, 10.0, 0.020, n=3, draft_s=0.005, gap_s=0.001)  # chain: waits in its window
     assert p.costs == {(ab.TREE, 16): pytest.approx(0.034), (ab.CHAIN, 16): pytest.approx(0.026)}
     _round(m, [6, 5], [1, 0])  # tree 1 + 11/2 = 6.5 tokens per round, chain 1 + 10/2 = 6
     while p.tokens[ab.TREE] is None:
@@ -177,6 +188,25 @@ def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
     assert _rates(p, 16)[ab.CHAIN] > _rates(p, 16)[ab.TREE]  # 6/26 ms > 6.5/34 ms
     p._since[ab.TREE] = 0  # (no probe due)
     assert p._decide(16) == ab.CHAIN
+
+
+def test_a_step_is_timed_only_after_a_clean_step_of_its_kind_and_bucket():
+    """A cycle holds what the step before it left (the host's wait for that step's verify, the
+    drafter's run over its verified tokens). On the H100 (4B shape, c = 1) single probes timed after
+    steps of the other kind read the tree at 11-13 ms and the chain at 13-17 ms per step, where the
+    engines' steady steps took 15.5 and 11.5 ms, and auto kept the tree at 0.84x flat DFlash under
+    the +4% profile (benchmarks/results/e2e_h100_4b_s22.json)."""
+    m, p = _policy()
+    for i in range(5):  # alternating kinds, the last a tree: nothing is timed
+        _step(p, (ab.TREE, ab.CHAIN)[i % 2], 1, float(i), 0.008)
+    assert p.costs == {} and p._samples == {}
+    _steps(p, ab.CHAIN, 1, 10.0, 0.004, n=3)  # after a tree step: the first is not timed, then 6 ms twice
+    assert p.costs == {(ab.CHAIN, 1): pytest.approx(0.006)} and len(p._samples[(ab.CHAIN, 1)]) == 2
+    p.proposed(ab.CHAIN, 1, 20.0, 20.002)  # a step that did not start clean (a prefill joined)
+    p.step_ended(20.5)
+    _step(p, ab.CHAIN, 1, 21.0, 0.100)  # after it: not timed
+    _step(p, ab.CHAIN, 2, 22.0, 0.100)  # after a step of another batch bucket: not timed
+    assert len(p._samples[(ab.CHAIN, 1)]) == 2 and (ab.CHAIN, 2) not in p._samples
 
 
 def test_a_menu_learns_every_buckets_acceptance_from_the_largest_trees_and_picks_the_best_rate():
@@ -188,8 +218,7 @@ def test_a_menu_learns_every_buckets_acceptance_from_the_largest_trees_and_picks
     t4, t8 = ab.tree_kind(4, 16), ab.tree_kind(8, 16)
     assert p.kinds == [ab.TREE, t8, t4, ab.CHAIN] and p.budget_of(t4) == 4 and p.budget_of(ab.TREE) == 16
     assert p.choose(1) == ab.TREE
-    for i in range(2):
-        _step(p, ab.TREE, 1, float(i), 0.018)  # 20 ms
+    _steps(p, ab.TREE, 1, 0.0, 0.018, n=3)  # 20 ms
     # two rows: 6 and 2 nodes accepted (1 and 0 off the chain); within 4 / 8 nodes: 2+1 / 4+2
     m.record_round(torch.ones(2, dtype=torch.bool), torch.full((2,), 16), torch.tensor([6, 2]), torch.tensor([1, 0]),
                    torch.zeros(2, dtype=torch.bool), within=torch.tensor([[2, 1], [4, 2]]))
@@ -201,14 +230,13 @@ def test_a_menu_learns_every_buckets_acceptance_from_the_largest_trees_and_picks
     assert p.tokens == {ab.TREE: 5.0, t8: 4.0, t4: 2.5, ab.CHAIN: 4.5}
     assert kinds[-1] == ab.CHAIN  # then the costs it lacks: the chain's, the smaller buckets'
     for kind, verify_s in ((ab.CHAIN, 0.008), (t8, 0.006), (t4, 0.004)):
-        for i in range(2):
-            _step(p, kind, 1, 10.0 + i, verify_s)
+        _steps(p, kind, 1, 10.0, verify_s, n=3)
         assert kind == ab.CHAIN or p.choose(1) != kind
     # tokens per ms: tree 5/20, tree:8 4/8, tree:4 2.5/6, chain 4.5/10 -> tree:8 wins
-    picks = [p.choose(1) for _ in range(12)]
-    assert picks.count(t8) == 10 and picks.count(ab.TREE) == 2 and p.probes == 2, picks  # probes 4, then 8 apart
+    picks = [p.choose(1) for _ in range(14)]  # probes of two tree steps each, 4 then 8 steps after the last
+    assert picks.count(t8) == 10 and picks.count(ab.TREE) == 4 and p.probes == 2, picks
     picks = [p.choose(1) for _ in range(4 * ab._CHAIN_PROBE_FACTOR)]
-    assert picks.count(ab.CHAIN) == 1 and picks.count(t4) == 1 and p.budget_probes == 1, picks
+    assert picks.count(ab.CHAIN) == 2 and picks.count(t4) == 2 and p.budget_probes == 1, picks
     snap = p.snapshot()
     assert snap["menu"] == [4, 8, 16] and snap["decisions"][t8] > 0 and f"{t4}@1" in snap["step_ms"]
 
@@ -228,6 +256,7 @@ def test_buckets_priors_and_what_is_not_timed():
     priors = ab.table_priors(table, BUDGET, L)
     assert priors == {(ab.TREE, 1): 0.010, (ab.TREE, 4): 0.030, (ab.CHAIN, 1): 0.008}
     m, p = _policy(priors)
+    _step(p, ab.TREE, 1, -1.0, 0.018)  # the first step: not timed
     _step(p, ab.TREE, 1, 0.0, 1.198)  # a first-call compile: 1.2 s; the prior stands until _MIN_SAMPLES steps
     assert p.costs[(ab.TREE, 1)] == pytest.approx(0.010)
     _step(p, ab.TREE, 1, 1.0, 0.018)  # then a 20 ms step: the lower quartile forgets the stall

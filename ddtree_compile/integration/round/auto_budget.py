@@ -27,7 +27,13 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   while vLLM's chain verify syncs inside it: a window around the verify would undercount the tree's
   step and not the chain's. A lower quantile because interference (a first-call compile, a stall,
   an idle engine between requests) only ever adds time: with a median, a few stalls among few
-  samples would hold a kind's cost up for many steps.
+  samples would hold a kind's cost up for many steps. A cycle is timed only when the step before it
+  was a clean step of the same kind and batch bucket: a cycle also holds what the step before left
+  it (the host's wait for that step's verify, the drafter's run over that step's verified tokens),
+  so a chain step after a tree step is charged part of the tree's work and the other way round. On
+  the H100 (4B shape, c = 1) single probes timed that way read the tree at 11-13 ms and the chain at
+  13-17 ms per step, where the engines' steady steps took 15.5 and 11.5 ms, and auto kept the tree
+  under the +4% profile at 0.84x flat DFlash. So a probe is two steps of its kind, the second timed.
 - A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried;
   while another kind wins, the largest tree is verified anyway now and then so every kind's
   acceptance keeps being measured (a drafter can get better): first after `probe_interval` steps,
@@ -131,7 +137,10 @@ class AutoBudget:
         self._n = 0
         self.draft_s: float | None = None  # seconds per proposal (drafter + tree build), both kinds
         self._next: tuple | None = None  # (kind, R, its proposal's start) for the next step
-        self._began: tuple | None = None  # the same, once that step started clean
+        self._began: tuple | None = None  # the same, once that step started clean after one of its kind
+        self._prev: tuple | None = None  # (kind, bucket) of the last clean step, None after an unclean one
+        self._clean = False  # the step now running started clean
+        self._again: str | None = None  # a probe's kind, for its second (timed) step
         self._prev_totals = None
         self._readback = None  # (pinned host tensor, event or None)
         self.forced: str | None = None  # a kind every step takes (precompile times each kind this way)
@@ -140,7 +149,8 @@ class AutoBudget:
     def choose(self, R: int) -> str:
         self._n += 1
         self._poll()
-        kind = self.forced or self._decide(bucket(R))
+        kind, self._again = self.forced or self._again, None
+        kind = kind or self._decide(bucket(R))  # (which may set _again: a probe's second step)
         self.decisions[kind] += 1
         for k in self.kinds:
             self._since[k] = 0 if k == kind else self._since[k] + 1
@@ -163,15 +173,20 @@ class AutoBudget:
         elif self._since[TREE] + 1 >= self.probe_gap:
             self.probes += 1
             self.probe_gap = min(2 * self.probe_gap, self.probe_interval * _PROBE_BACKOFF)
-            return TREE
+            return self._probe(TREE)
         for k in (CHAIN, *self.kinds[1:-1]):
             if k not in (best, TREE) and self._since[k] + 1 >= self.probe_interval * _CHAIN_PROBE_FACTOR:
                 if k == CHAIN:
                     self.chain_probes += 1
                 else:
                     self.budget_probes += 1
-                return k
+                return self._probe(k)
         return best
+
+    def _probe(self, kind: str) -> str:
+        """A probe is two steps of its kind: the second is timed (after one of its own kind)."""
+        self._again = kind
+        return kind
 
     # -- costs: the host's step times --------------------------------------------------------------
     # A step of kind k costs one cycle: from the proposal that chose k (drafter forward and tree
@@ -185,15 +200,24 @@ class AutoBudget:
         self._next = (kind, R, t_start)
 
     def verify_began(self, now: float) -> None:
-        """The proposed step starts as a clean step of its kind (no prefill, no fallback)."""
-        self._began, self._next = self._next, None
+        """The proposed step starts as a clean step of its kind (no prefill, no fallback); it is timed
+        if the step before it was a clean one of the same kind and bucket."""
+        began, self._next = self._next, None
+        if began is None:
+            return
+        prev, self._prev = self._prev, (began[0], bucket(began[1]))
+        self._began = began if prev == self._prev else None
+        self._clean = True
 
     def step_ended(self, now: float) -> None:
-        """The next proposal starts: the step that began clean is timed, from its own proposal on."""
+        """The next proposal starts: the step timed since verify_began, from its own proposal on."""
         if self._began is not None:
             kind, R, t = self._began
             self._observe(kind, bucket(R), now - t)
+        if not self._clean:  # (a prefill or a fallback: the next step follows no clean step)
+            self._prev = None
         self._began = self._next = None
+        self._clean = False
 
     def _observe(self, kind: str, b: int, seconds: float) -> None:
         """The cost is the lower quartile of the key's last _WINDOW measured steps, once there are
