@@ -231,6 +231,16 @@ def spec_of(budget, args, drafter) -> tuple[dict, dict]:
     return kw["speculative_config"], kw["additional_config"]
 
 
+def force_chain(llm, mode) -> None:
+    """Mode "autochain": budget "auto"'s engine with its policy held to the chain every step (the
+    precompile's switch, AutoBudget.forced), so a cell times what a chain step costs in the engine
+    that also serves the tree (vLLM sized for the tree's drafts) against flat DFlash's own engine."""
+    from ddtree_compile.integration import engines
+
+    if mode == "autochain":
+        engines.state_of(engines.find_runner(llm)).ctx.auto.forced = "chain"
+
+
 def attached(llm, mode, budget, result) -> bool:
     """A DDTree mode whose round did not attach is reported as an error row, not timed as flat."""
     from ddtree_compile.integration import metrics

@@ -9,7 +9,7 @@ import time
 
 import _e2e_cells as cells
 import _phase_timers
-from _e2e_engine import ddtree_attached, install_oracle, start_engine
+from _e2e_engine import ddtree_attached, force_chain, install_oracle, start_engine
 
 
 def side_by_side(modes, profiles, setup, result, save) -> None:
@@ -61,6 +61,12 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
                                   cells.median(runs[w.mode]), setup["ref"], rounds)
                 save()
+            if getattr(args, "gpu_profile", False) and prof is profiles[0]:
+                for c in setup["conc"]:
+                    for w in workers:
+                        result.setdefault("gpu_profiles", []).append(
+                            {"mode": w.mode, "profile": prof["name"], "concurrency": c, **w.call("gpu_profile", c)})
+                    save()
     finally:
         for w in started:
             w.close()
@@ -125,6 +131,8 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
         llm, start = start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"], mode=mode)
         if getattr(args, "phase_timers", False):
             _phase_timers.install(llm)
+        if not budget or ddtree_attached(llm):
+            force_chain(llm, mode)
         conn.send(("ok", {"start_s": start, "attached": not budget or ddtree_attached(llm),
                           "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid()}))
     except Exception:
@@ -143,6 +151,8 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
                     out = cells.counters(llm, budget)
                 elif msg[0] == "run":
                     out = timed_steps(llm, prompts[: msg[1]], args.max_tokens)
+                elif msg[0] == "gpu_profile":
+                    out = cells.gpu_profile(llm, prompts[: msg[1]], args.max_tokens, budget)
                 conn.send(("ok", out))
             except Exception:
                 conn.send(("error", traceback.format_exc()[-2000:]))

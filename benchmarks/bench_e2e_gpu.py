@@ -46,7 +46,7 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _e2e_cells as cells  # noqa: E402  (beside this file)
 import _phase_timers  # noqa: E402
-from _e2e_engine import SHAPES, VOCAB, attached, install_oracle, spec_of, start_engine, write_shaped  # noqa: E402
+from _e2e_engine import SHAPES, VOCAB, attached, force_chain, install_oracle, spec_of, start_engine, write_shaped  # noqa: E402
 from _e2e_side_by_side import side_by_side  # noqa: E402
 
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the round's hooks live in the V1 runner
@@ -106,7 +106,7 @@ def run(args) -> dict:
         finally:
             engines.shutdown(llm)
     reference = harness.reference_from_outputs(prompts, ref)
-    modes = [("flat", None)] + [(f"ddtree{b}", b) for b in args.budgets] + [("auto", "auto")]
+    modes = [("flat", None)] + [(f"ddtree{b}", b) for b in args.budgets] + [("auto", "auto"), ("autochain", "auto")]
     modes = [(m, b) for m, b in modes if m in args.modes or (isinstance(b, int) and "ddtree" in args.modes)]
     modes.sort(key=lambda mb: args.modes.index(mb[0]) if mb[0] in args.modes else len(args.modes))  # as listed
     if args.side_by_side:
@@ -125,6 +125,7 @@ def run(args) -> dict:
         try:
             if not attached(llm, mode, budget, result):
                 continue
+            force_chain(llm, mode)
             for prof in profiles:
                 od = install_oracle(llm, reference, prof, prompts, conc)
                 try:
@@ -177,7 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profiles", default=str(ROOT / "benchmarks" / "oracle_profiles.json"))
     ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35")
     ap.add_argument("--modes", default="nospec,flat,ddtree,auto", help="any of nospec, flat, ddtree (every "
-                    "budget), ddtree<B>, auto; split a long run over several commands")
+                    "budget), ddtree<B>, auto, autochain (budget \"auto\" held to the chain every step: what its chain "
+                    "step costs against flat DFlash's); split a long run over several commands")
     ap.add_argument("--reference", default=None, help="JSON file of the reference outputs: read if it exists, "
                     "else written (so later commands skip computing them)")
     ap.add_argument("--repeat-reference", action="store_true", help="shaped targets: take the reference as the "
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models-dir", default=None, help="where the config-only model folders are written "
                     "(default: a new temporary folder)")
     ap.add_argument("--gpu-profile", action="store_true", help="per mode, one more run at the first concurrency "
-                    "and profile under torch.profiler: GPU busy ms per round and the top kernels (gpu_profiles)")
+                    "(--side-by-side: at every concurrency) under torch.profiler: GPU busy ms per round and the top kernels (gpu_profiles)")
     ap.add_argument("--trace-tokens", type=int, default=0, help="per mode and concurrency, one more run of this "
                     "many tokens under torch.profiler with Python stacks, saved as a gzipped Chrome trace beside "
                     "--out (benchmarks/trace_summary.py: where a round's host time goes)")
@@ -214,8 +216,8 @@ def main(argv=None) -> int:
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.profile_names = args.profile_names.split(",")
     args.modes = args.modes.split(",")
-    if args.side_by_side and (args.gpu_profile or args.trace_tokens):
-        ap.error("--gpu-profile, --trace-tokens: not with --side-by-side (profile the modes one engine at a time)")
+    if args.side_by_side and args.trace_tokens:
+        ap.error("--trace-tokens: not with --side-by-side (trace the modes one engine at a time)")
     if args.tensor_parallel_size > 1:
         if args.gpu_profile:
             ap.error("--gpu-profile: not with --tensor-parallel-size > 1 (the kernels run in the rank processes, "

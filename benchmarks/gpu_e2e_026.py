@@ -399,7 +399,7 @@ def _run_candidates(out, kind, dtype, target, drafter, extra_kw, prompts, ref, r
     out["ok"] = bool(out["attached"] and c_random.get("tree_steps", 0) > 0 and gates_ok
                      and seeded_ok and out["seeded_seeds_differ"]
                      and (not full or (out["graph_sizes"] and c_all.get("graph_steps", 0) > 0))
-                     and out["stage_replays"].get("commit", 0) > 0
+                     and out["stage_replays"].get("commit", 0) > 0 and out["stage_replays"].get("walk", 0) > 0
                      and (not hybrid or out.get("state_check", {}).get("paths", 0) > 0))
     return out
 

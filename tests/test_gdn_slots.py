@@ -75,6 +75,20 @@ class _V2Output:  # Model Runner V2's sampler output: the counts are what it rea
     num_rejected: torch.Tensor
 
 
+def test_state_indices_padded_to_the_builders_columns_with_fresh_tensors():
+    from ddtree_compile.adapters import gdn_slots
+
+    idx = torch.arange(12, dtype=torch.int32).view(3, 4) + 1
+    out = gdn_slots._pad(idx, 9, 0)
+    assert out.shape == (3, 9) and out.dtype == torch.int32
+    assert torch.equal(out, torch.nn.functional.pad(idx, (0, 5), value=0))
+    again = gdn_slots._pad(idx[:2] + 100, 9, 0)  # a later build: the first result must not change
+    assert torch.equal(out, torch.nn.functional.pad(idx, (0, 5), value=0))
+    assert torch.equal(again[:, 4:], torch.zeros(2, 5, dtype=torch.int32)) and again.data_ptr() != out.data_ptr()
+    big = gdn_slots._pad(torch.ones(300, 2, dtype=torch.int32), 4, 7)  # more rows than the cached block
+    assert torch.equal(big[:, 2:], torch.full((300, 2), 7, dtype=torch.int32))
+
+
 def test_limited_sampler_cuts_vllms_output_to_the_slots():
     ids = torch.tensor([[5, 6, 7, 8, 9, -1], [1, 2, -1, -1, -1, -1]])
     v1 = gdn_state.LimitedSampler(lambda *a: type("O", (), {"sampled_token_ids": ids.clone()})(), 3)

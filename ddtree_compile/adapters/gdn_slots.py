@@ -134,11 +134,24 @@ def _patch_builder(gdn_attn) -> None:
     gdn_attn.mamba_get_block_table_tensor = padded_gather
 
 
+_FILL: dict = {}  # (device, dtype, width, value) -> a read-only [rows, width] tensor of `value`, grown on demand
+
+
 def _pad(indices, cols: int, value: int):
-    """`indices` [R, c] -> [R, cols] (c < cols), the new columns `value`."""
+    """`indices` [R, c] -> [R, cols] (c < cols), the new columns `value`. One `cat` with a cached
+    column block: every step's build pads once per GDN KV cache group, and `F.pad` costs four host
+    ops (empty, fill, narrow, copy) where this costs two; the result is a new tensor, as vLLM's own
+    gather returns (a builder may hold it in its metadata until the step's kernels have read it)."""
     import torch
 
-    return torch.nn.functional.pad(indices, (0, cols - indices.shape[1]), value=value)
+    R, width = indices.shape[0], cols - indices.shape[1]
+    key = (indices.device, indices.dtype, width, value)
+    fill = _FILL.get(key)
+    if fill is None or fill.shape[0] < R:
+        fill = torch.full((max(R, 256), width), value, dtype=indices.dtype, device=indices.device)
+        if not (indices.is_cuda and torch.cuda.is_current_stream_capturing()):  # (not from a graph's pool)
+            _FILL[key] = fill
+    return torch.cat([indices, fill[:R]], dim=1)
 
 
 def _mark(patched, original) -> None:

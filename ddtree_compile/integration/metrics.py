@@ -123,6 +123,10 @@ class DDTreeMetrics:
             parts = [row.index_select(0, self._acceptance)] + ([] if within is None else [(within * t).sum(-1)])
             self._largest += torch.cat(parts)
 
+    def device_counters(self) -> dict:
+        """The device tensors `record_round` adds into (at fixed addresses: a graph of the walk writes them)."""
+        return {"acc": self._acc, "hist": self._hist, "largest": self._largest}
+
     def acceptance_totals(self) -> torch.Tensor:
         """Device [3 + smaller buckets] int64 over the largest bucket's steps: tree rows, accepted
         nodes, accepted nodes off the drafter's top-1 chain, then per smaller bucket its accepted nodes."""

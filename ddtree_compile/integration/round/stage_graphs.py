@@ -1,4 +1,4 @@
-"""CUDA graphs of a round stage's device work (the commit), one per input shape.
+"""CUDA graphs of a round stage's device work (the walk, the commit), one per input shape.
 
 After the tree verify the commit is ~40 small torch ops and 4-6 Triton launches per step, and their
 host cost sits on the round's critical path: vLLM waits on the sampled tokens right after. On the
@@ -26,6 +26,7 @@ _MAX_GRAPHS = 256  # beyond this many shapes the stage runs eagerly (logged once
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
     inputs: dict
+    outputs: object  # what the stage's function returned at capture
 
 
 class StageGraphs:
@@ -36,8 +37,10 @@ class StageGraphs:
         self._seen: set[tuple] = set()
         self._pool = None
 
-    def run(self, fn, copied: dict, fixed: dict) -> None:
-        """fn(**copied, **fixed): eagerly, or by replaying the graph of these shapes and addresses."""
+    def run(self, fn, copied: dict, fixed: dict):
+        """fn(**copied, **fixed): eagerly, or by replaying the graph of these shapes and addresses.
+        Returns fn's result; from a replay, the tensors it returned at capture (the graph's buffers,
+        overwritten by its next replay)."""
         if not self.on:
             return fn(**copied, **fixed)
         key = (tuple((k, tuple(v.shape), v.dtype, v.stride()) for k, v in copied.items())
@@ -56,6 +59,7 @@ class StageGraphs:
             g.inputs[k].copy_(v, non_blocking=True)
         g.graph.replay()
         self.ctx.metrics.stage_replays[self.name] += 1
+        return g.outputs
 
     def _capture(self, key, fn, copied: dict, fixed: dict) -> _Graph:
         if self._pool is None:
@@ -65,8 +69,8 @@ class StageGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: vLLM's other threads (outputs, metrics) may touch CUDA meanwhile
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            fn(**inputs, **fixed)
-        self._graphs[key] = g = _Graph(graph, inputs)
+            outputs = fn(**inputs, **fixed)
+        self._graphs[key] = g = _Graph(graph, inputs, outputs)
         self.ctx.metrics.stage_graphs[self.name] = len(self._graphs)
         return g
 

@@ -10,6 +10,7 @@ import torch
 from ...core.sampling import sample_target_tokens
 from ...core.tree import TreeBatch, WalkResult, ancestor_closure, pack_bits
 from ...core.walk import drafter_order, walk_tree
+from .stage_graphs import StageGraphs
 from .step import RoundContext, Step
 
 
@@ -21,6 +22,8 @@ class WalkStage:
         # budget "auto"'s smaller buckets (ctx.menu is final once the stages exist), on the device once
         smaller = ctx.menu[:-1]
         self._smaller = torch.tensor(smaller, device=ctx.device).view(-1, 1, 1) if smaller else None
+        # the greedy all-tree step's device work (walk kernel, padding, metrics) as one graph per shape
+        self.graphs = StageGraphs(ctx, "walk", ctx.cfg.round_graphs)
 
     def sample(self, step: Step | None, original, metadata, draft_probs, logits, sampling_metadata):
         """The sampled tokens of the step ([path tokens, bonus, -1...] per request); fills step.walk."""
@@ -36,6 +39,16 @@ class WalkStage:
             chain_out = original(metadata, draft_probs, logits.clone(), sampling_metadata)
         logits3 = logits[: R * N].view(R, N, -1)
         temp = ctx.view.sampling_temperature(sampling_metadata)
+        if temp is None and chain_out is None:  # the usual step: greedy, every row a tree
+            t = step.tree
+            copied = {"target": logits3.argmax(-1), "tokens": t.tokens, "parents": t.parents, "depths": t.depths,
+                      "scores": t.scores, "num_nodes": t.num_nodes, "ancestor_bits": t.ancestor_bits,
+                      "top1": step.top1, "tree_rows": step.tree_rows}
+            # the outputs are the graph's own buffers: read by this step's commit, drafter and vLLM's
+            # bookkeeping, all before the next step's walk replays the graph
+            step.walk, tokens = self.graphs.run(self._greedy_walk, copied, ctx.metrics.device_counters())
+            ctx.metrics.add_time("walk", time.perf_counter() - t0)
+            return ctx.view.sampler_output(tokens, None)
         if temp is None:
             target = logits3.argmax(-1)
         else:
@@ -57,7 +70,7 @@ class WalkStage:
             order = drafter_order(accepted, N)  # with the chain rows' paths
         # off_chain: the walk's (the metrics count tree rows only)
         step.walk = WalkResult(accepted, num_acc, walk.bonus, tokens, order, walk.off_chain)
-        self._record_metrics(step)
+        self._record_metrics(step.walk, step.tree_rows, step.tree.num_nodes, N)
         ctx.metrics.add_time("walk", time.perf_counter() - t0)
         logprobs = ctx.view.sampled_tokens(chain_out)[1] if chain_out is not None else None
         return ctx.view.sampler_output(tokens.to(torch.int32), logprobs)
@@ -110,15 +123,26 @@ class WalkStage:
         width = ctx.view.sampled_tokens(out)[0].shape[1]
         return ctx.view.replace_sampled(out, _pad_cols(walk.tokens, width), ctx.h2d(redo, torch.bool), k_t)
 
-    def _record_metrics(self, step: Step) -> None:
-        ctx, walk = self.ctx, step.walk
+    def _greedy_walk(self, target, tokens, parents, depths, scores, num_nodes, ancestor_bits, top1, tree_rows,
+                     **counters) -> tuple[WalkResult, torch.Tensor]:
+        """Device work only (stage_graphs.py): the walk of the target's argmax tokens, the step's
+        metrics (into `counters`, the metrics' device tensors), and the tokens vLLM sees (int32)."""
+        N = tokens.shape[1]
+        tree = TreeBatch(tokens, parents, depths, scores, num_nodes, ancestor_bits, max_depth=self.ctx.max_depth)
+        walk = walk_tree(tree, target, top1=top1)
+        walk.tokens = _pad_cols(walk.tokens, N)
+        self._record_metrics(walk, tree_rows, num_nodes, N)
+        return walk, walk.tokens.to(torch.int32)
+
+    def _record_metrics(self, walk: WalkResult, tree_rows, num_nodes, N: int) -> None:
+        ctx = self.ctx
         accepted = walk.num_accepted - 1
-        largest = step.N == ctx.N
+        largest = N == ctx.N
         within = None
         if largest and self._smaller is not None:  # what each smaller bucket, a prefix of this tree, would accept
             within = _accepted_within(walk.accepted, self._smaller)
-        ctx.metrics.record_round(step.tree_rows, step.tree.num_nodes, accepted, walk.off_chain,
-                                 accepted >= min(ctx.L, step.N - 1), within=within, largest=largest)
+        ctx.metrics.record_round(tree_rows, num_nodes, accepted, walk.off_chain, accepted >= min(ctx.L, N - 1),
+                                 within=within, largest=largest)
 
 
 class TreeSampler:
