@@ -128,3 +128,37 @@ def test_the_plugin_hooks_runner_v2_where_it_hooks_v1():
     plugin.register()
     for name in ("initialize_kv_cache", "profile_run", "load_model"):
         assert getattr(getattr(v2.GPUModelRunner, name), "_ddtree_patched", False), name
+
+
+def test_fewer_drafts_than_k_copy_into_a_contiguous_view_of_vllms_pinned_buffer():
+    """A runner whose pinned buffer holds K = 6 drafts per request: steps of 3 and of 6 drafts are
+    copied into the slice vLLM's `_copy_draft_token_ids_to_cpu` writes (`[:R, :w]`, which without the
+    re-view is not contiguous for w < K), each a contiguous slice of the same storage, and vLLM's own
+    read-back (0.32's `_get_draft_token_ids_cpu`, unbound) returns them as written."""
+    import types
+
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree_compile.adapters.v1_runner import contiguous_draft_copies
+
+    buf = torch.full((4, 6), -7, dtype=torch.int64)
+    seen = []
+
+    def copy(self, scheduler_output, zeros_only=False):  # the slice vLLM writes, as it writes it
+        d = self._draft_token_ids
+        dst = self.draft_token_ids_cpu[: d.shape[0], : d.shape[1]]
+        seen.append(dst.is_contiguous() and dst.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
+        dst.copy_(d)
+        self._draft_token_req_ids = ["a", "b", "c"][: d.shape[0]]
+
+    runner = types.SimpleNamespace(draft_token_ids_cpu=buf, _draft_token_ids=None,
+                                   draft_token_ids_event=types.SimpleNamespace(synchronize=lambda: None))
+    runner._copy_draft_token_ids_to_cpu = types.MethodType(copy, runner)
+    contiguous_draft_copies(runner)
+    for drafts in (torch.arange(9).view(3, 3), torch.arange(18).view(3, 6) + 100, torch.arange(6).view(2, 3) + 50):
+        runner._draft_token_ids = drafts
+        runner._copy_draft_token_ids_to_cpu(None)
+        got, req_ids = GPUModelRunner._get_draft_token_ids_cpu(runner)
+        assert got == drafts.tolist() and len(req_ids) == drafts.shape[0]
+    assert seen == [True, True, True]

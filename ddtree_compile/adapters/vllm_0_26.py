@@ -54,6 +54,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     ROUND_HOOKS,
     V1RunnerView,
     cleanup_distributed,
+    contiguous_draft_copies,
     drop_compiled_model_hooks,
     find_runner,
     model_module_ids,
@@ -132,6 +133,7 @@ def install_round_hooks(runner, hooks: dict) -> dict:
     the buffer after the forward."""
     originals = replace_round_members(runner, hooks)
     originals["model_forward"] = _static_positions_forward(runner, originals["model_forward"])
+    contiguous_draft_copies(runner)
     return originals
 
 

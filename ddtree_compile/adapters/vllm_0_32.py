@@ -32,6 +32,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     ROUND_HOOKS,
     V1RunnerView,
     cleanup_distributed,
+    contiguous_draft_copies,
     drop_compiled_model_hooks,
     find_runner,
     model_module_ids,
@@ -99,7 +100,11 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
 # The round's hooks on one runner instance: vLLM 0.32's members, called with 0.32's arguments
 # ---------------------------------------------------------------------------------------------
 
-install_round_hooks = replace_round_members
+def install_round_hooks(runner, hooks: dict) -> dict:
+    """`replace_round_members`, and the drafts' host copy kept asynchronous (`contiguous_draft_copies`)."""
+    originals = replace_round_members(runner, hooks)
+    contiguous_draft_copies(runner)
+    return originals
 
 
 def install_graph_capture(runner, capture, query_lens=()) -> set[int]:
