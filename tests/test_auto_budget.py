@@ -116,10 +116,12 @@ def test_unknown_costs_are_explored_then_the_faster_kind_wins():
     kinds = [p.choose(1) for _ in range(16)]  # 4/6 > 5/10 tokens per ms: the chain wins, the tree is probed
     at = [i for i, k in enumerate(kinds) if k == ab.TREE]
     # a probe is two tree steps (the second is timed); the next one comes probe_gap steps later, backing off
-    assert at == [at[0], at[0] + 1, at[0] + 9, at[0] + 10] and p.probes == 2 and p.probe_gap == 16, kinds
+    assert at == [at[0], at[0] + 1, at[0] + 9, at[0] + 10] and p.probes == 2 and p.probe_gap == {1: 16}, kinds
+    _steps(p, ab.CHAIN, 1, 2.0, 0.004)  # (after a chain step: both timed) four timed steps: a settled cost
     p.costs[(ab.CHAIN, 1)] = 0.009  # now 4/9 < 5/10: the tree wins
-    assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 4 and p.probe_gap == 4
+    assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 4 and p.probe_gap == {1: 4}
     # the losing chain is still timed now and then (its cost may have been a stall): every 4 * 8th step
+    # once settled
     kinds = [p.choose(1) for _ in range(64)]
     at = [i for i, k in enumerate(kinds) if k == ab.CHAIN]
     gap = 4 * ab._CHAIN_PROBE_FACTOR
@@ -130,8 +132,9 @@ def test_unknown_costs_are_explored_then_the_faster_kind_wins():
 
 def test_a_chain_cost_held_up_by_stalls_is_measured_again():
     """The H100 4B run: both of the chain's first steps at one bucket were stalls (313 ms), the tree
-    won from then on and the chain was never timed again. A chain probe times it, and the window's
-    lower quartile takes the steady cost, so the chain can win again."""
+    won from then on and the chain was never timed again. A chain probe times it (at the tree's
+    probe interval while fewer than 4 of its steps were timed), and the window's lower quartile takes
+    the steady cost, so the chain can win again."""
     m, p = _policy(probe=2)
     _steps(p, ab.TREE, 1, 0.0, 0.008, n=3)  # tree: 10 ms per step
     _round(m, [4, 4], [0, 0])  # the tree accepts no more than the chain: 5 tokens per round each
@@ -139,12 +142,36 @@ def test_a_chain_cost_held_up_by_stalls_is_measured_again():
         p.choose(1)
     _steps(p, ab.CHAIN, 1, 10.0, 0.311, n=3)  # three stalls (the first not timed): the chain reads 313 ms
     assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.313)
-    kinds = [p.choose(1) for _ in range(2 * ab._CHAIN_PROBE_FACTOR + 1)]
-    assert kinds[-2:] == [ab.CHAIN] * 2 and kinds.count(ab.CHAIN) == 2, kinds  # the probe: two chain steps
+    kinds = [p.choose(1) for _ in range(3)]
+    # the probe, two chain steps, after the tree's interval of 2 decisions (not 2 * 8: two timed steps)
+    assert kinds == [ab.TREE, ab.CHAIN, ab.CHAIN] and p.chain_probes == 1, kinds
     _steps(p, ab.CHAIN, 1, 20.0, 0.004)  # the chain's steady step: 6 ms (the second timed)
     assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.006)
     assert _rates(p, 1)[ab.CHAIN] > _rates(p, 1)[ab.TREE]  # 5/6 > 5/10: the chain wins again,
     assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 2 + [ab.CHAIN] * 2 and p.probes == 1  # the tree probed
+
+
+def test_probes_are_scheduled_per_batch_bucket():
+    """The H100 4B run (e2e_h100_4b_s23_main.json): the chain's cost at c=16 read 41 ms from two
+    warm-up stalls; the tree won at 16 (31 ms) while the chain won at the buckets a finishing batch
+    shrinks to, and every chain step there reset the one probe clock, so the chain was never timed
+    at 16 again (0 chain probes) and auto verified trees at 0.75x flat DFlash. Each bucket keeps its
+    own probe clock: the chain is probed at 16 however often it wins at 1."""
+    m, p = _policy(probe=2)
+    for R in (1, 16):
+        _steps(p, ab.TREE, R, 0.0, 0.008, n=3)  # tree: 10 ms at both buckets
+    _steps(p, ab.CHAIN, 1, 10.0, 0.004, n=3)  # chain at 1: 6 ms (it wins there)
+    _steps(p, ab.CHAIN, 16, 20.0, 0.039, n=3)  # chain at 16: two stalls, 41 ms (the tree wins there)
+    _round(m, [4, 4], [0, 0])  # equal acceptance: the cost decides
+    while p.tokens[ab.TREE] is None:
+        p.choose(16)
+    kinds = []
+    for _ in range(2 * ab._CHAIN_PROBE_FACTOR + 1):  # a finishing batch: each c=16 step followed by a c=1 step
+        kinds.append(p.choose(16))
+        assert p.choose(1) in (ab.CHAIN, ab.TREE)
+    assert ab.CHAIN in kinds and p.chain_probes >= 1, kinds  # the chain is probed at 16
+    _steps(p, ab.CHAIN, 16, 30.0, 0.004)  # its steady step: 6 ms
+    assert p.costs[(ab.CHAIN, 16)] == pytest.approx(0.006) and _rates(p, 16)[ab.CHAIN] > _rates(p, 16)[ab.TREE]
 
 
 def test_the_largest_trees_probes_back_off_while_another_kind_wins():
@@ -154,7 +181,7 @@ def test_the_largest_trees_probes_back_off_while_another_kind_wins():
     winning a decision resets the gap."""
     m, p = _policy(probe=2)
     _steps(p, ab.TREE, 1, 0.0, 0.008, n=3)  # tree 10 ms
-    _steps(p, ab.CHAIN, 1, 10.0, 0.004, n=3)  # chain 6 ms
+    _steps(p, ab.CHAIN, 1, 10.0, 0.004, n=5)  # chain 6 ms (four timed steps: settled, probed rarely)
     _round(m, [4, 4], [0, 0])  # equal acceptance: the chain wins on cost
     while p.tokens[ab.TREE] is None:
         p.choose(1)
@@ -165,10 +192,10 @@ def test_the_largest_trees_probes_back_off_while_another_kind_wins():
     gaps = [b - (a + 1) for a, b in zip(starts, starts[1:])]  # from a probe's second step to the next probe
     cap = 2 * ab._PROBE_BACKOFF
     assert gaps[:4] == [4, 8, 16, cap] and set(gaps[4:]) == {cap}, gaps  # 2 -> 4 -> 8 -> 16 -> 32 (the cap)
-    assert p.probes == len(starts) and p.snapshot()["probe_gap"] == cap
+    assert p.probes == len(starts) and p.snapshot()["probe_gap"] == {1: cap}
     _round(m, [20, 20], [20, 20])  # the tree's paths left the chain at once: read back, the tree wins
     kinds = [p.choose(1) for _ in range(16)]
-    assert kinds[-8:] == [ab.TREE] * 8 and p.probe_gap == 2, kinds  # the next loss probes 2 steps on
+    assert kinds[-8:] == [ab.TREE] * 8 and p.probe_gap == {1: 2}, kinds  # the next loss probes 2 steps on
 
 
 def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
@@ -186,7 +213,7 @@ def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
     while p.tokens[ab.TREE] is None:
         p.choose(16)
     assert _rates(p, 16)[ab.CHAIN] > _rates(p, 16)[ab.TREE]  # 6/26 ms > 6.5/34 ms
-    p._since[ab.TREE] = 0  # (no probe due)
+    p._since[ab.TREE, 16] = 0  # (no probe due)
     assert p._decide(16) == ab.CHAIN
 
 
@@ -230,7 +257,7 @@ def test_a_menu_learns_every_buckets_acceptance_from_the_largest_trees_and_picks
     assert p.tokens == {ab.TREE: 5.0, t8: 4.0, t4: 2.5, ab.CHAIN: 4.5}
     assert kinds[-1] == ab.CHAIN  # then the costs it lacks: the chain's, the smaller buckets'
     for kind, verify_s in ((ab.CHAIN, 0.008), (t8, 0.006), (t4, 0.004)):
-        _steps(p, kind, 1, 10.0, verify_s, n=3)
+        _steps(p, kind, 1, 10.0, verify_s, n=5)  # four timed steps each: settled costs (probed rarely)
         assert kind == ab.CHAIN or p.choose(1) != kind
     # tokens per ms: tree 5/20, tree:8 4/8, tree:4 2.5/6, chain 4.5/10 -> tree:8 wins
     picks = [p.choose(1) for _ in range(14)]  # probes of two tree steps each, 4 then 8 steps after the last
@@ -328,7 +355,7 @@ def test_auto_is_lossless_and_runs_both_kinds_of_steps(tiny):
     assert tok["tree"] >= tok["chain"] > 1.0, tok  # the oracle's misses at rank >= 1: the tree gains
     assert a["step_ms"]["tree@4"] < 1e3, a["step_ms"]  # measured: no longer the table's 10 s
     rates = _rates(policy, 4)
-    policy._since[ab.TREE] = 0  # (no probe due)
+    policy._since[ab.TREE, 4] = 0  # (no probe due)
     assert policy._decide(4) == (ab.TREE if rates[ab.TREE] >= rates[ab.CHAIN] else ab.CHAIN), (rates, a)
     print(f"\nauto (chain cheap): {metrics.format_line(c)}; {a['decisions']}, tokens/round {tok}")
 
@@ -352,7 +379,7 @@ def test_auto_over_a_menu_without_a_table_runs_every_bucket_follows_the_rates_an
     assert tok[ab.TREE] >= tok["tree:8"] >= tok["tree:3"] > 1.0, tok  # nested trees accept nested paths
     rates = {k: tok[k] / policy.costs[(k, 4)] for k in policy.kinds}
     best = max(policy.kinds, key=lambda k: (rates[k], -policy.kinds.index(k)))
-    policy._since = dict.fromkeys(policy.kinds, 0)  # (no probe due)
+    policy._since.clear()  # (no probe due)
     assert policy._decide(4) == best, (rates, a)
     print(f"\nauto menu (online costs): {c['budget_steps']}, {a['step_ms']}, tokens/round {tok}, {a['decisions']}")
 

@@ -35,13 +35,16 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   13-17 ms per step, where the engines' steady steps took 15.5 and 11.5 ms, and auto kept the tree
   under the +4% profile at 0.84x flat DFlash. So a probe is two steps of its kind, the second timed.
 - A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried;
-  while another kind wins, the largest tree is verified anyway now and then so every kind's
+  while another kind wins at a bucket, the largest tree is verified there anyway now and then (each
+  bucket keeps its own probe clock, as its own costs: a kind taken at c=1 says nothing of its cost
+  at c=16, where the H100 run kept a chain cost of two warm-up stalls for good) so every kind's
   acceptance keeps being measured (a drafter can get better): first after `probe_interval` steps,
   then after twice as many each time a probe leaves another kind winning, up to
   `probe_interval * _PROBE_BACKOFF` steps; the tree winning a decision resets it. A probe is a tree
   step where the chain was faster (on the 4B shape at c = 1: 18 ms against 10), so probes at a fixed
   interval of 16 cost ~5% of the rate for as long as the chain wins. Every other losing kind gets a
-  step every `probe_interval * _CHAIN_PROBE_FACTOR`-th step, so a cost whose every sample was a
+  step every `probe_interval * _CHAIN_PROBE_FACTOR`-th step (every `probe_interval`-th while fewer
+  than _WINDOW // 2 of its steps at that bucket were timed), so a cost whose every sample was a
   stall is measured again (a kind that loses is never timed again without a probe). Rarer than the
   largest tree's probes: those kinds have no acceptance to learn, and on hybrids the chain's step is
   the slower one.
@@ -124,7 +127,7 @@ class AutoBudget:
         self.kinds = [TREE] + smaller[::-1] + [CHAIN]
         metrics.set_menu(len(smaller))
         self.probe_interval = probe_interval
-        self.probe_gap = probe_interval  # steps between the largest tree's probes now (backs off)
+        self.probe_gap: dict[int, int] = {}  # bucket -> its steps between the largest tree's probes now (backs off)
         self.costs: dict = dict(priors or {})  # (kind, bucket) -> seconds per step
         self._samples: dict = {}  # (kind, bucket) -> the last _WINDOW measured step times
         self.table_path = table_path
@@ -133,7 +136,9 @@ class AutoBudget:
         self.probes = 0  # largest-tree steps taken while another kind won
         self.chain_probes = 0  # chain steps taken while another kind won
         self.budget_probes = 0  # smaller-bucket steps taken while another kind won
-        self._since = dict.fromkeys(self.kinds, 0)  # decisions since each kind was last chosen
+        # (kind, bucket) -> decisions at that bucket since the kind was last taken there: costs are per
+        # bucket, so are probes (a chain taken at c=1 says nothing of its stale cost at c=16)
+        self._since: collections.Counter = collections.Counter()
         self._n = 0
         self.draft_s: float | None = None  # seconds per proposal (drafter + tree build), both kinds
         self._next: tuple | None = None  # (kind, R, its proposal's start) for the next step
@@ -149,11 +154,12 @@ class AutoBudget:
     def choose(self, R: int) -> str:
         self._n += 1
         self._poll()
+        b = bucket(R)
         kind, self._again = self.forced or self._again, None
-        kind = kind or self._decide(bucket(R))  # (which may set _again: a probe's second step)
+        kind = kind or self._decide(b)  # (which may set _again: a probe's second step)
         self.decisions[kind] += 1
         for k in self.kinds:
-            self._since[k] = 0 if k == kind else self._since[k] + 1
+            self._since[k, b] = 0 if k == kind else self._since[k, b] + 1
         return kind
 
     def budget_of(self, kind: str) -> int:
@@ -168,14 +174,19 @@ class AutoBudget:
                 return k
         rates = {k: self.tokens[k] / self.costs[(k, b)] for k in self.kinds}
         best = max(self.kinds, key=lambda k: (rates[k], -self.kinds.index(k)))
+        gap = self.probe_gap.get(b, self.probe_interval)
         if best == TREE:
-            self.probe_gap = self.probe_interval
-        elif self._since[TREE] + 1 >= self.probe_gap:
+            self.probe_gap[b] = self.probe_interval
+        elif self._since[TREE, b] + 1 >= gap:
             self.probes += 1
-            self.probe_gap = min(2 * self.probe_gap, self.probe_interval * _PROBE_BACKOFF)
+            self.probe_gap[b] = min(2 * gap, self.probe_interval * _PROBE_BACKOFF)
             return self._probe(TREE)
         for k in (CHAIN, *self.kinds[1:-1]):
-            if k not in (best, TREE) and self._since[k] + 1 >= self.probe_interval * _CHAIN_PROBE_FACTOR:
+            # a cost from fewer than _WINDOW // 2 timed steps (a table's prior, warm-up stalls) is
+            # checked at the tree's interval, a settled one rarely
+            few = len(self._samples.get((k, b), ())) < _WINDOW // 2
+            every = self.probe_interval * (1 if few else _CHAIN_PROBE_FACTOR)
+            if k not in (best, TREE) and self._since[k, b] + 1 >= every:
                 if k == CHAIN:
                     self.chain_probes += 1
                 else:
@@ -260,7 +271,7 @@ class AutoBudget:
 
     def snapshot(self) -> dict:
         return {"tree_budget": self.B, "menu": list(self.menu), "chain_len": self.L, "decisions": dict(self.decisions),
-                "probes": self.probes, "probe_gap": self.probe_gap, "chain_probes": self.chain_probes,
+                "probes": self.probes, "probe_gap": dict(self.probe_gap), "chain_probes": self.chain_probes,
                 "budget_probes": self.budget_probes,
                 "tokens_per_round": dict(self.tokens), "table": self.table_path,
                 "draft_ms": None if self.draft_s is None else 1e3 * self.draft_s,
