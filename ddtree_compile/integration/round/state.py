@@ -169,6 +169,7 @@ class DDTreeRound:
         alive through them) and this engine's claim on the eager op redirect."""
         self.metrics.close()
         self.verify.close()
+        self.walk.graphs.close()
         self.commit.graphs.close()
         self.pending = self.step = None
         if self._redirected:

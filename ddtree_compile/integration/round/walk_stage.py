@@ -126,7 +126,8 @@ class WalkStage:
     def _greedy_walk(self, target, tokens, parents, depths, scores, num_nodes, ancestor_bits, top1, tree_rows,
                      **counters) -> tuple[WalkResult, torch.Tensor]:
         """Device work only (stage_graphs.py): the walk of the target's argmax tokens, the step's
-        metrics (into `counters`, the metrics' device tensors), and the tokens vLLM sees (int32)."""
+        metrics, and the tokens vLLM sees (int32). `counters` (the metrics' device tensors, which
+        `record_round` adds into) are passed so that their addresses key the graph."""
         N = tokens.shape[1]
         tree = TreeBatch(tokens, parents, depths, scores, num_nodes, ancestor_bits, max_depth=self.ctx.max_depth)
         walk = walk_tree(tree, target, top1=top1)
