@@ -42,8 +42,8 @@ class WalkStage:
         if temp is None and chain_out is None:  # the usual step: greedy, every row a tree
             t = step.tree
             copied = {"target": logits3.argmax(-1), "tokens": t.tokens, "parents": t.parents, "depths": t.depths,
-                      "scores": t.scores, "num_nodes": t.num_nodes, "ancestor_bits": t.ancestor_bits,
-                      "top1": step.top1, "tree_rows": step.tree_rows}
+                      "num_nodes": t.num_nodes, "ancestor_bits": t.ancestor_bits, "top1": step.top1,
+                      "tree_rows": step.tree_rows}
             # the outputs are the graph's own buffers: read by this step's commit, drafter and vLLM's
             # bookkeeping, all before the next step's walk replays the graph
             step.walk, tokens = self.graphs.run(self._greedy_walk, copied, ctx.metrics.device_counters())
@@ -123,13 +123,14 @@ class WalkStage:
         width = ctx.view.sampled_tokens(out)[0].shape[1]
         return ctx.view.replace_sampled(out, _pad_cols(walk.tokens, width), ctx.h2d(redo, torch.bool), k_t)
 
-    def _greedy_walk(self, target, tokens, parents, depths, scores, num_nodes, ancestor_bits, top1, tree_rows,
+    def _greedy_walk(self, target, tokens, parents, depths, num_nodes, ancestor_bits, top1, tree_rows,
                      **counters) -> tuple[WalkResult, torch.Tensor]:
         """Device work only (stage_graphs.py): the walk of the target's argmax tokens, the step's
         metrics, and the tokens vLLM sees (int32). `counters` (the metrics' device tensors, which
         `record_round` adds into) are passed so that their addresses key the graph."""
         N = tokens.shape[1]
-        tree = TreeBatch(tokens, parents, depths, scores, num_nodes, ancestor_bits, max_depth=self.ctx.max_depth)
+        # no scores: neither walk (Triton, torch) reads them, so they are not copied into the graph
+        tree = TreeBatch(tokens, parents, depths, None, num_nodes, ancestor_bits, max_depth=self.ctx.max_depth)
         walk = walk_tree(tree, target, top1=top1)
         walk.tokens = _pad_cols(walk.tokens, N)
         self._record_metrics(walk, tree_rows, num_nodes, N)
