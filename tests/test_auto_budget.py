@@ -115,40 +115,42 @@ def test_unknown_costs_are_explored_then_the_faster_kind_wins():
     assert p.costs == {(ab.TREE, 1): pytest.approx(0.010), (ab.CHAIN, 1): pytest.approx(0.006)}
     kinds = [p.choose(1) for _ in range(16)]  # 4/6 > 5/10 tokens per ms: the chain wins, the tree is probed
     at = [i for i, k in enumerate(kinds) if k == ab.TREE]
-    # a probe is two tree steps (the second is timed); the next one comes probe_gap steps later, backing off
-    assert at == [at[0], at[0] + 1, at[0] + 9, at[0] + 10] and p.probes == 2 and p.probe_gap == {1: 16}, kinds
+    # a probe is two tree steps (the second is timed); while fewer than 4 of the tree's steps were
+    # timed, the next comes probe_interval (4) decisions after the probe's second step
+    assert at[:6] == [at[0], at[0] + 1, at[0] + 5, at[0] + 6, at[0] + 10, at[0] + 11], kinds
+    assert p.probes == len(at[::2]) and p.probe_gap == {1: 4}
     _steps(p, ab.CHAIN, 1, 2.0, 0.004)  # (after a chain step: both timed) four timed steps: a settled cost
     p.costs[(ab.CHAIN, 1)] = 0.009  # now 4/9 < 5/10: the tree wins
     assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 4 and p.probe_gap == {1: 4}
-    # the losing chain is still timed now and then (its cost may have been a stall): every 4 * 8th step
-    # once settled
+    # the losing chain is still timed now and then (its cost may have been a stall): settled, as
+    # often as its probes cost 1% of the rate, 2 * (9/10 - 4/5) / 1% = 20 decisions apart
     kinds = [p.choose(1) for _ in range(64)]
     at = [i for i, k in enumerate(kinds) if k == ab.CHAIN]
-    gap = 4 * ab._CHAIN_PROBE_FACTOR
-    assert at == [at[0], at[0] + 1, at[0] + 1 + gap, at[0] + 2 + gap] and p.chain_probes == 2, at  # pairs too
-    assert p.snapshot()["chain_probes"] == 2
+    assert at[:4] == [at[0], at[0] + 1, at[0] + 21, at[0] + 22] and p.chain_probes == len(at[::2]), at
+    assert p.snapshot()["chain_probes"] == p.chain_probes
     assert _rates(p, 1)[ab.TREE] == pytest.approx(500.0) and _rates(p, 2)[ab.TREE] is None
 
 
 def test_a_chain_cost_held_up_by_stalls_is_measured_again():
     """The H100 4B run: both of the chain's first steps at one bucket were stalls (313 ms), the tree
-    won from then on and the chain was never timed again. A chain probe times it (at the tree's
-    probe interval while fewer than 4 of its steps were timed), and the window's lower quartile takes
-    the steady cost, so the chain can win again."""
+    won from then on and the chain was never timed again. A chain probe times it (every
+    probe_interval steps while fewer than 4 of its steps were timed), and the window's lower
+    quartile takes the steady cost, so the chain can win again."""
     m, p = _policy(probe=2)
-    _steps(p, ab.TREE, 1, 0.0, 0.008, n=3)  # tree: 10 ms per step
+    _steps(p, ab.TREE, 1, 0.0, 0.008, n=5)  # tree: 10 ms per step (four timed steps)
     _round(m, [4, 4], [0, 0])  # the tree accepts no more than the chain: 5 tokens per round each
     while p.tokens[ab.TREE] is None:
         p.choose(1)
     _steps(p, ab.CHAIN, 1, 10.0, 0.311, n=3)  # three stalls (the first not timed): the chain reads 313 ms
     assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.313)
     kinds = [p.choose(1) for _ in range(3)]
-    # the probe, two chain steps, after the tree's interval of 2 decisions (not 2 * 8: two timed steps)
+    # the probe, two chain steps, after probe_interval (2) decisions: only two of its steps were timed
     assert kinds == [ab.TREE, ab.CHAIN, ab.CHAIN] and p.chain_probes == 1, kinds
     _steps(p, ab.CHAIN, 1, 20.0, 0.004)  # the chain's steady step: 6 ms (the second timed)
     assert p.costs[(ab.CHAIN, 1)] == pytest.approx(0.006)
     assert _rates(p, 1)[ab.CHAIN] > _rates(p, 1)[ab.TREE]  # 5/6 > 5/10: the chain wins again,
-    assert [p.choose(1) for _ in range(4)] == [ab.TREE] * 2 + [ab.CHAIN] * 2 and p.probes == 1  # the tree probed
+    # (the tree's next probe: 2 * (10/6 - 5/5) / 1% = 133, at most probe_interval * 16 = 32 steps on)
+    assert [p.choose(1) for _ in range(4)] == [ab.CHAIN] * 4 and p.probes == 0 and p.probe_gap == {1: 32}
 
 
 def test_probes_are_scheduled_per_batch_bucket():
@@ -166,7 +168,7 @@ def test_probes_are_scheduled_per_batch_bucket():
     while p.tokens[ab.TREE] is None:
         p.choose(16)
     kinds = []
-    for _ in range(2 * ab._CHAIN_PROBE_FACTOR + 1):  # a finishing batch: each c=16 step followed by a c=1 step
+    for _ in range(16):  # a finishing batch: each c=16 step followed by a c=1 step
         kinds.append(p.choose(16))
         assert p.choose(1) in (ab.CHAIN, ab.TREE)
     assert ab.CHAIN in kinds and p.chain_probes >= 1, kinds  # the chain is probed at 16
@@ -174,28 +176,32 @@ def test_probes_are_scheduled_per_batch_bucket():
     assert p.costs[(ab.CHAIN, 16)] == pytest.approx(0.006) and _rates(p, 16)[ab.CHAIN] > _rates(p, 16)[ab.TREE]
 
 
-def test_the_largest_trees_probes_back_off_while_another_kind_wins():
-    """While the chain wins, each probe of the largest tree that leaves it winning doubles the gap to
-    the next (up to probe_interval * _PROBE_BACKOFF steps): on the H100's 4B shape a tree step costs
-    ~1.8 chain steps, so probes every 16 steps cost ~5% for as long as the chain wins. The tree
-    winning a decision resets the gap."""
-    m, p = _policy(probe=2)
-    _steps(p, ab.TREE, 1, 0.0, 0.008, n=3)  # tree 10 ms
-    _steps(p, ab.CHAIN, 1, 10.0, 0.004, n=5)  # chain 6 ms (four timed steps: settled, probed rarely)
+def test_a_losing_kind_is_probed_as_often_as_its_probes_cost_one_percent_of_the_rate():
+    """A probe of kind k in place of the winner w loses 2 * cost_w * (cost_k / cost_w - E_k / E_w):
+    k is probed every 2 * (cost_k / cost_w - E_k / E_w) / 1% steps, within probe_interval ..
+    probe_interval * 16. The closer the race, the sooner the loser is measured again: with a
+    back-off to 256 steps instead, auto stayed on the chain for most of a cell after the acceptance
+    rose on the H100 (1.10x flat DFlash where budget 32 read 1.17x, e2e_h100_4b_s23.json)."""
+    m, p = _policy(probe=4)
+    _steps(p, ab.TREE, 1, 0.0, 0.0055, n=5)  # tree 7.5 ms (four timed steps: a settled cost)
+    _steps(p, ab.CHAIN, 1, 10.0, 0.004, n=5)  # chain 6 ms
     _round(m, [4, 4], [0, 0])  # equal acceptance: the chain wins on cost
     while p.tokens[ab.TREE] is None:
         p.choose(1)
-    kinds = [p.choose(1) for _ in range(200)]
-    at = [i for i, k in enumerate(kinds) if k == ab.TREE]
-    starts = at[::2]  # every probe is two tree steps in a row
-    assert at[1::2] == [i + 1 for i in starts], at
-    gaps = [b - (a + 1) for a, b in zip(starts, starts[1:])]  # from a probe's second step to the next probe
-    cap = 2 * ab._PROBE_BACKOFF
-    assert gaps[:4] == [4, 8, 16, cap] and set(gaps[4:]) == {cap}, gaps  # 2 -> 4 -> 8 -> 16 -> 32 (the cap)
-    assert p.probes == len(starts) and p.snapshot()["probe_gap"] == {1: cap}
-    _round(m, [20, 20], [20, 20])  # the tree's paths left the chain at once: read back, the tree wins
-    kinds = [p.choose(1) for _ in range(16)]
-    assert kinds[-8:] == [ab.TREE] * 8 and p.probe_gap == {1: 2}, kinds  # the next loss probes 2 steps on
+
+    def probe_gaps(n):
+        at = [i for i, k in enumerate(p.choose(1) for _ in range(n)) if k == ab.TREE]
+        assert at[1::2] == [i + 1 for i in at[::2]], at  # every probe is two tree steps in a row
+        return {b - a - 1 for a, b in zip(at[::2], at[2::2])}  # decisions from a probe's second step on
+
+    assert probe_gaps(200) == {50} and p.probe_gap == {1: 50}  # 2 * (7.5 / 6 - 5 / 5) / 1%
+    probes = p.probes
+    _round(m, [5, 5], [1, 1])  # the tree accepts one more than the chain: 6 against 5 tokens
+    probe_gaps(16)  # (the read-back lands within a few decisions)
+    assert p.tokens == {ab.TREE: pytest.approx(5.25), ab.CHAIN: pytest.approx(5.0)}  # (EMA)
+    assert probe_gaps(100) == {40} and p.probe_gap == {1: 40} and p.probes > probes  # 2 * (7.5/6 - 5.25/5) / 1%
+    p.costs[(ab.TREE, 1)] = 0.030  # a far slower tree: still probed every probe_interval * 16 steps
+    assert probe_gaps(300) == {64} and p.probe_gap == {1: 64}
 
 
 def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
@@ -245,7 +251,7 @@ def test_a_menu_learns_every_buckets_acceptance_from_the_largest_trees_and_picks
     t4, t8 = ab.tree_kind(4, 16), ab.tree_kind(8, 16)
     assert p.kinds == [ab.TREE, t8, t4, ab.CHAIN] and p.budget_of(t4) == 4 and p.budget_of(ab.TREE) == 16
     assert p.choose(1) == ab.TREE
-    _steps(p, ab.TREE, 1, 0.0, 0.018, n=3)  # 20 ms
+    _steps(p, ab.TREE, 1, 0.0, 0.018, n=5)  # 20 ms (four timed steps: a settled cost)
     # two rows: 6 and 2 nodes accepted (1 and 0 off the chain); within 4 / 8 nodes: 2+1 / 4+2
     m.record_round(torch.ones(2, dtype=torch.bool), torch.full((2,), 16), torch.tensor([6, 2]), torch.tensor([1, 0]),
                    torch.zeros(2, dtype=torch.bool), within=torch.tensor([[2, 1], [4, 2]]))
@@ -259,11 +265,15 @@ def test_a_menu_learns_every_buckets_acceptance_from_the_largest_trees_and_picks
     for kind, verify_s in ((ab.CHAIN, 0.008), (t8, 0.006), (t4, 0.004)):
         _steps(p, kind, 1, 10.0, verify_s, n=5)  # four timed steps each: settled costs (probed rarely)
         assert kind == ab.CHAIN or p.choose(1) != kind
-    # tokens per ms: tree 5/20, tree:8 4/8, tree:4 2.5/6, chain 4.5/10 -> tree:8 wins
-    picks = [p.choose(1) for _ in range(14)]  # probes of two tree steps each, 4 then 8 steps after the last
-    assert picks.count(t8) == 10 and picks.count(ab.TREE) == 4 and p.probes == 2, picks
-    picks = [p.choose(1) for _ in range(4 * ab._CHAIN_PROBE_FACTOR)]
-    assert picks.count(ab.CHAIN) == 2 and picks.count(t4) == 2 and p.budget_probes == 1, picks
+    # tokens per ms: tree 5/20, tree:8 4/8, tree:4 2.5/6, chain 4.5/10 -> tree:8 wins; each loser is
+    # probed (two steps) as often as that costs 1% of the rate: the chain and tree:4 every
+    # 2 * (10/8 - 4.5/4) / 1% = 2 * (6/8 - 2.5/4) / 1% = 25 decisions, the tree every 250, at most 64
+    picks = [p.choose(1) for _ in range(80)]
+    at = {k: [i for i, x in enumerate(picks) if x == k] for k in p.kinds}
+    assert at[ab.CHAIN] == [a + d for a in at[ab.CHAIN][:1] for d in (0, 1, 26, 27, 52, 53)], picks
+    assert at[t4] == [i + 2 for i in at[ab.CHAIN]], picks  # (due with the chain: after it)
+    assert len(at[ab.TREE]) == 2 and p.probes == 1 and p.probe_gap == {1: 64}, picks
+    assert len(at[t8]) == 80 - 14 and p.chain_probes == 3 and p.budget_probes == 3
     snap = p.snapshot()
     assert snap["menu"] == [4, 8, 16] and snap["decisions"][t8] > 0 and f"{t4}@1" in snap["step_ms"]
 

@@ -64,9 +64,10 @@ class DDTreeConfig:
     log_interval  tree rounds between DDTree log lines (0: no periodic log line)
     auto_budget   budget "auto" only: the tree bucket (nodes) the engine verifies when the tree wins,
                   or a list of them (the menu; the largest sizes vLLM's draft slots)
-    probe_interval budget "auto" only: while the chain wins, the tree is verified anyway after this
-                  many steps, then after twice as many each time it still loses (up to 16x), so
-                  the tree's acceptance keeps being measured
+    probe_interval budget "auto" only: while one kind wins, every other kind is verified anyway now
+                  and then (the tree's acceptance and every kind's cost keep being measured): as
+                  often as those probes cost at most 1% of the rate, but at most every this many
+                  steps and at least every 16x this many (round/auto_budget.py)
     cost_table    budget "auto" only: the precompile cost table (JSON); None: the default path
                   beside vLLM's compile cache for this target/drafter (no table: costs measured online)
     round_graphs  CUDA: the commit's device work replayed as one CUDA graph per batch shape

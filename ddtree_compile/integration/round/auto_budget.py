@@ -34,20 +34,24 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   the H100 (4B shape, c = 1) single probes timed that way read the tree at 11-13 ms and the chain at
   13-17 ms per step, where the engines' steady steps took 15.5 and 11.5 ms, and auto kept the tree
   under the +4% profile at 0.84x flat DFlash. So a probe is two steps of its kind, the second timed.
-- A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried;
-  while another kind wins at a bucket, the largest tree is verified there anyway now and then (each
-  bucket keeps its own probe clock, as its own costs: a kind taken at c=1 says nothing of its cost
-  at c=16, where the H100 run kept a chain cost of two warm-up stalls for good) so every kind's
-  acceptance keeps being measured (a drafter can get better): first after `probe_interval` steps,
-  then after twice as many each time a probe leaves another kind winning, up to
-  `probe_interval * _PROBE_BACKOFF` steps; the tree winning a decision resets it. A probe is a tree
-  step where the chain was faster (on the 4B shape at c = 1: 18 ms against 10), so probes at a fixed
-  interval of 16 cost ~5% of the rate for as long as the chain wins. Every other losing kind gets a
-  step every `probe_interval * _CHAIN_PROBE_FACTOR`-th step (every `probe_interval`-th while fewer
-  than _WINDOW // 2 of its steps at that bucket were timed), so a cost whose every sample was a
-  stall is measured again (a kind that loses is never timed again without a probe). Rarer than the
-  largest tree's probes: those kinds have no acceptance to learn, and on hybrids the chain's step is
-  the slower one.
+- A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried.
+  While one kind wins at a bucket, every other kind is probed there now and then (each bucket keeps
+  its own probe clocks, as its own costs: a kind taken at c=1 says nothing of its cost at c=16,
+  where the H100 run kept a chain cost of two warm-up stalls for good): the largest tree so that
+  every kind's acceptance keeps being measured (a drafter can get better, a workload can change),
+  the others so that a cost whose samples were stalls is measured again (a kind that loses is never
+  timed again without a probe). A probe is two steps of its kind, the second timed. How often: as
+  often as probes cost at most _PROBE_SHARE of the rate. A step of kind k instead of the winner w
+  takes cost_k for E_k tokens, which w commits in E_k / rate_w = cost_w * E_k / E_w, so a probe
+  loses 2 * cost_w * (cost_k / cost_w - E_k / E_w) and k is probed every
+      gap_k = 2 * (cost_k / cost_w - E_k / E_w) / _PROBE_SHARE
+  steps, within probe_interval .. probe_interval * _PROBE_MAX (every probe_interval while fewer than
+  _WINDOW // 2 of k's steps at that bucket were timed: a table's prior or warm-up stalls). The
+  closer the race, the more often the loser is re-measured. On the H100's 4B shape under the +4%
+  profile (tree 14.5 ms and 4.83 tokens, chain 12.7 ms and 4.76 at c = 1) the tree is probed every
+  ~25 steps, at c = 16 (26.7 and 19.7 ms) every ~62. A back-off to 256 steps instead kept auto on
+  the chain for most of a cell after the acceptance rose (+4% -> +22% profile: 1.10x flat where
+  budget 32 read 1.17x, `e2e_h100_4b_s23.json`).
 
 On CUDA (vLLM 0.26, V1 runner) every kind has FULL CUDA graphs per batch bucket: vLLM's own for
 the largest tree (1 + K = B + 1 tokens per request), and the adapter's for the smaller buckets and
@@ -76,8 +80,8 @@ _EMA = 0.25  # weight of a new measurement (drafting time: per proposal; accepta
 _READBACK = 8  # decisions between read-backs of the acceptance counters
 _WINDOW = 9  # measured steps per (kind, bucket) whose lower quartile is the cost
 _MIN_SAMPLES = 2  # measured steps before they replace the table's prior (or make the cost known)
-_CHAIN_PROBE_FACTOR = 8  # while the tree wins, a chain step every probe_interval * this steps
-_PROBE_BACKOFF = 16  # while another kind wins, the largest tree's probes back off to probe_interval * this
+_PROBE_SHARE = 0.01  # of the rate that probes of a losing kind may cost
+_PROBE_MAX = 16  # a losing kind is probed at least every probe_interval * this steps
 
 
 def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
@@ -129,7 +133,7 @@ class AutoBudget:
         self.kinds = [TREE] + smaller[::-1] + [CHAIN]
         metrics.set_menu(len(smaller))
         self.probe_interval = probe_interval
-        self.probe_gap: dict[int, int] = {}  # bucket -> its steps between the largest tree's probes now (backs off)
+        self.probe_gap: dict[int, int] = {}  # bucket -> steps between the largest tree's probes there, when it last lost
         self.costs: dict = dict(priors or {})  # (kind, bucket) -> seconds per step
         self._samples: dict = {}  # (kind, bucket) -> the last _WINDOW measured step times
         self.table_path = table_path
@@ -176,25 +180,28 @@ class AutoBudget:
                 return k
         rates = {k: self.tokens[k] / self.costs[(k, b)] for k in self.kinds}
         best = max(self.kinds, key=lambda k: (rates[k], -self.kinds.index(k)))
-        gap = self.probe_gap.get(b, self.probe_interval)
-        if best == TREE:
-            self.probe_gap[b] = self.probe_interval
-        elif self._since[TREE, b] + 1 >= gap:
-            self.probes += 1
-            self.probe_gap[b] = min(2 * gap, self.probe_interval * _PROBE_BACKOFF)
-            return self._probe(TREE)
-        for k in (CHAIN, *self.kinds[1:-1]):
-            # a cost from fewer than _WINDOW // 2 timed steps (a table's prior, warm-up stalls) is
-            # checked at the tree's interval, a settled one rarely
-            few = len(self._samples.get((k, b), ())) < _WINDOW // 2
-            every = self.probe_interval * (1 if few else _CHAIN_PROBE_FACTOR)
-            if k not in (best, TREE) and self._since[k, b] + 1 >= every:
-                if k == CHAIN:
+        for k in self.kinds:  # the largest tree first: its probes also measure every kind's acceptance
+            if k == best:
+                continue
+            gap = self._probe_gap(k, best, b)
+            if k == TREE:
+                self.probe_gap[b] = gap
+            if self._since[k, b] + 1 >= gap:
+                if k == TREE:
+                    self.probes += 1
+                elif k == CHAIN:
                     self.chain_probes += 1
                 else:
                     self.budget_probes += 1
                 return self._probe(k)
         return best
+
+    def _probe_gap(self, k: str, best: str, b: int) -> int:
+        """Steps between probes of the losing kind k at bucket b (module docstring)."""
+        if len(self._samples.get((k, b), ())) < _WINDOW // 2:
+            return self.probe_interval
+        gap = 2 * (self.costs[(k, b)] / self.costs[(best, b)] - self.tokens[k] / self.tokens[best]) / _PROBE_SHARE
+        return min(max(round(gap), self.probe_interval), self.probe_interval * _PROBE_MAX)
 
     def _probe(self, kind: str) -> str:
         """A probe is two steps of its kind: the second is timed (after one of its own kind)."""
