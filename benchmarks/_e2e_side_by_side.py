@@ -25,13 +25,14 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
 
     args = argparse.Namespace(**setup["args"])
     mp = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
-    setup = {**setup, "share": len(modes)}
+    devices = device_of_each(getattr(args, "devices", None), len(modes))
     workers, started = [], []
     try:
         # all engines start at once (a cold 4B engine takes ~4.5 min on the H100, mostly compile and
-        # graph capture on one host thread each); each has a fixed KV cache (start_engine)
-        for mode, budget, spec, extra in modes:
-            started.append(ModeWorker(mp, mode, budget, spec, extra, setup))
+        # graph capture on one host thread each); engines sharing a GPU have fixed KV caches (start_engine)
+        for (mode, budget, spec, extra), device in zip(modes, devices):
+            share = devices.count(device)
+            started.append(ModeWorker(mp, mode, budget, spec, extra, {**setup, "share": share}, device))
         for w in started:
             try:
                 w.ready()
@@ -41,6 +42,8 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
             result["starts"][w.mode] = w.info["start_s"]
             result.setdefault("worker_pids", {})[w.mode] = w.info["pid"]
             result.setdefault("worker_start_wall", {})[w.mode] = [w.info["spawned_s"], w.info["ready_s"]]
+            if w.info["devices"] is not None:  # (as the worker's process saw them)
+                result.setdefault("worker_devices", {})[w.mode] = w.info["devices"]
             if not w.info["attached"]:
                 result["runs"].append({"mode": w.mode, "error": "DDTree did not attach",
                                        "fallbacks": w.info["fallbacks"]})
@@ -72,6 +75,17 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
             w.close()
 
 
+def device_of_each(devices: str | None, n: int) -> list:
+    """--devices "1,2,3" -> the CUDA device of each of n engines (the list repeats); None: all on the
+    default device."""
+    if not devices:
+        return [None] * n
+    ids = [d.strip() for d in devices.split(",") if d.strip()]
+    if not ids or not all(d.isdigit() for d in ids):
+        raise ValueError(f"--devices {devices!r}: expected CUDA device indices, e.g. '0' or '1,2,3'")
+    return [ids[i % len(ids)] for i in range(n)]
+
+
 class ModeWorker:
     """--side-by-side: one speculative mode's engine in a process of its own (spawned), driven over a
     pipe. Two vLLM engines in one process share process-wide state: on the H100, vLLM 0.26 switches
@@ -79,12 +93,21 @@ class ModeWorker:
     next run then failed ("CUDA graph capturing detected at an inappropriate time"); the Prometheus
     registry, which the spec-decode counters are read from, holds only the last engine's."""
 
-    def __init__(self, mp, mode, budget, spec, extra, setup):
+    def __init__(self, mp, mode, budget, spec, extra, setup, device=None):
         self.mode, self.budget = mode, budget
         self.conn, child = mp.Pipe()
         # not a daemon: a daemonic process may not start processes of its own (torch.compile's workers)
         self.proc = mp.Process(target=worker_main, args=(child, mode, budget, spec, extra, setup))
-        self.proc.start()
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if device is not None:  # a spawned process starts with the parent's environment of this moment
+            os.environ["CUDA_VISIBLE_DEVICES"] = device
+        try:
+            self.proc.start()
+        finally:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
         child.close()
         self.spawned_s, self.info = time.time(), None
 
@@ -134,7 +157,8 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
         if not budget or ddtree_attached(llm):
             force_chain(llm, mode)
         conn.send(("ok", {"start_s": start, "attached": not budget or ddtree_attached(llm),
-                          "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid()}))
+                          "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid(),
+                          "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
     except Exception:
         conn.send(("error", traceback.format_exc()[-2000:]))
         return

@@ -196,6 +196,11 @@ def main(argv=None) -> int:
     ap.add_argument("--side-by-side", action="store_true", help="all speculative modes' engines up at once, "
                     "one process each (GPU memory split evenly), their runs alternating within each cell: ratios "
                     "immune to a drift of the host's speed between engines (see _e2e_side_by_side.py)")
+    ap.add_argument("--devices", default=None, help="--side-by-side: the GPU of each mode's engine, in --modes "
+                    "order (e.g. '1,2,3'; the list repeats if shorter). Engines on one GPU split its memory (fixed KV "
+                    "caches, --kv-cache-gib); an engine alone on its GPU sizes its KV cache from vLLM's memory "
+                    "profile. The runs still alternate, so one engine runs at a time: a 27B-shaped engine per "
+                    "GPU keeps every mode side by side where two do not fit one GPU")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor_parallel_size of every "
                     "engine: one worker process per rank, the oracle and sharpen() on every rank (collective_rpc); the "
                     "shaped targets' one MoE layer gets TP experts (vLLM refuses TP > experts; write_shaped); "
@@ -216,6 +221,8 @@ def main(argv=None) -> int:
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.profile_names = args.profile_names.split(",")
     args.modes = args.modes.split(",")
+    if args.devices and (not args.side_by_side or args.tensor_parallel_size > 1):
+        ap.error("--devices: only with --side-by-side and --tensor-parallel-size 1")
     if args.side_by_side and args.trace_tokens:
         ap.error("--trace-tokens: not with --side-by-side (trace the modes one engine at a time)")
     if args.tensor_parallel_size > 1:

@@ -124,16 +124,19 @@ def test_summary_table_ratios_and_no_speculation_row(bench):
 
 @pytest.mark.slow  # (vLLM engines on CPU; `make test-slow`: keeps `make test` near 30 min)
 def test_bench_e2e_side_by_side(bench, tmp_path):
-    """--side-by-side: the speculative engines are up together, each in a process of its own, and
-    their runs alternate within each cell (the order rotated per repeat)."""
+    """--side-by-side: the speculative engines are up together, each in a process of its own (on the
+    GPU --devices names for it), and their runs alternate within each cell (the order rotated per
+    repeat)."""
     prof = {"name": "perfect", "rank_probs": [1.0]}
     (tmp_path / "p.json").write_text(json.dumps({"profiles": [prof]}))
     out = tmp_path / "s.json"
     rc = bench.main(["--target", "tiny", "--max-tokens", "16", "--concurrency", "1,2", "--budgets", "8", "--top-k", "4",
                      "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect",
-                     "--modes", "flat,ddtree8", "--repeats", "3", "--side-by-side", "--out", str(out)])
+                     "--modes", "flat,ddtree8", "--repeats", "3", "--side-by-side", "--devices", "3,5",
+                     "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0, [r for r in res["runs"] if "error" in r]
+    assert res["worker_devices"] == {"flat": "3", "ddtree8": "5"}  # (CPU engines: the variable is all there is)
     pids = res["worker_pids"]
     assert set(pids) == {"flat", "ddtree8"} and len({*pids.values(), os.getpid()}) == 3, pids
     wall = res["worker_start_wall"]  # started together: every process spawned before any engine was up
@@ -150,6 +153,13 @@ def test_bench_e2e_side_by_side(bench, tmp_path):
             assert r["tokens_per_round"] > 5  # the perfect oracle: (nearly) every draft accepted
         assert d["tree_steps"] > 0 and d["fallback_total"] == 0  # the tree ran, in its own process
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
+
+
+def test_bench_devices_repeat_and_name_the_option(bench):
+    device_of_each = importlib.import_module("_e2e_side_by_side").device_of_each
+    assert device_of_each(None, 2) == [None, None] and device_of_each("1,2", 3) == ["1", "2", "1"]
+    with pytest.raises(ValueError, match=r"--devices 'cuda:1': expected CUDA device indices"):
+        device_of_each("cuda:1", 2)
 
 
 def test_bench_kv_cache_gib_per_mode(bench):
