@@ -65,7 +65,8 @@ _EVALUABLE = {name: expr.doit() for name, expr in EXPRESSIONS.items()}  # the su
 
 @functools.lru_cache(maxsize=4096)
 def _eval(name: str, values: tuple) -> int:
-    out = _EVALUABLE[name].subs(dict(values))
+    """values: ((symbol name, int), ...): plain keys, so a cache hit hashes no sympy objects."""
+    out = _EVALUABLE[name].subs(_symbols(values))
     if not out.is_Integer:
         out = sp.simplify(out)
     if not out.is_Integer:
@@ -77,7 +78,11 @@ def _ints(**values) -> tuple:
     for name, v in values.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"buckets: `{name}` must be an int >= 1, got {v!r}")
-    return tuple((globals()[name], v) for name, v in sorted(values.items()))
+    return tuple(sorted(values.items()))
+
+
+def _symbols(values: tuple) -> dict:
+    return {globals()[name]: v for name, v in values}
 
 
 def verify_tokens(budget: int) -> int:
@@ -111,7 +116,7 @@ def effective_budget(budget: int, top_k: int, draft_len: int) -> int:
 def gdn_workspace(layers: int, requests: int, budget: int, key_heads: int, key_dim: int, value_heads: int,
                   value_dim: int) -> dict:
     """name -> shape of the GDN workspace: rec_kv and rec_gb of `layers` GDN layers, the shared stack."""
-    v = dict(_ints(n=layers, R=requests, b=budget, H=key_heads, K=key_dim, HV=value_heads, V=value_dim))
+    v = _symbols(_ints(n=layers, R=requests, b=budget, H=key_heads, K=key_dim, HV=value_heads, V=value_dim))
     return {name: tuple(int(sp.sympify(x).subs(v)) for x in shape) for name, shape in GDN_SHAPES.items()}
 
 

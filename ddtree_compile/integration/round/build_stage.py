@@ -47,10 +47,10 @@ class BuildStage:
         if not self._warmed:
             self._warm_up(logits)
         req_ids = ctx.view.req_ids(R)
-        chain = [ctx.chain_reason(r) for r in req_ids]
         if kind == CHAIN:  # flat DFlash's drafts, verified by vLLM: no tree built, flat's own work
             self._done(kind, R, t0)
-            return top1, Pending(req_ids, None, top1, chain, auto_chain=True)
+            return top1, Pending(req_ids, None, top1, [None] * R, auto_chain=True)
+        chain = [ctx.chain_reason(r) for r in req_ids]
         tree = build_tree(logits, ctx.spec).with_root(kw["next_token_ids"])
         budget = ctx.B if ctx.auto is None else ctx.auto.budget_of(kind)
         if budget < ctx.B:
