@@ -3,6 +3,7 @@ sharpened dummy weights, the warm-up) and speculative config, and the oracle dra
 
 from __future__ import annotations
 
+import os
 import pathlib
 import time
 
@@ -39,7 +40,7 @@ def write_shaped(shape: str, root: pathlib.Path, experts: int = 1) -> tuple[path
                           linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768,
                           tie_word_embeddings=False, torch_dtype="bfloat16", **s)
     cfg.architectures = ["Qwen3NextForCausalLM"]
-    cfg.save_pretrained(target)
+    _save(cfg, target)
     drafter = root / f"{shape}_dflash"
     d = Qwen3Config(vocab_size=VOCAB, hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
                     num_hidden_layers=5, num_attention_heads=s["num_attention_heads"],
@@ -50,8 +51,19 @@ def write_shaped(shape: str, root: pathlib.Path, experts: int = 1) -> tuple[path
     d.num_target_layers = n
     d.target_hidden_size = s["hidden_size"]
     d.dflash_config = {"mask_token_id": VOCAB - 1, "target_layer_ids": [round(i * (n - 2) / 4) + 1 for i in range(5)]}
-    d.save_pretrained(drafter)
+    _save(d, drafter)
     return target, drafter
+
+
+def _save(cfg, folder: pathlib.Path) -> None:
+    """save_pretrained, each file replaced atomically: two benchmarks started together with one
+    --models-dir (one compile cache) never read a half-written config."""
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    cfg.save_pretrained(tmp)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in tmp.iterdir():
+        os.replace(f, folder / f.name)
+    tmp.rmdir()
 
 
 def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -> dict:
