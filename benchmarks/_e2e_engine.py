@@ -77,7 +77,8 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -
     if args.device == "cuda":
         from ddtree_compile.passes.entry import compilation_config
 
-        cc = compilation_config("cuda")
+        plain = spec is not None and "ddtree" not in extra and getattr(args, "flat_compile", "alike") == "vllm"
+        cc = {} if plain else compilation_config("cuda")  # (plain: vLLM's own split, no DDTree pass)
         cc["cudagraph_mode"] = args.cudagraph_mode
         if spec is not None:  # every concurrency's verify batch in a graph (vLLM's default stops at 512 tokens)
             cc["max_cudagraph_capture_size"] = max(512, max_seqs * (spec["num_speculative_tokens"] + 1))

@@ -209,6 +209,9 @@ def main(argv=None) -> int:
                     "per GPU ~29 GiB of weights each and, at c=16, ~20 (DDTree 32) and ~10 GiB (flat) of GDN "
                     "state: two H200s hold that, two 80 GiB H100s do not (run the modes one engine at a time there)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
+    ap.add_argument("--flat-compile", default="alike", choices=["alike", "vllm"], help="flat DFlash's compile: "
+                    "'alike' (DDTree's pass and graph partition, whose mirror ops run vLLM's ops outside a tree "
+                    "verify: the same Inductor graphs as DDTree's engines) or 'vllm' (vLLM's own compilation config)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     # (4B shape on the H100: flat DFlash holds ~0.55 GiB per request, DDTree at budget 32 ~1.3 GiB: vLLM
     # keeps a GDN state slot per draft position, 33 of them; so c=16 needs ~9 and ~21 GiB)
