@@ -213,6 +213,8 @@ def main(argv=None) -> int:
                     "'alike' (DDTree's pass and graph partition, whose mirror ops run vLLM's ops outside a tree "
                     "verify: the same Inductor graphs as DDTree's engines) or 'vllm' (vLLM's own compilation config)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--block-size", type=int, default=None, help="vLLM's block_size for every engine (default: "
+                    "vLLM's; on hybrids the smallest attention block whose page covers a Mamba state page)")
     # (4B shape on the H100: flat DFlash holds ~0.55 GiB per request, DDTree at budget 32 ~1.3 GiB: vLLM
     # keeps a GDN state slot per draft position, 33 of them; so c=16 needs ~9 and ~21 GiB)
     ap.add_argument("--kv-cache-gib", default="flat=11,*=23", help="--side-by-side on a GPU: each engine's KV "
