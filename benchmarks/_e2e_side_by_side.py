@@ -100,7 +100,8 @@ class ModeWorker:
         self.proc = mp.Process(target=worker_main, args=(child, mode, budget, spec, extra, setup))
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         if device is not None:  # a spawned process starts with the parent's environment of this moment
-            os.environ["CUDA_VISIBLE_DEVICES"] = device
+            visible = saved.split(",") if saved else None  # (an index into the parent's own list, if it has one)
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible[int(device)] if visible else device
         try:
             self.proc.start()
         finally:

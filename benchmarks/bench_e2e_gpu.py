@@ -197,7 +197,8 @@ def main(argv=None) -> int:
                     "one process each (GPU memory split evenly), their runs alternating within each cell: ratios "
                     "immune to a drift of the host's speed between engines (see _e2e_side_by_side.py)")
     ap.add_argument("--devices", default=None, help="--side-by-side: the GPU of each mode's engine, in --modes "
-                    "order (e.g. '1,2,3'; the list repeats if shorter). Engines on one GPU split its memory (fixed KV "
+                    "order (e.g. '1,2,3'; the list repeats if shorter; indices into CUDA_VISIBLE_DEVICES if it is "
+                    "set). Engines on one GPU split its memory (fixed KV "
                     "caches, --kv-cache-gib); an engine alone on its GPU sizes its KV cache from vLLM's memory "
                     "profile. The runs still alternate, so one engine runs at a time: a 27B-shaped engine per "
                     "GPU keeps every mode side by side where two do not fit one GPU")

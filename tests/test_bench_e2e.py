@@ -123,20 +123,21 @@ def test_summary_table_ratios_and_no_speculation_row(bench):
 
 
 @pytest.mark.slow  # (vLLM engines on CPU; `make test-slow`: keeps `make test` near 30 min)
-def test_bench_e2e_side_by_side(bench, tmp_path):
+def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
     """--side-by-side: the speculative engines are up together, each in a process of its own (on the
     GPU --devices names for it), and their runs alternate within each cell (the order rotated per
     repeat)."""
     prof = {"name": "perfect", "rank_probs": [1.0]}
     (tmp_path / "p.json").write_text(json.dumps({"profiles": [prof]}))
     out = tmp_path / "s.json"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "9,8,7,6,5,4")  # --devices index into the parent's list
     rc = bench.main(["--target", "tiny", "--max-tokens", "16", "--concurrency", "1,2", "--budgets", "8", "--top-k", "4",
                      "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect",
                      "--modes", "flat,ddtree8", "--repeats", "3", "--side-by-side", "--devices", "3,5",
                      "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0, [r for r in res["runs"] if "error" in r]
-    assert res["worker_devices"] == {"flat": "3", "ddtree8": "5"}  # (CPU engines: the variable is all there is)
+    assert res["worker_devices"] == {"flat": "6", "ddtree8": "4"}  # (CPU engines: the variable is all there is)
     pids = res["worker_pids"]
     assert set(pids) == {"flat", "ddtree8"} and len({*pids.values(), os.getpid()}) == 3, pids
     wall = res["worker_start_wall"]  # started together: every process spawned before any engine was up
