@@ -76,13 +76,20 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
 
 
 def device_of_each(devices: str | None, n: int) -> list:
-    """--devices "1,2,3" -> the CUDA device of each of n engines (the list repeats); None: all on the
-    default device."""
+    """--devices "1,2,3" -> the CUDA_VISIBLE_DEVICES of each of n engines (the list repeats; indices
+    into this process's CUDA_VISIBLE_DEVICES when it is set); None: all on the default device."""
     if not devices:
         return [None] * n
     ids = [d.strip() for d in devices.split(",") if d.strip()]
     if not ids or not all(d.isdigit() for d in ids):
         raise ValueError(f"--devices {devices!r}: expected CUDA device indices, e.g. '0' or '1,2,3'")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        visible = visible.split(",")
+        if max(int(d) for d in ids) >= len(visible):
+            raise ValueError(f"--devices {devices!r}: CUDA_VISIBLE_DEVICES={','.join(visible)} holds "
+                             f"{len(visible)} devices (indices 0..{len(visible) - 1})")
+        ids = [visible[int(d)] for d in ids]
     return [ids[i % len(ids)] for i in range(n)]
 
 
@@ -100,8 +107,7 @@ class ModeWorker:
         self.proc = mp.Process(target=worker_main, args=(child, mode, budget, spec, extra, setup))
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         if device is not None:  # a spawned process starts with the parent's environment of this moment
-            visible = saved.split(",") if saved else None  # (an index into the parent's own list, if it has one)
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible[int(device)] if visible else device
+            os.environ["CUDA_VISIBLE_DEVICES"] = device
         try:
             self.proc.start()
         finally:
