@@ -92,6 +92,8 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -
             kw["dtype"] = "float32"
     if args.target != "tiny":
         kw["load_format"] = "dummy"
+    if getattr(args, "attention_config", None):
+        kw["attention_config"] = dict(args.attention_config)
     if getattr(args, "block_size", None):
         kw["block_size"] = args.block_size  # (hybrids: vLLM raises a smaller one to cover a Mamba page)
     if getattr(args, "tensor_parallel_size", 1) > 1:  # one worker process per rank (runners via collective_rpc)

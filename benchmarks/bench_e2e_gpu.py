@@ -156,6 +156,16 @@ def run(args) -> dict:
     return result
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--attention-config: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--attention-config: a JSON object expected, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -213,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--flat-compile", default="alike", choices=["alike", "vllm"], help="flat DFlash's compile: "
                     "'alike' (DDTree's pass and graph partition, whose mirror ops run vLLM's ops outside a tree "
                     "verify: the same Inductor graphs as DDTree's engines) or 'vllm' (vLLM's own compilation config)")
+    ap.add_argument("--attention-config", default=None, type=_json_object, help="vLLM's attention_config of "
+                    "every engine, a JSON object, e.g. '{\"backend\": \"TRITON_ATTN\"}' or "
+                    "'{\"flash_attn_max_num_splits_for_cuda_graph\": 1}' (default: vLLM's)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--block-size", type=int, default=None, help="vLLM's block_size for every engine (default: "
                     "vLLM's; on hybrids the smallest attention block whose page covers a Mamba state page)")

@@ -296,14 +296,20 @@ def test_buckets_priors_and_what_is_not_timed():
     _step(p, ab.TREE, 1, -1.0, 0.018)  # the first step: not timed
     _step(p, ab.TREE, 1, 0.0, 1.198)  # a first-call compile: 1.2 s; the prior stands until _MIN_SAMPLES steps
     assert p.costs[(ab.TREE, 1)] == pytest.approx(0.010)
-    _step(p, ab.TREE, 1, 1.0, 0.018)  # then a 20 ms step: the lower quartile forgets the stall
+    _step(p, ab.TREE, 1, 1.0, 0.018)  # then a 20 ms step: the faster half (of two: one) forgets the stall
     assert p.costs[(ab.TREE, 1)] == pytest.approx(0.020)
-    for i in range(ab._WINDOW):
-        _step(p, ab.TREE, 1, 3.0 + i, 0.006 + 0.001 * i)  # 8 .. 16 ms
-    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.010)  # the last _WINDOW steps only: their lower quartile
-    for i in range(6):  # stalls in two thirds of the window still leave the steady cost
+    assert ab._WINDOW == 16
+    for i in range(16):
+        _step(p, ab.TREE, 1, 3.0 + i, 0.006 + 0.001 * i)  # 8 .. 23 ms
+    # the last 16 steps only (the stall and the 20 ms step are gone): the mean of their faster half, 8 .. 15 ms
+    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.0115)
+    _step(p, ab.TREE, 1, 19.0, 0.001)  # a 3 ms step moves the mean (one order statistic would read 8 ms)
+    assert p.costs[(ab.TREE, 1)] == pytest.approx((0.003 + sum(range(9, 16)) * 1e-3) / 8)
+    for i in range(8):  # stalls in half the window still leave a steady cost (of the 3 ms and 17 .. 23 ms)
         _step(p, ab.TREE, 1, 20.0 + i, 0.698)
-    assert p.costs[(ab.TREE, 1)] == pytest.approx(0.016)
+    assert p.costs[(ab.TREE, 1)] == pytest.approx((0.003 + sum(range(17, 24)) * 1e-3) / 8)
+    _step(p, ab.TREE, 1, 30.0, 0.698)  # in more than half, they do
+    assert p.costs[(ab.TREE, 1)] > 0.1
     p.proposed(ab.TREE, 2, 30.0, 30.002)  # a step that did not start clean (a prefill joined): not timed
     p.step_ended(30.5)
     assert (ab.TREE, 2) not in p.costs and p.snapshot()["draft_ms"] == pytest.approx(2.0)

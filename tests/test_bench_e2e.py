@@ -200,3 +200,20 @@ def test_merged_side_by_side_parts_keep_their_own_flat(bench, tmp_path):
     assert math.isclose(rows["ddtree32@flat+ddtree32"]["vs_flat"], 1.5) and math.isclose(rows["auto@flat+auto"]["vs_flat"], 0.75)
     text = summ.table(res)
     assert "| flat DFlash tok/s (flat+ddtree32) | 100 |" in text and "| flat DFlash tok/s (flat+auto) | 200 |" in text
+
+
+def test_bench_attention_config_reaches_every_engine_and_names_the_option(bench, capsys):
+    import types
+
+    engine_kwargs = importlib.import_module("_e2e_engine").engine_kwargs
+    args = types.SimpleNamespace(target="tiny", tiny_kind="qwen3", prompt_len=8, max_tokens=8, budgets=[8], flat_len=4,
+                                 auto_budget=8, device="cpu", attention_config={"backend": "TRITON_ATTN"})
+    kw = engine_kwargs("/models/t", args, 2, None, {})
+    assert kw["attention_config"] == {"backend": "TRITON_ATTN"}
+    args.attention_config = None
+    assert "attention_config" not in engine_kwargs("/models/t", args, 2, None, {})
+    main = importlib.import_module("bench_e2e_gpu").main
+    for bad, why in (("{backend", "not JSON"), ('["TRITON_ATTN"]', "a JSON object expected")):
+        with pytest.raises(SystemExit):
+            main(["--out", "x.json", "--attention-config", bad])
+        assert f"--attention-config: {why}" in capsys.readouterr().err

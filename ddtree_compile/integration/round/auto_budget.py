@@ -18,22 +18,26 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   device; every few decisions they are copied (non-blocking, pinned) and read once
   that copy's event has completed: no host sync on the hot path, the statistics lag a few steps.
 - cost(R) is the wall time of one engine step of that kind at batch bucket R (1, 2, 4, ...): the
-  precompile cost table gives the prior (cli/precompile.py: round_ms of every bucket and of the chain
-  from `--auto-budget`'s engine; or of fixed budgets, the chain's at budget L), then, from _MIN_SAMPLES steps on,
-  the lower quartile of the last steps this engine measured: a step's whole cycle on the host, from
-  the proposal that chose its kind to the next proposal (its drafting, vLLM's output processing and
-  scheduling, its verify). Not a window inside it: the tree's round is free of host syncs, so the
-  host waits for the tree's verify wherever vLLM next syncs, outside any window around the verify,
-  while vLLM's chain verify syncs inside it: a window around the verify would undercount the tree's
-  step and not the chain's. A lower quantile because interference (a first-call compile, a stall,
-  an idle engine between requests) only ever adds time: with a median, a few stalls among few
-  samples would hold a kind's cost up for many steps. A cycle is timed only when the step before it
-  was a clean step of the same kind and batch bucket: a cycle also holds what the step before left
-  it (the host's wait for that step's verify, the drafter's run over that step's verified tokens),
-  so a chain step after a tree step is charged part of the tree's work and the other way round. On
-  the H100 (4B shape, c = 1) single probes timed that way read the tree at 11-13 ms and the chain at
-  13-17 ms per step, where the engines' steady steps took 15.5 and 11.5 ms, and auto kept the tree
-  under the +4% profile at 0.84x flat DFlash. So a probe is two steps of its kind, the second timed.
+  precompile cost table gives the prior (cli/precompile.py: round_ms of every bucket and of the
+  chain from `--auto-budget`'s engine; or of fixed budgets, the chain's at budget L), then, from
+  _MIN_SAMPLES steps on, the mean of the faster half of the last _WINDOW steps this engine measured:
+  a step's whole cycle on the host, from the proposal that chose its kind to the next proposal (its
+  drafting, vLLM's output processing and scheduling, its verify). Not a window inside it: the tree's
+  round is free of host syncs, so the host waits for the tree's verify wherever vLLM next syncs,
+  outside any window around the verify, while vLLM's chain verify syncs inside it: a window around
+  the verify would undercount the tree's step and not the chain's. The faster half because
+  interference (a first-call compile, a stall, an idle engine between requests) only ever adds time:
+  with a mean, a few stalls among few samples would hold a kind's cost up for many steps. Its mean,
+  not one order statistic: the lower quartile of 9 steps differed from the fixed-budget engines'
+  mean steps by -22% to +11% on the H100 (`e2e_h100x4_4b_s24.json`), more than the tree-vs-chain
+  margins at c = 4, and both kinds' costs carry the same downward bias, which the comparison
+  cancels. A cycle is timed only when the step before it was a clean step of the same kind and batch
+  bucket: a cycle also holds what the step before left it (the host's wait for that step's verify,
+  the drafter's run over that step's verified tokens), so a chain step after a tree step is charged
+  part of the tree's work and the other way round. On the H100 (4B shape, c = 1) single probes timed
+  that way read the tree at 11-13 ms and the chain at 13-17 ms per step, where the engines' steady
+  steps took 15.5 and 11.5 ms, and auto kept the tree under the +4% profile at 0.84x flat DFlash. So
+  a probe is two steps of its kind, the second timed.
 - A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried.
   While one kind wins at a bucket, every other kind is probed there now and then (each bucket keeps
   its own probe clocks, as its own costs: a kind taken at c=1 says nothing of its cost at c=16,
@@ -46,7 +50,7 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   loses 2 * cost_w * (cost_k / cost_w - E_k / E_w) and k is probed every
       gap_k = 2 * (cost_k / cost_w - E_k / E_w) / _PROBE_SHARE
   steps, within probe_interval .. probe_interval * _PROBE_MAX (every probe_interval while fewer than
-  _WINDOW // 2 of k's steps at that bucket were timed: a table's prior or warm-up stalls). The
+  _SETTLED of k's steps at that bucket were timed: a table's prior or warm-up stalls). The
   closer the race, the more often the loser is re-measured. On the H100's 4B shape under the +4%
   profile (tree 14.5 ms and 4.83 tokens, chain 12.7 ms and 4.76 at c = 1) the tree is probed every
   ~25 steps, at c = 16 (26.7 and 19.7 ms) every ~62. A back-off to 256 steps instead kept auto on
@@ -78,8 +82,9 @@ from ..metrics import logger
 TREE, CHAIN = "tree", "chain"
 _EMA = 0.25  # weight of a new measurement (drafting time: per proposal; acceptance: per read-back window)
 _READBACK = 8  # decisions between read-backs of the acceptance counters
-_WINDOW = 9  # measured steps per (kind, bucket) whose lower quartile is the cost
+_WINDOW = 16  # measured steps per (kind, bucket) whose faster half's mean is the cost
 _MIN_SAMPLES = 2  # measured steps before they replace the table's prior (or make the cost known)
+_SETTLED = 4  # measured steps before a losing kind's probes are priced (until then: every probe_interval)
 _PROBE_SHARE = 0.01  # of the rate that probes of a losing kind may cost
 _PROBE_MAX = 16  # a losing kind is probed at least every probe_interval * this steps
 
@@ -198,7 +203,7 @@ class AutoBudget:
 
     def _probe_gap(self, k: str, best: str, b: int) -> int:
         """Steps between probes of the losing kind k at bucket b (module docstring)."""
-        if len(self._samples.get((k, b), ())) < _WINDOW // 2:
+        if len(self._samples.get((k, b), ())) < _SETTLED:
             return self.probe_interval
         gap = 2 * (self.costs[(k, b)] / self.costs[(best, b)] - self.tokens[k] / self.tokens[best]) / _PROBE_SHARE
         return min(max(round(gap), self.probe_interval), self.probe_interval * _PROBE_MAX)
@@ -240,14 +245,15 @@ class AutoBudget:
         self._clean = False
 
     def _observe(self, kind: str, b: int, seconds: float) -> None:
-        """The cost is the lower quartile of the key's last _WINDOW measured steps, once there are
-        _MIN_SAMPLES of them: a first-call compile or any stall cannot lock a kind out unless it hits
-        three quarters of the window. The table's prior stands until then."""
+        """The cost is the mean of the faster half of the key's last _WINDOW measured steps, once there
+        are _MIN_SAMPLES of them: a first-call compile or any stall cannot move it unless it hits half
+        the window. The table's prior stands until then."""
         key = (kind, b)
         window = self._samples.setdefault(key, collections.deque(maxlen=_WINDOW))
         window.append(seconds)
         if len(window) >= _MIN_SAMPLES:
-            self.costs[key] = sorted(window)[(len(window) - 1) // 4]
+            faster = sorted(window)[: max(1, len(window) // 2)]
+            self.costs[key] = sum(faster) / len(faster)
 
     # -- acceptance: DDTree's device counters, read back without a sync ---------------------------
     def _poll(self) -> None:
