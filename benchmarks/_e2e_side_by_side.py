@@ -53,6 +53,12 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
             for w in workers:
                 w.call("profile", prof)
             for c in setup["conc"]:
+                # --warmup-runs: untimed, alternating too, so that each engine enters the cell at its steady
+                # state (auto: its costs at this batch bucket, this profile's acceptance)
+                warm = {w.mode: [] for w in workers}
+                for i in range(getattr(args, "warmup_runs", 0)):
+                    for w in workers[i % len(workers):] + workers[:i % len(workers)]:
+                        warm[w.mode].append(w.call("run", c)["started_s"])
                 before = {w.mode: w.call("counters") for w in workers}
                 runs = {w.mode: [] for w in workers}
                 for i in range(max(args.repeats, 1)):
@@ -61,6 +67,7 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                 for w in workers:
                     rounds = cells.rounds_of(w.budget, before[w.mode], w.call("counters"))
                     rounds["run_started_s"] = [r["started_s"] for r in runs[w.mode]]  # the interleaving, on record
+                    rounds["warmup_started_s"] = warm[w.mode]
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
                                   cells.median(runs[w.mode]), setup["ref"], rounds)
                 save()

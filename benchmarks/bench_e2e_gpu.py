@@ -130,6 +130,8 @@ def run(args) -> dict:
                 od = install_oracle(llm, reference, prof, prompts, conc)
                 try:
                     for c in conc:
+                        for _ in range(args.warmup_runs):
+                            _timed(llm, prompts[:c], args.max_tokens)
                         before = cells.counters(llm, budget)
                         r = cells.cell(_timed, llm, prompts[:c], args.max_tokens, args.repeats)
                         after = cells.counters(llm, budget)
@@ -185,6 +187,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per cell; the median tok/s is reported")
+    ap.add_argument("--warmup-runs", type=int, default=1, help="untimed runs per cell and mode before its timed "
+                    "runs: every engine enters a cell at its steady state (budget 'auto' carries the last cell's "
+                    "costs and acceptance into the next: H100 4B runs without it lagged a profile switch, "
+                    "taking the chain in most of a c=1 cell where budget 32 read 1.20x)")
     ap.add_argument("--profiles", default=str(ROOT / "benchmarks" / "oracle_profiles.json"))
     ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35")
     ap.add_argument("--modes", default="nospec,flat,ddtree,auto", help="any of nospec, flat, ddtree (every "

@@ -149,6 +149,9 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
         starts = sorted([(t, "flat") for t in f["run_started_s"]] + [(t, "dd") for t in d["run_started_s"]])
         order = [m for _, m in starts]
         assert order == ["flat", "dd", "dd", "flat", "flat", "dd"], order  # alternating, rotated per repeat
+        # one untimed run of each (the default --warmup-runs 1) before the cell's timed runs
+        assert len(f["warmup_started_s"]) == len(d["warmup_started_s"]) == 1
+        assert max(f["warmup_started_s"] + d["warmup_started_s"]) < starts[0][0]
         for r in (f, d):
             assert r["reference_match"] == 1.0 and len(r["tok_s_runs"]) == 3 and r["rounds"] > 0
             assert r["tokens_per_round"] > 5  # the perfect oracle: (nearly) every draft accepted
