@@ -81,9 +81,17 @@ def _draw_ranks(cdf: torch.Tensor, shape, generator) -> torch.Tensor:
 
 def simulate(profile: Profile, budget: int, top_k: int, draft_len: int, samples: int = 4096,
              seed: int = 0) -> float:
-    """Expected tokens per round (accepted depth + 1 bonus) of DDTree with this profile, through
-    core.build_tree: candidates are tokens 0..k-1 by rank, the truth at depth d is the drawn rank
-    (k: absent), and a node is accepted when its whole path is the truth."""
+    """Expected tokens per round (accepted depth + 1 bonus) of DDTree with this profile."""
+    accepted, _ = simulate_rows(profile, budget, top_k, draft_len, samples, seed)
+    return 1.0 + accepted.float().mean().item()
+
+
+def simulate_rows(profile: Profile, budget: int, top_k: int, draft_len: int, samples: int = 4096,
+                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sampled request-round: the nodes DDTree's walk accepts, and those the drafter's top-1
+    chain (flat DFlash) accepts, through core.build_tree: candidates are tokens 0..k-1 by rank, the
+    truth at depth d is the drawn rank (k: absent), and a node is accepted when its whole path is
+    the truth. The chain is in every tree (chain seeded), so the first is never below the second."""
     g = torch.Generator().manual_seed(seed)
     truth = _draw_ranks(_cdf(profile), (samples, draft_len), g)  # [S, L]
     k = min(profile.k, top_k)
@@ -99,8 +107,8 @@ def simulate(profile: Profile, budget: int, top_k: int, draft_len: int, samples:
         d = tree.depths[:, i]
         hit = tree.tokens[:, i] == depth_truth.gather(1, d.unsqueeze(1)).squeeze(1)
         ok[:, i] = ok.gather(1, par.unsqueeze(1)).squeeze(1) & hit & (i <= tree.num_nodes)
-    accepted = torch.where(ok, tree.depths, 0).amax(1)
-    return 1.0 + accepted.float().mean().item()
+    chain = (truth == 0).to(torch.int64).cumprod(1).sum(1)  # the top-1 prefix that is the truth
+    return torch.where(ok, tree.depths, 0).amax(1), chain
 
 
 class OracleDrafter(DrafterLogitsHook):

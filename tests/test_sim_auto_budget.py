@@ -1,0 +1,38 @@
+"""benchmarks/sim_auto_budget.py: budget "auto"'s real policy offline over synthetic steps. Where one
+kind is clearly the better it takes that kind in most steps and keeps nearly its rate; a cost file
+without a cell's concurrency is an error naming the option."""
+
+import importlib
+import json
+
+import pytest
+
+
+def _costs(tmp_path, chain_ms, tree_ms):
+    runs = [{"mode": mode, "concurrency": c, "ms_per_step": ms[c]}
+            for mode, ms in (("flat", chain_ms), ("ddtree32", tree_ms)) for c in ms]
+    path = tmp_path / f"costs_{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(json.dumps({"runs": runs}))
+    return str(path)
+
+
+def _run(tmp_path, costs, *extra):
+    sim = importlib.import_module("sim_auto_budget")
+    out = tmp_path / "sim.json"
+    assert sim.main(["--costs", costs, "--profile-names", "sglang_plus22", "--concurrency", "1,4", "--steps", "160",
+                     "--seeds", "2", "--samples", "2000", "--probe-interval", "8", "--out", str(out), *extra]) == 0
+    return {r["concurrency"]: r for r in json.loads(out.read_text())["cells"]}
+
+
+def test_the_policy_takes_the_better_kind_and_keeps_its_rate(bench, tmp_path):
+    # sglang_plus22: the tree commits ~6.8 tokens per round, the chain ~5.5 (oracle.simulate_rows)
+    cells = _run(tmp_path, _costs(tmp_path, {1: 12.0, 4: 13.0}, {1: 12.0, 4: 26.0}), "--warmup-steps", "40")
+    tree, chain = cells[1], cells[4]  # c=1: the tree at the chain's cost; c=4: the tree at twice it
+    assert tree["tree_share"] > 0.8 and tree["vs_best_mean"] > 0.93 and tree["vs_flat_mean"] > 1.1, tree
+    assert chain["tree_share"] < 0.15 and chain["vs_best_mean"] > 0.93, chain
+    assert chain["vs_flat_mean"] == pytest.approx(chain["vs_best_mean"])  # the chain is the better kind there
+
+
+def test_a_cost_file_without_the_concurrency_names_the_option(bench, tmp_path):
+    with pytest.raises(SystemExit, match=r"--concurrency 4: .* has no tree step cost at c=4"):
+        _run(tmp_path, _costs(tmp_path, {1: 12.0, 4: 13.0}, {1: 12.0}))
