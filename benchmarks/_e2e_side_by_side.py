@@ -7,6 +7,7 @@ import argparse
 import os
 import time
 
+import _cpu_pinning
 import _e2e_cells as cells
 import _phase_timers
 from _e2e_engine import ddtree_attached, force_chain, install_oracle, start_engine
@@ -26,13 +27,14 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
     args = argparse.Namespace(**setup["args"])
     mp = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
     devices = device_of_each(getattr(args, "devices", None), len(modes))
+    cpus = _cpu_pinning.cpus_of_each(devices) if getattr(args, "pin_cpus", False) else [None] * len(modes)
     workers, started = [], []
     try:
         # all engines start at once (a cold 4B engine takes ~4.5 min on the H100, mostly compile and
         # graph capture on one host thread each); engines sharing a GPU have fixed KV caches (start_engine)
-        for (mode, budget, spec, extra), device in zip(modes, devices):
+        for (mode, budget, spec, extra), device, cpu in zip(modes, devices, cpus):
             share = devices.count(device)
-            started.append(ModeWorker(mp, mode, budget, spec, extra, {**setup, "share": share}, device))
+            started.append(ModeWorker(mp, mode, budget, spec, extra, {**setup, "share": share}, device, cpu))
         for w in started:
             try:
                 w.ready()
@@ -44,6 +46,7 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
             result.setdefault("worker_start_wall", {})[w.mode] = [w.info["spawned_s"], w.info["ready_s"]]
             if w.info["devices"] is not None:  # (as the worker's process saw them)
                 result.setdefault("worker_devices", {})[w.mode] = w.info["devices"]
+            result.setdefault("worker_cpus", {})[w.mode] = w.info["cpus"]
             if not w.info["attached"]:
                 result["runs"].append({"mode": w.mode, "error": "DDTree did not attach",
                                        "fallbacks": w.info["fallbacks"]})
@@ -107,17 +110,20 @@ class ModeWorker:
     next run then failed ("CUDA graph capturing detected at an inappropriate time"); the Prometheus
     registry, which the spec-decode counters are read from, holds only the last engine's."""
 
-    def __init__(self, mp, mode, budget, spec, extra, setup, device=None):
+    def __init__(self, mp, mode, budget, spec, extra, setup, device=None, cpus=None):
         self.mode, self.budget = mode, budget
         self.conn, child = mp.Pipe()
         # not a daemon: a daemonic process may not start processes of its own (torch.compile's workers)
         self.proc = mp.Process(target=worker_main, args=(child, mode, budget, spec, extra, setup))
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        saved, affinity = os.environ.get("CUDA_VISIBLE_DEVICES"), os.sched_getaffinity(0)
         if device is not None:  # a spawned process starts with the parent's environment of this moment
             os.environ["CUDA_VISIBLE_DEVICES"] = device
+        if cpus is not None:  # and with its CPU affinity (--pin-cpus), which vLLM's processes inherit
+            os.sched_setaffinity(0, cpus)
         try:
             self.proc.start()
         finally:
+            os.sched_setaffinity(0, affinity)
             if saved is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
@@ -172,7 +178,8 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
             force_chain(llm, mode)
         conn.send(("ok", {"start_s": start, "attached": not budget or ddtree_attached(llm),
                           "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid(),
-                          "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+                          "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                          "cpus": sorted(os.sched_getaffinity(0))}))
     except Exception:
         conn.send(("error", traceback.format_exc()[-2000:]))
         return

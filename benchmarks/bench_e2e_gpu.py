@@ -218,6 +218,9 @@ def main(argv=None) -> int:
                     "caches, --kv-cache-gib); an engine alone on its GPU sizes its KV cache from vLLM's memory "
                     "profile. The runs still alternate, so one engine runs at a time: a 27B-shaped engine per "
                     "GPU keeps every mode side by side where two do not fit one GPU")
+    ap.add_argument("--pin-cpus", action="store_true", help="--side-by-side: each engine's process (and vLLM's "
+                    "processes it starts) on a disjoint slice of the CPUs local to its GPU (sysfs local_cpulist), "
+                    "recorded as worker_cpus; without it the OS places them (_cpu_pinning.py: why)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor_parallel_size of every "
                     "engine: one worker process per rank, the oracle and sharpen() on every rank (collective_rpc); the "
                     "shaped targets' one MoE layer gets TP experts (vLLM refuses TP > experts; write_shaped); "
@@ -246,6 +249,8 @@ def main(argv=None) -> int:
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.profile_names = args.profile_names.split(",")
     args.modes = args.modes.split(",")
+    if args.pin_cpus and not args.side_by_side:
+        ap.error("--pin-cpus: only with --side-by-side")
     if args.devices and (not args.side_by_side or args.tensor_parallel_size > 1):
         ap.error("--devices: only with --side-by-side and --tensor-parallel-size 1")
     if args.side_by_side and args.trace_tokens:

@@ -134,10 +134,14 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
     rc = bench.main(["--target", "tiny", "--max-tokens", "16", "--concurrency", "1,2", "--budgets", "8", "--top-k", "4",
                      "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect",
                      "--modes", "flat,ddtree8", "--repeats", "3", "--side-by-side", "--devices", "3,5",
-                     "--out", str(out)])
+                     "--pin-cpus", "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0, [r for r in res["runs"] if "error" in r]
     assert res["worker_devices"] == {"flat": "6", "ddtree8": "4"}  # (CPU engines: the variable is all there is)
+    cpus = res["worker_cpus"]  # --pin-cpus: no GPU 6 or 4 here, so each gets a slice of this process's CPUs
+    mine = sorted(os.sched_getaffinity(0))
+    assert all(set(c) <= set(mine) and c for c in cpus.values()), cpus
+    assert len(mine) < 2 or not set(cpus["flat"]) & set(cpus["ddtree8"]), cpus
     pids = res["worker_pids"]
     assert set(pids) == {"flat", "ddtree8"} and len({*pids.values(), os.getpid()}) == 3, pids
     wall = res["worker_start_wall"]  # started together: every process spawned before any engine was up
@@ -220,3 +224,15 @@ def test_bench_attention_config_reaches_every_engine_and_names_the_option(bench,
         with pytest.raises(SystemExit):
             main(["--out", "x.json", "--attention-config", bad])
         assert f"--attention-config: {why}" in capsys.readouterr().err
+
+
+def test_pinned_cpus_are_disjoint_slices_of_each_gpus_local_cpus(bench):
+    pin = importlib.import_module("_cpu_pinning")
+    assert pin.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11] and pin.parse_cpulist("5") == [5]
+    node = {"0": list(range(0, 8)), "1": list(range(0, 8)), "2": list(range(8, 16)), None: list(range(16))}
+    # three engines on GPU 0 and one on GPU 1 (the same socket) split its 8 CPUs; GPU 2 has its own
+    got = pin.cpus_of_each(["0", "0", "0", "1", "2"], local=node.get)
+    assert got == [[0, 1], [2, 3], [4, 5], [6, 7], list(range(8, 16))]
+    assert pin.cpus_of_each(["0"] * 3, local=lambda d: [4, 5]) == [[4], [4], [5]]  # more engines than CPUs: shared
+    assert pin.local_cpus(None) == sorted(os.sched_getaffinity(0))
+    assert pin.local_cpus("99") == sorted(os.sched_getaffinity(0))  # no such GPU (no nvidia-smi): all allowed

@@ -1,0 +1,58 @@
+"""--pin-cpus: each side-by-side engine's process on CPUs of its own, local to its GPU.
+
+Why: in one H100 run (`e2e_h100x4_4b_s25_alone.json`, three engines on GPU 0, nothing else on the
+host) every host phase of the budget-"auto" engine's steps, vLLM's own included (scheduling, output
+processing, the drafter's sampling), read 15-25% slower than flat DFlash's at the same batch, while
+in the run before (`e2e_h100x4_4b_s25.json`) the same phases read alike: where the OS placed each
+process (which socket, which cores it shared) moved the ratios more than the modes did.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """Linux's cpulist format ("0-3,8,10-11") -> sorted CPU ids."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cpus)
+
+
+def local_cpus(device: str | None) -> list[int]:
+    """The CPUs this process may use that are local to the GPU with this physical index (sysfs's
+    local_cpulist of its PCI device); all of them when there is no such GPU or the file is missing."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if device is None:
+        return allowed
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={device}", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        domain, rest = out.split(":", 1)  # "00000000:18:00.0" -> sysfs "0000:18:00.0"
+        path = pathlib.Path("/sys/bus/pci/devices") / f"{domain[-4:]}:{rest}".lower() / "local_cpulist"
+        local = set(parse_cpulist(path.read_text()))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return allowed
+    return [c for c in allowed if c in local] or allowed
+
+
+def cpus_of_each(devices: list, local=local_cpus) -> list[list[int]]:
+    """One disjoint CPU slice per engine: the engines whose GPUs share a set of local CPUs split that
+    set evenly, in order (contiguous slices); an engine gets at least one CPU, shared if there are
+    more engines than CPUs."""
+    groups: dict[tuple, list[int]] = {}
+    sets = [tuple(local(d)) for d in devices]
+    for i, s in enumerate(sets):
+        groups.setdefault(s, []).append(i)
+    out: list[list[int]] = [[] for _ in devices]
+    for cpus, members in groups.items():
+        for k, i in enumerate(members):
+            lo, hi = k * len(cpus) // len(members), (k + 1) * len(cpus) // len(members)
+            out[i] = list(cpus[lo:hi]) or [cpus[k % len(cpus)]]
+    return out
