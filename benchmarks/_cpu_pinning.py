@@ -1,10 +1,10 @@
 """--pin-cpus: each side-by-side engine's process on CPUs of its own, local to its GPU.
 
 Why: in one H100 run (`e2e_h100x4_4b_s25_alone.json`, three engines on GPU 0, nothing else on the
-host) the host phases of the budget-"auto" engine that DDTree does not touch (vLLM's scheduling, its
-output processing, the drafter's sampling) read 14-26% slower than flat DFlash's at c = 16, where
-auto's steps were mostly chain steps of flat's shape; in the run before it on the same machine
-(`e2e_h100x4_4b_s25.json`) the same phases read within 6% of flat's. The likeliest cause is where
+host) two host phases of the budget-"auto" engine that DDTree does not touch, vLLM's scheduling and
+its output processing, read 23-26% and 14-16% slower than flat DFlash's at c = 16, where auto's steps
+were mostly chain steps of flat's shape; in the run before it on the same machine
+(`e2e_h100x4_4b_s25.json`) the same phases read 4-6% faster than flat's. The likeliest cause is where
 the OS placed each process (which socket, which cores it shared); pinning takes it out of the
 comparison.
 """
