@@ -74,9 +74,9 @@ def run_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16,
             t += dur
             if kind == ab.TREE:
                 pick = [rng.randrange(len(accepted)) for _ in range(c)]
-                a = torch.tensor([accepted[i] for i in pick])
+                a = torch.tensor([accepted[j] for j in pick])
                 m.record_round(torch.ones(c, dtype=torch.bool), torch.full((c,), budget), a,
-                               a - torch.tensor([chain[i] for i in pick]), torch.zeros(c, dtype=torch.bool))
+                               a - torch.tensor([chain[j] for j in pick]), torch.zeros(c, dtype=torch.bool))
             if i >= 0:
                 made += c * tokens[kind]  # expected tokens: the evaluation without the rows' sampling noise
                 spent += dur
@@ -123,10 +123,12 @@ def simulate(args) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| profile | c | tree share | vs flat (mean, worst seed) | vs the better fixed kind |", "|---|---|---|---|---|"]
+    lines = ["| profile | c | tree share | vs flat (mean, worst seed) | vs the better fixed kind |",
+             "|---|---|---|---|---|"]
     for r in result["cells"]:
         lines.append(f"| {r['profile']} | {r['concurrency']} | {100 * r['tree_share']:.0f}% | "
-                     f"{r['vs_flat_mean']:.3f} ({r['vs_flat_worst']:.3f}) | {r['vs_best_mean']:.3f} ({r['vs_best_worst']:.3f}) |")
+                     f"{r['vs_flat_mean']:.3f} ({r['vs_flat_worst']:.3f}) | "
+                     f"{r['vs_best_mean']:.3f} ({r['vs_best_worst']:.3f}) |")
     return "\n".join(lines)
 
 

@@ -138,7 +138,7 @@ class AutoBudget:
         self.kinds = [TREE] + smaller[::-1] + [CHAIN]
         metrics.set_menu(len(smaller))
         self.probe_interval = probe_interval
-        self.probe_gap: dict[int, int] = {}  # bucket -> steps between the largest tree's probes there, when it last lost
+        self.probe_gap: dict[int, int] = {}  # bucket -> steps between the largest tree's probes, when it last lost
         self.costs: dict = dict(priors or {})  # (kind, bucket) -> seconds per step
         self._samples: dict = {}  # (kind, bucket) -> the last _WINDOW measured step times
         self.table_path = table_path
