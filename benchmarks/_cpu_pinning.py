@@ -48,10 +48,10 @@ def cpus_of_each(devices: list, local=local_cpus) -> list[list[int]]:
     """One disjoint CPU slice per engine: the engines whose GPUs share a set of local CPUs split that
     set evenly, in order (contiguous slices); an engine gets at least one CPU, shared if there are
     more engines than CPUs."""
+    of_device = {d: tuple(local(d)) for d in dict.fromkeys(devices)}  # (one nvidia-smi call per GPU)
     groups: dict[tuple, list[int]] = {}
-    sets = [tuple(local(d)) for d in devices]
-    for i, s in enumerate(sets):
-        groups.setdefault(s, []).append(i)
+    for i, d in enumerate(devices):
+        groups.setdefault(of_device[d], []).append(i)
     out: list[list[int]] = [[] for _ in devices]
     for cpus, members in groups.items():
         for k, i in enumerate(members):

@@ -60,12 +60,12 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                 # state (auto: its costs at this batch bucket, this profile's acceptance)
                 warm = {w.mode: [] for w in workers}
                 for i in range(getattr(args, "warmup_runs", 0)):
-                    for w in workers[i % len(workers):] + workers[:i % len(workers)]:
+                    for w in _rotated(workers, i):
                         warm[w.mode].append(w.call("run", c)["started_s"])
                 before = {w.mode: w.call("counters") for w in workers}
                 runs = {w.mode: [] for w in workers}
                 for i in range(max(args.repeats, 1)):
-                    for w in workers[i % len(workers):] + workers[:i % len(workers)]:
+                    for w in _rotated(workers, i):
                         runs[w.mode].append(w.call("run", c))
                 for w in workers:
                     rounds = cells.rounds_of(w.budget, before[w.mode], w.call("counters"))
@@ -83,6 +83,11 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
     finally:
         for w in started:
             w.close()
+
+
+def _rotated(workers: list, i: int) -> list:
+    """The workers in run order for repeat i: the order rotated by one per repeat."""
+    return workers[i % len(workers):] + workers[:i % len(workers)]
 
 
 def device_of_each(devices: str | None, n: int) -> list:
