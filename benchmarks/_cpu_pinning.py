@@ -28,17 +28,20 @@ def parse_cpulist(text: str) -> list[int]:
 
 
 def local_cpus(device: str | None) -> list[int]:
-    """The CPUs this process may use that are local to the GPU with this physical index (sysfs's
-    local_cpulist of its PCI device); all of them when there is no such GPU or the file is missing."""
+    """The CPUs this process may use that are local to the GPUs with these physical indices ("0" or
+    "0,1": sysfs's local_cpulist of each one's PCI device, united); all of them when there is no such
+    GPU or the file is missing."""
     allowed = sorted(os.sched_getaffinity(0))
     if device is None:
         return allowed
+    local: set[int] = set()
     try:
-        out = subprocess.run(["nvidia-smi", f"--id={device}", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-        domain, rest = out.split(":", 1)  # "00000000:18:00.0" -> sysfs "0000:18:00.0"
-        path = pathlib.Path("/sys/bus/pci/devices") / f"{domain[-4:]}:{rest}".lower() / "local_cpulist"
-        local = set(parse_cpulist(path.read_text()))
+        for gpu in device.split(","):
+            out = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+            domain, rest = out.split(":", 1)  # "00000000:18:00.0" -> sysfs "0000:18:00.0"
+            path = pathlib.Path("/sys/bus/pci/devices") / f"{domain[-4:]}:{rest}".lower() / "local_cpulist"
+            local.update(parse_cpulist(path.read_text()))
     except (OSError, ValueError, subprocess.SubprocessError):
         return allowed
     return [c for c in allowed if c in local] or allowed

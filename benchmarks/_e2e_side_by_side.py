@@ -92,20 +92,21 @@ def _rotated(workers: list, i: int) -> list:
 
 def device_of_each(devices: str | None, n: int) -> list:
     """--devices "1,2,3" -> the CUDA_VISIBLE_DEVICES of each of n engines (the list repeats; indices
-    into this process's CUDA_VISIBLE_DEVICES when it is set); None: all on the default device."""
+    into this process's CUDA_VISIBLE_DEVICES when it is set; "0+1" gives one engine GPUs 0 and 1, for
+    --tensor-parallel-size 2); None: all on the default device."""
     if not devices:
         return [None] * n
-    ids = [d.strip() for d in devices.split(",") if d.strip()]
-    if not ids or not all(d.isdigit() for d in ids):
-        raise ValueError(f"--devices {devices!r}: expected CUDA device indices, e.g. '0' or '1,2,3'")
+    groups = [[d.strip() for d in g.split("+")] for g in devices.split(",") if g.strip()]
+    if not groups or not all(d.isdigit() for g in groups for d in g):
+        raise ValueError(f"--devices {devices!r}: expected CUDA device indices, e.g. '0', '1,2,3' or '0+1,2+3'")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:
         visible = visible.split(",")
-        if max(int(d) for d in ids) >= len(visible):
+        if max(int(d) for g in groups for d in g) >= len(visible):
             raise ValueError(f"--devices {devices!r}: CUDA_VISIBLE_DEVICES={','.join(visible)} holds "
                              f"{len(visible)} devices (indices 0..{len(visible) - 1})")
-        ids = [visible[int(d)] for d in ids]
-    return [ids[i % len(ids)] for i in range(n)]
+        groups = [[visible[int(d)] for d in g] for g in groups]
+    return [",".join(groups[i % len(groups)]) for i in range(n)]
 
 
 class ModeWorker:

@@ -217,7 +217,8 @@ def main(argv=None) -> int:
                     "set). Engines on one GPU split its memory (fixed KV "
                     "caches, --kv-cache-gib); an engine alone on its GPU sizes its KV cache from vLLM's memory "
                     "profile. The runs still alternate, so one engine runs at a time: a 27B-shaped engine per "
-                    "GPU keeps every mode side by side where two do not fit one GPU")
+                    "GPU keeps every mode side by side where two do not fit one GPU. With --tensor-parallel-size N, "
+                    "each engine's N GPUs joined by '+' (e.g. '0+1,2+3')")
     ap.add_argument("--pin-cpus", action="store_true", help="--side-by-side: each engine's process (and vLLM's "
                     "processes it starts) on a disjoint slice of the CPUs local to its GPU (sysfs local_cpulist), "
                     "recorded as worker_cpus; without it the OS places them (_cpu_pinning.py: why)")
@@ -251,8 +252,11 @@ def main(argv=None) -> int:
     args.modes = args.modes.split(",")
     if args.pin_cpus and not args.side_by_side:
         ap.error("--pin-cpus: only with --side-by-side")
-    if args.devices and (not args.side_by_side or args.tensor_parallel_size > 1):
-        ap.error("--devices: only with --side-by-side and --tensor-parallel-size 1")
+    if args.devices and not args.side_by_side:
+        ap.error("--devices: only with --side-by-side")
+    if args.devices and any(len(g.split("+")) != args.tensor_parallel_size for g in args.devices.split(",")):
+        ap.error(f"--devices {args.devices!r}: each engine needs --tensor-parallel-size "
+                 f"({args.tensor_parallel_size}) GPUs, joined by '+' (e.g. '0+1,2+3' for 2)")
     if args.side_by_side and args.trace_tokens:
         ap.error("--trace-tokens: not with --side-by-side (trace the modes one engine at a time)")
     if args.tensor_parallel_size > 1:

@@ -163,16 +163,23 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
 
 
-def test_bench_devices_repeat_and_name_the_option(bench, monkeypatch):
+def test_bench_devices_repeat_and_name_the_option(bench, monkeypatch, capsys):
     device_of_each = importlib.import_module("_e2e_side_by_side").device_of_each
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert device_of_each(None, 2) == [None, None] and device_of_each("1,2", 3) == ["1", "2", "1"]
+    assert device_of_each("0+1,2+3", 2) == ["0,1", "2,3"]
     with pytest.raises(ValueError, match=r"--devices 'cuda:1': expected CUDA device indices"):
         device_of_each("cuda:1", 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
     assert device_of_each("1,0", 2) == ["7", "6"]
+    assert device_of_each("0+1", 2) == ["6,7", "6,7"]  # one engine's GPUs (tensor parallel)
     with pytest.raises(ValueError, match=r"--devices '2': CUDA_VISIBLE_DEVICES=6,7 holds 2 devices"):
         device_of_each("2", 1)
+    main = importlib.import_module("bench_e2e_gpu").main
+    for argv in (["--devices", "0+1,2"], ["--devices", "0,1"]):  # an engine with one GPU at tensor-parallel 2
+        with pytest.raises(SystemExit):
+            main(["--out", "x.json", "--side-by-side", "--tensor-parallel-size", "2", *argv])
+        assert "each engine needs --tensor-parallel-size (2) GPUs, joined by '+'" in capsys.readouterr().err
 
 
 def test_bench_kv_cache_gib_per_mode(bench):
