@@ -7,7 +7,10 @@ heads; DDTree adds no collective. Checked here:
 
 * attention-only tiny Qwen3, float32: TP=2 DDTree == TP=2 no speculation token for token (random
   drafter, then the harness drafter: deep accepts and sibling branches), within the regret gate of
-  TP=1 no speculation (TP changes the reduction order), and seeded sampling at TP=2 == at TP=1;
+  TP=1 no speculation (TP changes the reduction order), and seeded sampling at TP=2 == at TP=1. The
+  TP=2 engine is budget "auto" with its ranks' own choices forced apart (rank 0 the tree, rank 1 the
+  chain, then the other way round): every rank must verify rank 0's choice, which each rank's own
+  step timings would not guarantee (on the H100 at TP=2 the ranks chose apart and rank 1 failed);
 * hybrid tiny Qwen3.5, bf16: TP=2 DDTree == its own chain (flat DFlash through the same templates)
   token for token, each rank's committed GDN state == a float32 replay of every committed path on
   its own heads (the regret gate against no speculation is reported: at TP=2 in bf16 even vLLM's
@@ -30,8 +33,8 @@ BUDGET, TOP_K, DRAFT_LEN, MAX_TOKENS = 16, 4, 8, 96
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)
 CORES = sorted(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(CORES) < 2, reason=f"tensor parallel needs 2 CPU cores, this process has {CORES}")
-COUNTERS = ("tree_steps", "chain_steps", "tree_requests", "nodes_verified", "nodes_accepted", "sibling_rounds",
-            "accept_depth_histogram", "fallback_steps", "fallback_requests")
+COUNTERS = ("tree_steps", "chain_steps", "auto_chain_steps", "tree_requests", "nodes_verified", "nodes_accepted",
+            "sibling_rounds", "accept_depth_histogram", "fallback_steps", "fallback_requests")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,8 +86,10 @@ def test_tp2_attention_only_lossless(qwen3, monkeypatch):
         finally:
             harness.shutdown(llm)
     ref2 = [t for t, _ in runs["tp2"]]
-    llm = _llm(target, 2, monkeypatch, **fp32, **_ddtree_kw(drafter))
+    auto_kw = config.vllm_kwargs(drafter, budget="auto", auto_budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
+    llm = _llm(target, 2, monkeypatch, **fp32, **auto_kw)
     try:
+        harness.force_auto_on_workers(llm, ["tree", "chain"])
         random_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
         c_random = _ranks_agree(metrics.collect(llm), 2)
         harness.install_on_workers(llm, harness.reference_from_outputs(PROMPTS, ref2))
@@ -92,7 +97,10 @@ def test_tp2_attention_only_lossless(qwen3, monkeypatch):
         harness.uninstall_on_workers(llm)
         c_all = _ranks_agree(metrics.collect(llm), 2)
         seeded_tp2 = harness.generate(llm, PROMPTS, MAX_TOKENS, temperature=1.0, seed=11)
-        _ranks_agree(metrics.collect(llm), 2)  # the seeded sample-and-walk too: same paths on both ranks
+        c_tree = _ranks_agree(metrics.collect(llm), 2)  # the seeded sample-and-walk too: same paths on both ranks
+        harness.force_auto_on_workers(llm, ["chain", "tree"])
+        chain_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        c_chain = harness.counters_delta(_ranks_agree(metrics.collect(llm), 2), c_tree)
     finally:
         harness.shutdown(llm)
     llm = _llm(target, 1, monkeypatch, **fp32, **_ddtree_kw(drafter))
@@ -105,7 +113,9 @@ def test_tp2_attention_only_lossless(qwen3, monkeypatch):
     print(f"\nTP=2 qwen3: random {c_random['tree_steps']} tree steps, harness accepted "
           f"{c_harness['nodes_accepted']} (sibling rounds {c_harness['sibling_rounds']}); vs TP=1: {gates}")
     assert c_random["tree_steps"] > 0 and c_harness["sibling_rounds"] > 0 and c_harness["nodes_accepted"] > 0
-    assert random_out == ref2 and harness_out == ref2
+    assert c_tree["auto_chain_steps"] == 0  # rank 0's tree, every step, on both ranks
+    assert c_chain["auto_chain_steps"] > 0 and c_chain["tree_steps"] == 0  # then rank 0's chain
+    assert random_out == ref2 and harness_out == ref2 and chain_out == ref2
     assert all(g["ok"] for g in gates), gates
     assert seeded_tp2 == seeded_tp1
 

@@ -45,3 +45,15 @@ def tp_rank() -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank()
+
+
+def tp_agree():
+    """None at tensor-parallel size 1; else obj -> rank 0's obj on every rank (vLLM's TP group
+    broadcast: its shared-memory queue where vLLM set one up, else the group's CPU collective), for a
+    host decision that every rank must take alike although each rank computes it from its own timings."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return None
+    return lambda obj: group.broadcast_object(obj, src=0)

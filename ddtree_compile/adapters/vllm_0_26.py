@@ -65,7 +65,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     sampling_unsupported_reason,
     shutdown_engine,
 )
-from .engine import engine_settings, engine_switches, settings_of, tp_rank  # noqa: F401
+from .engine import engine_settings, engine_switches, settings_of, tp_agree, tp_rank  # noqa: F401
 from .gdn_slots import install_kv_cache_spec_hook  # noqa: F401  GDN state slots by the chain
 from .runner_v2 import V2RunnerView, is_runner_v2, patch_kv_caches_ready, patch_load_model, patch_profile_run
 

@@ -189,6 +189,21 @@ def state_checks(llm) -> list[dict]:
     return on_runners(llm, _state_check_result)
 
 
+def force_auto_on_workers(llm, kinds: list) -> None:
+    """Budget "auto": rank i's policy proposes kinds[i] every step (AutoBudget.forced; None: its own
+    choice), so that a test can make the ranks' own choices differ."""
+    from ddtree_compile.integration.engines import on_runners
+
+    on_runners(llm, _force_auto, list(kinds))
+
+
+def _force_auto(runner, kinds) -> None:
+    from ddtree_compile import adapters
+    from ddtree_compile.integration.engines import state_of
+
+    state_of(runner).ctx.auto.forced = kinds[adapters.current().tp_rank()]
+
+
 def _attach_harness(runner, reference, patterns, seed) -> None:
     runner._ddtree_harness = DraftHarness(reference, patterns, seed).attach(runner)
 

@@ -126,8 +126,12 @@ class AutoBudget:
     """The per-step choice (module docstring). Host state only, besides the read-back buffer."""
 
     def __init__(self, metrics, tree_budget: int, draft_len: int, probe_interval: int, priors: dict | None = None,
-                 table_path: str | None = None, menu: tuple = ()):
+                 table_path: str | None = None, menu: tuple = (), agree=None):
         self.metrics = metrics
+        # tensor parallel: every rank verifies what rank 0 chose (each times its own steps, and ranks
+        # that chose apart would verify different batches: on the H100 at TP=2 rank 1 refused to
+        # replay rank 0's tree graph for a chain step); None: one rank
+        self.agree = agree
         self.B, self.L = tree_budget, draft_len
         self.menu = tuple(menu or (tree_budget,))  # ascending, the last is B
         if self.menu[-1] != tree_budget:
@@ -168,6 +172,8 @@ class AutoBudget:
         b = bucket(R)
         kind, self._again = self.forced or self._again, None
         kind = kind or self._decide(b)  # (which may set _again: a probe's second step)
+        if self.agree is not None:
+            kind = self.agree(kind)
         self.decisions[kind] += 1
         for k in self.kinds:
             self._since[k, b] = 0 if k == kind else self._since[k, b] + 1
@@ -304,9 +310,9 @@ def serveable_menu(menu: tuple, hybrid: bool) -> tuple[tuple, str | None]:
     return menu, None
 
 
-def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int, menu: tuple = ()) -> AutoBudget:
+def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int, menu: tuple = (), agree=None) -> AutoBudget:
     """The policy of a budget "auto" engine (settings: adapters.EngineSettings) over `menu` (default:
-    the configured one), with the cost table's priors when one is found."""
+    the configured one), with the cost table's priors when one is found; agree: AutoBudget's."""
     menu = menu or cfg.budget_menu(draft_len)
     path = cfg.cost_table or cost_table_path(settings.model, settings.draft_model, cfg.top_k, draft_len,
                                              settings.max_num_seqs)
@@ -321,4 +327,4 @@ def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int, menu: 
         raise ValueError(f"additional_config['ddtree']['cost_table'] = {cfg.cost_table!r}: no such file")
     logger.info("DDTree auto budget: a tree of %s nodes or the chain of %d per step; cost table: %s",
                 "/".join(map(str, menu)), draft_len, found or f"none at {path} (costs measured online)")
-    return AutoBudget(metrics, tree_budget, draft_len, cfg.probe_interval, priors, found, menu)
+    return AutoBudget(metrics, tree_budget, draft_len, cfg.probe_interval, priors, found, menu, agree)

@@ -94,7 +94,7 @@ class DDTreeRound:
                 logger.warning("DDTree: %s; budget \"auto\" chooses between the tree of %d nodes and the chain.",
                                reason, spec.budget)
             ctx.auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.settings, spec.budget, draft_len,
-                                                       ctx.menu)
+                                                       ctx.menu, adapters.current().tp_agree())
         self.max_tokens = self._gdn_state_slots(view, cfg, draft_len) if ctx.hybrid else None
         self.build, self.verify = BuildStage(ctx), VerifyStage(ctx)
         self.walk, self.commit = WalkStage(ctx), CommitStage(ctx)
