@@ -1,6 +1,16 @@
-"""--pin-cpus: each side-by-side engine's process on CPUs of its own, local to its GPU.
+"""--pin-cpus: each side-by-side engine's process on CPUs local to its GPU: the same CPUs for every
+engine ("same", the default), or a disjoint slice each ("split").
 
-Why: in one H100 run (`e2e_h100x4_4b_s25_alone.json`, three engines on GPU 0, nothing else on the
+"same" because the engines' runs alternate (one engine works at a time; an idle engine's processes
+block on their queues), so the fair placement gives each the same cores. With disjoint slices (the
+first form of this option), on a host of four H100s (`e2e_h100x4_4b_s26.json`, slices 0-20 / 21-41 /
+42-63 for flat DFlash / budget 32 / auto) the same host ops took 1.6-2x longer in the two DDTree
+engines than in flat's (torch.profiler at c = 1: aten::slice 1.8 us in flat's process, 3.2 us and
+2.6 us in theirs, the same op counts per round): cores unlike each other (hyperthread siblings,
+clocks), which the host-bound steps of a 4B at c = 1 turn into tok/s. The worker records a host probe
+per cell (`host_probe_us`) so that a run shows whether its engines' CPUs were alike.
+
+Why pin at all: in one H100 run (`e2e_h100x4_4b_s25_alone.json`, three engines on GPU 0, nothing else on the
 host) two host phases of the budget-"auto" engine that DDTree does not touch, vLLM's scheduling and
 its output processing, read 23-26% and 14-16% slower than flat DFlash's at c = 16, where auto's steps
 were mostly chain steps of flat's shape; in the run before it on the same machine
@@ -47,11 +57,13 @@ def local_cpus(device: str | None) -> list[int]:
     return [c for c in allowed if c in local] or allowed
 
 
-def cpus_of_each(devices: list, local=local_cpus) -> list[list[int]]:
-    """One disjoint CPU slice per engine: the engines whose GPUs share a set of local CPUs split that
-    set evenly, in order (contiguous slices); an engine gets at least one CPU, shared if there are
-    more engines than CPUs."""
+def cpus_of_each(devices: list, split: bool = False, local=local_cpus) -> list[list[int]]:
+    """Each engine's CPUs: those local to its GPU(s); split: one disjoint slice per engine (the engines
+    whose GPUs share a set of local CPUs split that set evenly, in order, contiguous slices; an engine
+    gets at least one CPU, shared if there are more engines than CPUs)."""
     of_device = {d: tuple(local(d)) for d in dict.fromkeys(devices)}  # (one nvidia-smi call per GPU)
+    if not split:
+        return [list(of_device[d]) for d in devices]
     groups: dict[tuple, list[int]] = {}
     for i, d in enumerate(devices):
         groups.setdefault(of_device[d], []).append(i)
@@ -61,3 +73,20 @@ def cpus_of_each(devices: list, local=local_cpus) -> list[list[int]]:
             lo, hi = k * len(cpus) // len(members), (k + 1) * len(cpus) // len(members)
             out[i] = list(cpus[lo:hi]) or [cpus[k % len(cpus)]]
     return out
+
+
+def host_probe_us(n: int = 20000) -> float:
+    """Microseconds per small host op (a CPU tensor's slice, view and add, the kind of op vLLM's and
+    DDTree's step issue by the hundred): the best of 3 loops, ~10 ms. Alike across a run's engines when
+    their CPUs are alike."""
+    import time
+
+    import torch
+
+    x, best = torch.ones(8), float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            x[1:3].view(2).add(1)
+        best = min(best, time.perf_counter() - t)
+    return best / (3 * n) * 1e6

@@ -27,7 +27,8 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
     args = argparse.Namespace(**setup["args"])
     mp = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
     devices = device_of_each(getattr(args, "devices", None), len(modes))
-    cpus = _cpu_pinning.cpus_of_each(devices) if getattr(args, "pin_cpus", False) else [None] * len(modes)
+    pin = getattr(args, "pin_cpus", None)
+    cpus = _cpu_pinning.cpus_of_each(devices, split=pin == "split") if pin else [None] * len(modes)
     workers, started = [], []
     try:
         # all engines start at once (a cold 4B engine takes ~4.5 min on the H100, mostly compile and
@@ -63,6 +64,7 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     for w in _rotated(workers, i):
                         warm[w.mode].append(w.call("run", c)["started_s"])
                 before = {w.mode: w.call("counters") for w in workers}
+                probe = {w.mode: w.call("host_probe") for w in workers}
                 runs = {w.mode: [] for w in workers}
                 for i in range(max(args.repeats, 1)):
                     for w in _rotated(workers, i):
@@ -71,6 +73,7 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     rounds = cells.rounds_of(w.budget, before[w.mode], w.call("counters"))
                     rounds["run_started_s"] = [r["started_s"] for r in runs[w.mode]]  # the interleaving, on record
                     rounds["warmup_started_s"] = warm[w.mode]
+                    rounds["host_probe_us"] = probe[w.mode]
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
                                   cells.median(runs[w.mode]), setup["ref"], rounds)
                 save()
@@ -202,6 +205,8 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
                     out = cells.counters(llm, budget)
                 elif msg[0] == "run":
                     out = timed_steps(llm, prompts[: msg[1]], args.max_tokens)
+                elif msg[0] == "host_probe":
+                    out = _cpu_pinning.host_probe_us()
                 elif msg[0] == "gpu_profile":
                     out = cells.gpu_profile(llm, prompts[: msg[1]], args.max_tokens, budget)
                 conn.send(("ok", out))

@@ -138,10 +138,8 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
     res = json.loads(out.read_text())
     assert rc == 0, [r for r in res["runs"] if "error" in r]
     assert res["worker_devices"] == {"flat": "6", "ddtree8": "4"}  # (CPU engines: the variable is all there is)
-    cpus = res["worker_cpus"]  # --pin-cpus: no GPU 6 or 4 here, so each gets a slice of this process's CPUs
-    mine = sorted(os.sched_getaffinity(0))
-    assert all(set(c) <= set(mine) and c for c in cpus.values()), cpus
-    assert len(mine) < 2 or not set(cpus["flat"]) & set(cpus["ddtree8"]), cpus
+    # --pin-cpus (same): no GPU 6 or 4 here, so both get all of this process's CPUs
+    assert res["worker_cpus"] == {"flat": sorted(os.sched_getaffinity(0)), "ddtree8": sorted(os.sched_getaffinity(0))}
     pids = res["worker_pids"]
     assert set(pids) == {"flat", "ddtree8"} and len({*pids.values(), os.getpid()}) == 3, pids
     wall = res["worker_start_wall"]  # started together: every process spawned before any engine was up
@@ -158,6 +156,7 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
         assert max(f["warmup_started_s"] + d["warmup_started_s"]) < starts[0][0]
         for r in (f, d):
             assert r["reference_match"] == 1.0 and len(r["tok_s_runs"]) == 3 and r["rounds"] > 0
+            assert 0 < r["host_probe_us"] < 1e3  # each engine's host probe, per cell
             assert r["tokens_per_round"] > 5  # the perfect oracle: (nearly) every draft accepted
         assert d["tree_steps"] > 0 and d["fallback_total"] == 0  # the tree ran, in its own process
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
@@ -233,13 +232,21 @@ def test_bench_attention_config_reaches_every_engine_and_names_the_option(bench,
         assert f"--attention-config: {why}" in capsys.readouterr().err
 
 
-def test_pinned_cpus_are_disjoint_slices_of_each_gpus_local_cpus(bench):
+def test_pinned_cpus_are_each_gpus_local_cpus_alike_or_split(bench, capsys):
     pin = importlib.import_module("_cpu_pinning")
     assert pin.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11] and pin.parse_cpulist("5") == [5]
     node = {"0": list(range(0, 8)), "1": list(range(0, 8)), "2": list(range(8, 16)), None: list(range(16))}
-    # three engines on GPU 0 and one on GPU 1 (the same socket) split its 8 CPUs; GPU 2 has its own
+    # "same": every engine on its GPU's local CPUs, engines of one socket on the same ones
     got = pin.cpus_of_each(["0", "0", "0", "1", "2"], local=node.get)
+    assert got == [list(range(8))] * 4 + [list(range(8, 16))]
+    # "split": three engines on GPU 0 and one on GPU 1 (the same socket) split its 8 CPUs; GPU 2 has its own
+    got = pin.cpus_of_each(["0", "0", "0", "1", "2"], split=True, local=node.get)
     assert got == [[0, 1], [2, 3], [4, 5], [6, 7], list(range(8, 16))]
-    assert pin.cpus_of_each(["0"] * 3, local=lambda d: [4, 5]) == [[4], [4], [5]]  # more engines than CPUs: shared
+    assert pin.cpus_of_each(["0"] * 3, True, lambda d: [4, 5]) == [[4], [4], [5]]  # more engines than CPUs: shared
+    main = importlib.import_module("bench_e2e_gpu").main
+    with pytest.raises(SystemExit):
+        main(["--out", "x.json", "--side-by-side", "--pin-cpus", "apart"])
+    assert "--pin-cpus: invalid choice: 'apart' (choose from 'same', 'split')" in capsys.readouterr().err
+    assert 0 < pin.host_probe_us(200) < 1e3
     assert pin.local_cpus(None) == sorted(os.sched_getaffinity(0))
     assert pin.local_cpus("99") == sorted(os.sched_getaffinity(0))  # no such GPU (no nvidia-smi): all allowed
