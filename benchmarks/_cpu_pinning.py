@@ -7,8 +7,10 @@ first form of this option), on a host of four H100s (`e2e_h100x4_4b_s26.json`, s
 42-63 for flat DFlash / budget 32 / auto) the same host ops took 1.6-2x longer in the two DDTree
 engines than in flat's (torch.profiler at c = 1: aten::slice 1.8 us in flat's process, 3.2 us and
 2.6 us in theirs, the same op counts per round): cores unlike each other (hyperthread siblings,
-clocks), which the host-bound steps of a 4B at c = 1 turn into tok/s. The worker records a host probe
-per cell (`host_probe_us`) so that a run shows whether its engines' CPUs were alike.
+clocks), or a slower dispatch of every op in those processes, which the host-bound steps of a 4B at
+c = 1 turn into tok/s. Each worker runs a host probe before its engine starts
+(`host_probe_us_before_start`: the CPUs) and in every cell (`host_probe_us`: the CPUs and whatever the
+engine installed in its process), so that a run tells the two apart.
 
 Why pin at all: in one H100 run (`e2e_h100x4_4b_s25_alone.json`, three engines on GPU 0, nothing else on the
 host) two host phases of the budget-"auto" engine that DDTree does not touch, vLLM's scheduling and

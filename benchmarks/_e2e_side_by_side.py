@@ -48,6 +48,7 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
             if w.info["devices"] is not None:  # (as the worker's process saw them)
                 result.setdefault("worker_devices", {})[w.mode] = w.info["devices"]
             result.setdefault("worker_cpus", {})[w.mode] = w.info["cpus"]
+            result.setdefault("host_probe_us_before_start", {})[w.mode] = w.info["host_probe_us"]
             if not w.info["attached"]:
                 result["runs"].append({"mode": w.mode, "error": "DDTree did not attach",
                                        "fallbacks": w.info["fallbacks"]})
@@ -179,6 +180,7 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
 
     args, conc, prompts = argparse.Namespace(**setup["args"]), setup["conc"], setup["prompts"]
     try:
+        probe = _cpu_pinning.host_probe_us()  # before the engine: the CPUs' own speed, for the cells' probes
         plugin.register()
         llm, start = start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"], mode=mode)
         if getattr(args, "phase_timers", False):
@@ -188,7 +190,7 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
         conn.send(("ok", {"start_s": start, "attached": not budget or ddtree_attached(llm),
                           "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid(),
                           "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                          "cpus": sorted(os.sched_getaffinity(0))}))
+                          "cpus": sorted(os.sched_getaffinity(0)), "host_probe_us": probe}))
     except Exception:
         conn.send(("error", traceback.format_exc()[-2000:]))
         return

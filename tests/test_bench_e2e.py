@@ -140,6 +140,7 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
     assert res["worker_devices"] == {"flat": "6", "ddtree8": "4"}  # (CPU engines: the variable is all there is)
     # --pin-cpus (same): no GPU 6 or 4 here, so both get all of this process's CPUs
     assert res["worker_cpus"] == {"flat": sorted(os.sched_getaffinity(0)), "ddtree8": sorted(os.sched_getaffinity(0))}
+    assert all(0 < p < 1e3 for p in res["host_probe_us_before_start"].values()), res["host_probe_us_before_start"]
     pids = res["worker_pids"]
     assert set(pids) == {"flat", "ddtree8"} and len({*pids.values(), os.getpid()}) == 3, pids
     wall = res["worker_start_wall"]  # started together: every process spawned before any engine was up
