@@ -77,10 +77,10 @@ def cpus_of_each(devices: list, split: bool = False, local=local_cpus) -> list[l
     return out
 
 
-def host_probe_us(n: int = 20000) -> float:
+def host_probe_us(n: int = 2000) -> float:
     """Microseconds per small host op (a CPU tensor's slice, view and add, the kind of op vLLM's and
-    DDTree's step issue by the hundred): the best of 3 loops, ~10 ms. Alike across a run's engines when
-    their CPUs are alike."""
+    DDTree's step issue by the hundred): the best of 3 loops of n, ~40 ms at 2 us per op. Alike
+    across a run's engines when their CPUs are alike."""
     import time
 
     import torch

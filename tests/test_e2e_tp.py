@@ -86,8 +86,8 @@ def test_tp2_attention_only_lossless(qwen3, monkeypatch):
         finally:
             harness.shutdown(llm)
     ref2 = [t for t, _ in runs["tp2"]]
-    auto_kw = config.vllm_kwargs(drafter, budget="auto", auto_budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
-    llm = _llm(target, 2, monkeypatch, **fp32, **auto_kw)
+    auto_kw = dict(budget="auto", auto_budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
+    llm = _llm(target, 2, monkeypatch, **fp32, **config.vllm_kwargs(drafter, **auto_kw))
     try:
         harness.force_auto_on_workers(llm, ["tree", "chain"])
         random_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
