@@ -6,9 +6,9 @@ block on their queues), so the fair placement gives each the same cores. With di
 first form of this option), on a host of four H100s (`e2e_h100x4_4b_s26.json`, slices 0-20 / 21-41 /
 42-63 for flat DFlash / budget 32 / auto) the same host ops took 1.6-2x longer in the two DDTree
 engines than in flat's (torch.profiler at c = 1: aten::slice 1.8 us in flat's process, 3.2 us and
-2.6 us in theirs, the same op counts per round): cores unlike each other (hyperthread siblings,
-clocks), or a slower dispatch of every op in those processes, which the host-bound steps of a 4B at
-c = 1 turn into tok/s. Each worker runs a host probe before its engine starts
+2.6 us in theirs; op counts per round within 3-7% of flat's): cores unlike each other (hyperthread
+siblings, clocks), or a slower dispatch of every op in those processes, which the host-bound steps of
+a 4B at c = 1 turn into tok/s. Each worker runs a host probe before its engine starts
 (`host_probe_us_before_start`: the CPUs) and in every cell (`host_probe_us`: the CPUs and whatever the
 engine installed in its process), so that a run tells the two apart.
 
