@@ -86,6 +86,15 @@ def rounds_of(budget, before, after) -> dict:
     return out
 
 
+def gpu_profile_at(args, conc: list, bare: list) -> list:
+    """The concurrencies of this command that get a --gpu-profile run: none without the option, `bare`
+    for the bare flag, else the listed ones among `conc`."""
+    wanted = getattr(args, "gpu_profile", None)
+    if not wanted:
+        return []
+    return list(bare) if wanted == "all" else [c for c in wanted if c in conc]
+
+
 def gpu_profile(llm, prompts, max_tokens, budget, top=30) -> dict:
     """One more timed run under torch.profiler: the GPU's busy time per round (kernel and copy
     durations, which host overhead does not change) next to the wall time per round, and the

@@ -78,8 +78,8 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
                                   cells.median(runs[w.mode]), setup["ref"], rounds)
                 save()
-            if getattr(args, "gpu_profile", False) and prof is profiles[0]:
-                for c in setup["conc"]:
+            if prof is profiles[0]:
+                for c in cells.gpu_profile_at(args, setup["conc"], setup["conc"]):
                     for w in workers:
                         result.setdefault("gpu_profiles", []).append(
                             {"mode": w.mode, "profile": prof["name"], "concurrency": c, **w.call("gpu_profile", c)})

@@ -138,10 +138,10 @@ def run(args) -> dict:
                         rounds = cells.rounds_of(budget, before, after)
                         cells.add_row(result, args, mode, budget, prof, c, r, ref, rounds)
                         save()
-                    if args.gpu_profile and prof is profiles[0]:
+                    for c in (cells.gpu_profile_at(args, conc, conc[:1]) if prof is profiles[0] else ()):
                         result.setdefault("gpu_profiles", []).append(
-                            {"mode": mode, "profile": prof.name, "concurrency": conc[0],
-                             **cells.gpu_profile(llm, prompts[: conc[0]], args.max_tokens, budget)})
+                            {"mode": mode, "profile": prof.name, "concurrency": c,
+                             **cells.gpu_profile(llm, prompts[:c], args.max_tokens, budget)})
                         save()
                     if args.trace_tokens and prof is profiles[0]:
                         stem = pathlib.Path(args.out).with_suffix("")
@@ -166,6 +166,16 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"--attention-config: a JSON object expected, got {text!r}")
     return value
+
+
+def _gpu_profile_concurrency(text: str) -> str | list:
+    if text == "all":
+        return text
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpu-profile: concurrencies joined by ',' (e.g. '1,16') or bare, "
+                                         f"got {text!r}") from None
 
 
 def main(argv=None) -> int:
@@ -202,8 +212,10 @@ def main(argv=None) -> int:
                     "last prompt token repeated (what sharpen() makes the target say) instead of a no-spec engine")
     ap.add_argument("--models-dir", default=None, help="where the config-only model folders are written "
                     "(default: a new temporary folder)")
-    ap.add_argument("--gpu-profile", action="store_true", help="per mode, one more run at the first concurrency "
-                    "(--side-by-side: at every concurrency) under torch.profiler: GPU busy ms per round and the top kernels (gpu_profiles)")
+    ap.add_argument("--gpu-profile", nargs="?", const="all", default=None, type=_gpu_profile_concurrency,
+                    help="per mode, one more run at the first profile's concurrencies under torch.profiler: GPU busy "
+                    "ms per round and the top kernels (gpu_profiles); bare: every concurrency (--side-by-side) or "
+                    "the first; or a list, e.g. '1,16' (a profiled run at c=64 takes minutes)")
     ap.add_argument("--trace-tokens", type=int, default=0, help="per mode and concurrency, one more run of this "
                     "many tokens under torch.profiler with Python stacks, saved as a gzipped Chrome trace beside "
                     "--out (benchmarks/trace_summary.py: where a round's host time goes)")

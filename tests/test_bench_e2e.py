@@ -134,9 +134,12 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
     rc = bench.main(["--target", "tiny", "--max-tokens", "16", "--concurrency", "1,2", "--budgets", "8", "--top-k", "4",
                      "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect",
                      "--modes", "flat,ddtree8", "--repeats", "3", "--side-by-side", "--devices", "3,5",
-                     "--pin-cpus", "--out", str(out)])
+                     "--pin-cpus", "--gpu-profile", "2", "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0, [r for r in res["runs"] if "error" in r]
+    # --gpu-profile 2: one profiled run per engine at c=2 only (CPU: no kernels, the host ops are counted)
+    assert [(g["mode"], g["concurrency"]) for g in res["gpu_profiles"]] == [("flat", 2), ("ddtree8", 2)]
+    assert all(g["rounds"] > 0 and g["host_aten_ops_per_round"] > 0 for g in res["gpu_profiles"])
     assert res["worker_devices"] == {"flat": "6", "ddtree8": "4"}  # (CPU engines: the variable is all there is)
     # --pin-cpus (same): no GPU 6 or 4 here, so both get all of this process's CPUs
     assert res["worker_cpus"] == {"flat": sorted(os.sched_getaffinity(0)), "ddtree8": sorted(os.sched_getaffinity(0))}
@@ -251,3 +254,19 @@ def test_pinned_cpus_are_each_gpus_local_cpus_alike_or_split(bench, capsys):
     assert 0 < pin.host_probe_us(200) < 1e3
     assert pin.local_cpus(None) == sorted(os.sched_getaffinity(0))
     assert pin.local_cpus("99") == sorted(os.sched_getaffinity(0))  # no such GPU (no nvidia-smi): all allowed
+
+
+def test_gpu_profile_concurrencies_bare_listed_or_named_error(bench, capsys):
+    import types
+
+    at = importlib.import_module("_e2e_cells").gpu_profile_at
+    args = types.SimpleNamespace(gpu_profile=None)
+    assert at(args, [1, 4, 16], [1]) == []
+    args.gpu_profile = "all"
+    assert at(args, [1, 4, 16], [1]) == [1] and at(args, [1, 4, 16], [1, 4, 16]) == [1, 4, 16]
+    args.gpu_profile = [16, 1, 64]  # the listed ones this command runs, in the listed order
+    assert at(args, [1, 4, 16], [1]) == [16, 1]
+    main = importlib.import_module("bench_e2e_gpu").main
+    with pytest.raises(SystemExit):
+        main(["--out", "x.json", "--gpu-profile", "c16"])
+    assert "--gpu-profile: concurrencies joined by ',' (e.g. '1,16') or bare, got 'c16'" in capsys.readouterr().err
