@@ -10,6 +10,15 @@ them, as one engine serves a side-by-side run. Per step the policy chooses a kin
 with probability --stall, --stall-factor times that; a tree step's walk records each row's accepted
 nodes and those off the chain, drawn from oracle.simulate_rows for the cell's profile.
 
+With --run-tokens the batch drains as on the GPU: a cell is --runs runs of c requests of that many
+tokens each, a request leaves when its tokens are committed (each step commits 1 + a sampled row's
+accepted nodes: the tree's, or those on the chain), a step of R requests costs the kind's cost
+interpolated linearly between the measured concurrencies, and the policy is compared with the chain
+and the tree every step over the same runs. --host-drift F,D multiplies every step by a host speed
+that switches between 1 and F after D steps on average (the H200 run: the same flat step took 10.9 or
+15.3 ms from one cell to the next). --no-pairs replays the policy before its probes were compared with
+their neighbouring steps (AutoBudget.min_pairs).
+
 What a cell reports (mean and worst over --seeds): the tree's share of steps, and the rate (expected
 tokens per second: a kind's mean tokens per request-round, times c, over the steps' time) over
 flat DFlash's (every step a chain step) and over the better fixed kind's. What the policy loses here
@@ -45,7 +54,7 @@ def costs_from(result: dict, budget: int) -> dict:
 
 
 def run_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16, cv=0.12, stall=0.01,
-              stall_factor=5.0, warmup=0, seed=0) -> list[dict]:
+              stall_factor=5.0, warmup=0, seed=0, no_pairs=False) -> list[dict]:
     """One policy over `cells` [(profile name, c, steps)], each cell after `warmup` untimed steps
     (bench_e2e_gpu's --warmup-runs); rows: profile name -> (accepted, chain) per sampled
     request-round (lists). Returns one dict per cell."""
@@ -57,6 +66,7 @@ def run_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16,
     rng = random.Random(seed)
     m = metrics.DDTreeMetrics(draft_len, torch.device("cpu"))
     policy = ab.AutoBudget(m, budget, draft_len, probe_interval, None)
+    policy.min_pairs = math.inf if no_pairs else policy.min_pairs
     slow = 1 + stall * (stall_factor - 1)  # the mean step's factor from stalls
     t, out = 0.0, []
     for name, c, steps in cells:
@@ -88,6 +98,78 @@ def run_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16,
     return out
 
 
+def cost_at(costs: dict, kind: str, R: int) -> float:
+    """A step of R requests: the kind's cost interpolated linearly between the measured
+    concurrencies (constant below the smallest, extrapolated above the largest)."""
+    cs = sorted(c for k, c in costs if k == kind)
+    lo, hi = (cs[0], cs[0]) if R <= cs[0] else next(((a, b) for a, b in zip(cs, cs[1:]) if R <= b), tuple(cs[-2:]))
+    if lo == hi:
+        return costs[(kind, lo)]
+    return costs[(kind, lo)] + (R - lo) * (costs[(kind, hi)] - costs[(kind, lo)]) / (hi - lo)
+
+
+def drain_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16, cv=0.12, stall=0.01,
+                stall_factor=5.0, run_tokens=256, runs=7, drift=(1.0, 1e9), seed=0, no_pairs=False) -> list[dict]:
+    """One policy per forced kind (None: auto, then the chain, then the tree) over `cells` [(profile
+    name, c, _)], each cell `runs` runs of c requests of run_tokens tokens (the module docstring)."""
+    import torch
+
+    from ddtree_compile.integration import metrics
+    from ddtree_compile.integration.round import auto_budget as ab
+
+    got = {}
+    host = random.Random(seed + 1000)  # the host: one sequence of step factors per cell, shared by the kinds
+    factors, speed = [], 1.0
+    for _ in cells:
+        f = []
+        for _ in range(runs * (run_tokens + 1)):  # (at most one step per token)
+            if host.random() < 1 / drift[1]:
+                speed = drift[0] if speed == 1.0 else 1.0
+            f.append(speed * math.exp(host.gauss(0, cv) - cv * cv / 2) * (stall_factor if host.random() < stall else 1))
+        factors.append(f)
+    for forced in (None, ab.CHAIN, ab.TREE):
+        rng = random.Random(seed)  # the requests' draws
+        m = metrics.DDTreeMetrics(draft_len, torch.device("cpu"))
+        policy = ab.AutoBudget(m, budget, draft_len, probe_interval, None)
+        policy.forced = forced
+        policy.min_pairs = math.inf if no_pairs else policy.min_pairs
+        t, out = 0.0, []
+        for (name, c, _), f in zip(cells, factors):
+            accepted, chain = rows[name]
+            made = spent = 0.0
+            taken = {ab.TREE: 0, ab.CHAIN: 0}
+            step = iter(f)
+            for _ in range(runs):
+                left = [run_tokens] * c
+                while any(left):
+                    active = [i for i, n in enumerate(left) if n > 0]
+                    R = len(active)
+                    kind = policy.choose(R)
+                    dur = cost_at(costs, kind, R) * next(step)
+                    policy.proposed(kind, R, t, t + min(0.002, dur / 2))
+                    policy.verify_began(t + min(0.002, dur / 2))
+                    policy.step_ended(t + dur)
+                    t += dur
+                    pick = [rng.randrange(len(accepted)) for _ in active]
+                    nodes = [accepted[j] if kind == ab.TREE else chain[j] for j in pick]
+                    for i, n in zip(active, nodes):
+                        made += min(1 + n, left[i])
+                        left[i] = max(0, left[i] - 1 - n)
+                    if kind == ab.TREE:
+                        a = torch.tensor([accepted[j] for j in pick])
+                        m.record_round(torch.ones(R, dtype=torch.bool), torch.full((R,), budget), a,
+                                       a - torch.tensor([chain[j] for j in pick]), torch.zeros(R, dtype=torch.bool))
+                    spent += dur
+                    taken[kind] += 1
+            out.append({"profile": name, "concurrency": c, "rate": made / spent,
+                        "tree_share": taken[ab.TREE] / sum(taken.values())})
+        got[forced] = out
+    for a, ch, tr in zip(got[None], got[ab.CHAIN], got[ab.TREE]):
+        a.update(steps=None, vs_flat=a["rate"] / ch["rate"], vs_best=a["rate"] / max(ch["rate"], tr["rate"]),
+                 tree_vs_flat=tr["rate"] / ch["rate"])
+    return got[None]
+
+
 def simulate(args) -> dict:
     from ddtree_compile.testing import oracle
 
@@ -109,8 +191,13 @@ def simulate(args) -> dict:
         rows[n] = (a.tolist(), ch.tolist())
     cells = [(n, c, args.steps) for n in names for c in conc]
     kw = dict(budget=args.budget, draft_len=args.draft_len, probe_interval=args.probe_interval, cv=args.cv,
-              stall=args.stall, stall_factor=args.stall_factor, warmup=args.warmup_steps)
-    per_seed = [run_cells(cells, costs, rows, seed=s, **kw) for s in range(args.seeds)]
+              stall=args.stall, stall_factor=args.stall_factor, no_pairs=args.no_pairs)
+    if args.run_tokens:
+        drift = tuple(float(x) for x in args.host_drift.split(","))
+        per_seed = [drain_cells(cells, costs, rows, seed=s, run_tokens=args.run_tokens, runs=args.runs, drift=drift,
+                                **kw) for s in range(args.seeds)]
+    else:
+        per_seed = [run_cells(cells, costs, rows, seed=s, warmup=args.warmup_steps, **kw) for s in range(args.seeds)]
     summary = []
     for i, (n, c, _) in enumerate(cells):
         got = [cell[i] for cell in per_seed]
@@ -152,6 +239,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stall", type=float, default=0.01, help="probability that a step stalls")
     ap.add_argument("--stall-factor", type=float, default=5.0)
     ap.add_argument("--samples", type=int, default=20000, help="request-rounds drawn per profile")
+    ap.add_argument("--run-tokens", type=int, default=0, help="tokens per request: the batch drains (0: R = c "
+                    "every step, --steps per cell)")
+    ap.add_argument("--runs", type=int, default=7, help="--run-tokens: runs per cell (the GPU's: 1 warm-up + 6)")
+    ap.add_argument("--host-drift", default="1,1e9", help="F,D: --run-tokens: the host's speed switches between 1 "
+                    "and F (step time x F) after D steps on average")
+    ap.add_argument("--no-pairs", action="store_true", help="the policy without its neighbour comparisons")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     result = simulate(args)

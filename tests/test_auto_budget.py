@@ -223,6 +223,42 @@ def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
     assert p._decide(16) == ab.CHAIN
 
 
+def test_a_probe_is_compared_with_its_neighbouring_steps_not_with_stale_costs():
+    """The H200 run (e2e_h200x2_4b_s27.json): the host's speed changed from cell to cell by up to
+    1.4x for the same work (flat DFlash's 4B step at c = 1: 10.9 or 15.3 ms), and a batch bucket
+    holds batches up to twice its size (16 for 16..31 requests: at c = 64, chain@16 read 29.9 ms where
+    the c = 16 cell's read 17.4). A losing kind's cost is timed only at its probes, so its cost and
+    the winner's came from different times and batch sizes, and auto verified trees in 20% of the
+    c = 64 steps at 0.87x flat DFlash. A probe's timed step is compared with the winner's timed steps
+    just before and after it (same host, same batch): the choice uses the median of those ratios."""
+    m, p = _policy(probe=4)
+    _round(m, [5, 5], [1, 1])  # tree 6 tokens per round, chain 5
+    while p.tokens[ab.TREE] is None:
+        p.choose(1)
+    _steps(p, ab.CHAIN, 1, 0.0, 0.006, n=3)  # host fast: the chain's step 8 ms
+    for t in (10.0, 30.0, 50.0, 70.0):  # four probes of the tree: 12 ms, between chain steps of 8 ms
+        _steps(p, ab.TREE, 1, t, 0.010)
+        _steps(p, ab.CHAIN, 1, t + 10, 0.006)
+    assert p.snapshot()["step_ratio"] == {"chain/tree@1": pytest.approx(8 / 12)}
+    assert len(p._pairs[(ab.TREE, ab.CHAIN, 1)]) == 8  # each probe: its neighbour before and after
+    _steps(p, ab.CHAIN, 1, 90.0, 0.0108, n=17)  # host slow (x1.6): the chain's step 12.8 ms, not paired
+    assert len(p._pairs[(ab.TREE, ab.CHAIN, 1)]) == 8
+    assert p.costs == {(ab.TREE, 1): pytest.approx(0.012), (ab.CHAIN, 1): pytest.approx(0.0128)}
+    # by these costs the tree would win (6/12 > 5/12.8); at one host speed it costs 1.5x the chain
+    # (6/18 < 5/12): the chain wins, and a tree probe is priced at that ratio
+    p._since[ab.TREE, 1] = 0
+    assert p._decide(1) == ab.CHAIN and p.probe_gap == {1: 60}  # 2 * (12/8 - 6/5) / 1%
+    m2, q = _policy(probe=4)  # one probe only: fewer than 2 comparisons, the kinds' own costs decide
+    _round(m2, [5, 5], [1, 1])
+    while q.tokens[ab.TREE] is None:
+        q.choose(1)
+    _steps(q, ab.TREE, 1, 10.0, 0.010, n=3)
+    _steps(q, ab.CHAIN, 1, 20.0, 0.0108, n=17)  # its first timed step is the tree's neighbour
+    assert len(q._pairs[(ab.TREE, ab.CHAIN, 1)]) == 1
+    q._since[ab.CHAIN, 1] = 0
+    assert q._decide(1) == ab.TREE
+
+
 def test_a_step_is_timed_only_after_a_clean_step_of_its_kind_and_bucket():
     """A cycle holds what the step before it left (the host's wait for that step's verify, the
     drafter's run over its verified tokens). On the H100 (4B shape, c = 1) single probes timed after

@@ -36,3 +36,21 @@ def test_the_policy_takes_the_better_kind_and_keeps_its_rate(bench, tmp_path):
 def test_a_cost_file_without_the_concurrency_names_the_option(bench, tmp_path):
     with pytest.raises(SystemExit, match=r"--concurrency 4: .* has no tree step cost at c=4"):
         _run(tmp_path, _costs(tmp_path, {1: 12.0, 4: 13.0}, {1: 12.0}))
+
+
+def test_a_draining_batch_costs_steps_between_the_measured_concurrencies(bench, tmp_path):
+    sim = importlib.import_module("sim_auto_budget")
+    costs = {("tree", 1): 0.010, ("tree", 4): 0.016, ("tree", 16): 0.040}
+    assert sim.cost_at(costs, "tree", 1) == 0.010 and sim.cost_at(costs, "tree", 2) == pytest.approx(0.012)
+    assert sim.cost_at(costs, "tree", 10) == pytest.approx(0.028) and sim.cost_at(costs, "tree", 28) == pytest.approx(0.064)
+    # requests leave as their tokens are committed: the policy, the chain and the tree over the same runs
+    drain = ["--run-tokens", "48", "--runs", "2", "--host-drift", "1.4,20"]
+    cells = _run(tmp_path, _costs(tmp_path, {1: 12.0, 4: 13.0}, {1: 12.0, 4: 13.0}), *drain)
+    for c, cell in cells.items():  # the tree at the chain's cost: the tree, at nearly its rate
+        assert cell["tree_share"] > 0.7 and cell["vs_best_mean"] > 0.85, cell
+    # the tree at 2.5x the chain's cost: mostly the chain (the tree's share is exploring each bucket a
+    # draining batch passes through, and probes); --no-pairs: the policy on its kinds' own costs alone
+    longer = ["--run-tokens", "96", "--runs", "4", "--host-drift", "1.4,20"]
+    for extra in ([], ["--no-pairs"]):
+        cells = _run(tmp_path, _costs(tmp_path, {1: 12.0, 4: 13.0}, {1: 30.0, 4: 36.0}), *longer, *extra)
+        assert all(cell["tree_share"] < 0.2 and cell["vs_flat_mean"] > 0.75 for cell in cells.values()), cells

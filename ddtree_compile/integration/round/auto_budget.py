@@ -38,6 +38,16 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   that way read the tree at 11-13 ms and the chain at 13-17 ms per step, where the engines' steady
   steps took 15.5 and 11.5 ms, and auto kept the tree under the +4% profile at 0.84x flat DFlash. So
   a probe is two steps of its kind, the second timed.
+- Which kind is faster is read from neighbouring steps. A losing kind is timed only at its probes,
+  the winner at every step, and between the two the host's speed changes (on two H200s the same flat
+  DFlash step took 10.9 ms in one cell and 15.3 ms in the next, `e2e_h200x2_4b_s27.json`), and so
+  does the batch inside its bucket (bucket 16 holds 16..31 requests: a c = 64 run's tail read the
+  chain's step there at 29.9 ms, the c = 16 cell at 17.4): the costs then compare different hosts
+  and batches. So a probe's timed step is also compared with the winner's timed steps right before
+  and after it (_PAIR_STEPS apart: one host speed, nearly one batch), and once there are _MIN_PAIRS
+  such ratios a kind's cost in the choice (and in its probe gap) is the last winner's cost times the
+  median ratio; the kinds' own costs stand until then. Only the ratio decides, so it does not matter
+  which of the two costs is stale.
 - A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried.
   While one kind wins at a bucket, every other kind is probed there now and then (each bucket keeps
   its own probe clocks, as its own costs: a kind taken at c=1 says nothing of its cost at c=16,
@@ -71,8 +81,10 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import math
 import os
 import pathlib
+import statistics
 
 import torch
 
@@ -87,6 +99,8 @@ _MIN_SAMPLES = 2  # measured steps before they replace the table's prior (or mak
 _SETTLED = 4  # measured steps before a losing kind's probes are priced (until then: every probe_interval)
 _PROBE_SHARE = 0.01  # of the rate that probes of a losing kind may cost
 _PROBE_MAX = 16  # a losing kind is probed at least every probe_interval * this steps
+_PAIR_STEPS = 2  # timed steps of two kinds this many steps apart are compared directly (a probe and its neighbours)
+_MIN_PAIRS = 2  # such comparisons before they replace the kinds' own costs in the choice
 
 
 def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
@@ -163,6 +177,11 @@ class AutoBudget:
         self._again: str | None = None  # a probe's kind, for its second (timed) step
         self._prev_totals = None
         self._readback = None  # (pinned host tensor, event or None)
+        self._step = 0  # steps ended, to tell which timed steps were neighbours
+        self._last: dict[int, dict] = {}  # bucket -> kind -> (step, seconds) of its last timed step there
+        self._pairs: dict = {}  # (kind, other, bucket) -> the last _WINDOW log(its step / other's neighbouring step)
+        self._ref: dict[int, str] = {}  # bucket -> the kind chosen as best at the last decision there
+        self.min_pairs = _MIN_PAIRS  # (benchmarks/sim_auto_budget.py --no-pairs: out of reach, the costs alone)
         self.forced: str | None = None  # a kind every step takes (precompile times each kind this way)
 
     # -- the decision (host only) ------------------------------------------------------------------
@@ -189,12 +208,13 @@ class AutoBudget:
         for k in (CHAIN, *self.kinds[1:-1]):  # then every other kind's cost
             if self.costs.get((k, b)) is None:
                 return k
-        rates = {k: self.tokens[k] / self.costs[(k, b)] for k in self.kinds}
-        best = max(self.kinds, key=lambda k: (rates[k], -self.kinds.index(k)))
+        ref = self._ref.get(b) or self._best(b, {k: self.costs[(k, b)] for k in self.kinds})
+        costs = {k: self._cost(k, b, ref) for k in self.kinds}
+        best = self._ref[b] = self._best(b, costs)
         for k in self.kinds:  # the largest tree first: its probes also measure every kind's acceptance
             if k == best:
                 continue
-            gap = self._probe_gap(k, best, b)
+            gap = self._probe_gap(k, best, b, costs)
             if k == TREE:
                 self.probe_gap[b] = gap
             if self._since[k, b] + 1 >= gap:
@@ -207,11 +227,23 @@ class AutoBudget:
                 return self._probe(k)
         return best
 
-    def _probe_gap(self, k: str, best: str, b: int) -> int:
+    def _best(self, b: int, costs: dict) -> str:
+        return max(self.kinds, key=lambda k: (self.tokens[k] / costs[k], -self.kinds.index(k)))
+
+    def _cost(self, k: str, b: int, ref: str) -> float:
+        """k's cost at bucket b for the choice against `ref` (the last winner there, whose cost is fresh):
+        ref's cost times the median ratio of k's timed steps to ref's neighbouring ones, once there are
+        _MIN_PAIRS of them, else k's own cost (module docstring)."""
+        pairs = self._pairs.get((k, ref, b), ())
+        if k == ref or len(pairs) < self.min_pairs:
+            return self.costs[(k, b)]
+        return self.costs[(ref, b)] * math.exp(statistics.median(pairs))
+
+    def _probe_gap(self, k: str, best: str, b: int, costs: dict) -> int:
         """Steps between probes of the losing kind k at bucket b (module docstring)."""
         if len(self._samples.get((k, b), ())) < _SETTLED:
             return self.probe_interval
-        gap = 2 * (self.costs[(k, b)] / self.costs[(best, b)] - self.tokens[k] / self.tokens[best]) / _PROBE_SHARE
+        gap = 2 * (costs[k] / costs[best] - self.tokens[k] / self.tokens[best]) / _PROBE_SHARE
         return min(max(round(gap), self.probe_interval), self.probe_interval * _PROBE_MAX)
 
     def _probe(self, kind: str) -> str:
@@ -242,6 +274,7 @@ class AutoBudget:
 
     def step_ended(self, now: float) -> None:
         """The next proposal starts: the step timed since verify_began, from its own proposal on."""
+        self._step += 1
         if self._began is not None:
             kind, R, t = self._began
             self._observe(kind, bucket(R), now - t)
@@ -260,6 +293,13 @@ class AutoBudget:
         if len(window) >= _MIN_SAMPLES:
             faster = sorted(window)[: max(1, len(window) // 2)]
             self.costs[key] = sum(faster) / len(faster)
+        last = self._last.setdefault(b, {})
+        for other, (step, s) in last.items():
+            if other != kind and self._step - step <= _PAIR_STEPS:
+                r = math.log(seconds / s)
+                self._pairs.setdefault((kind, other, b), collections.deque(maxlen=_WINDOW)).append(r)
+                self._pairs.setdefault((other, kind, b), collections.deque(maxlen=_WINDOW)).append(-r)
+        last[kind] = (self._step, seconds)
 
     # -- acceptance: DDTree's device counters, read back without a sync ---------------------------
     def _poll(self) -> None:
@@ -296,7 +336,9 @@ class AutoBudget:
                 "budget_probes": self.budget_probes,
                 "tokens_per_round": dict(self.tokens), "table": self.table_path,
                 "draft_ms": None if self.draft_s is None else 1e3 * self.draft_s,
-                "step_ms": {f"{k}@{b}": 1e3 * c for (k, b), c in sorted(self.costs.items())}}
+                "step_ms": {f"{k}@{b}": 1e3 * c for (k, b), c in sorted(self.costs.items())},
+                "step_ratio": {f"{k}/{o}@{b}": math.exp(statistics.median(r))
+                               for (k, o, b), r in sorted(self._pairs.items()) if k < o}}
 
 
 def serveable_menu(menu: tuple, hybrid: bool) -> tuple[tuple, str | None]:
