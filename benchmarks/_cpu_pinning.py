@@ -1,5 +1,6 @@
 """--pin-cpus: each side-by-side engine's process on CPUs local to its GPU: the same CPUs for every
-engine ("same", the default), or a disjoint slice each ("split").
+engine ("same", the default), the same but one logical CPU per physical core ("cores": no engine
+thread shares a core with another's hyperthread sibling), or a disjoint slice each ("split").
 
 "same" because the engines' runs alternate (one engine works at a time; an idle engine's processes
 block on their queues), so the fair placement gives each the same cores. With disjoint slices (the
@@ -11,6 +12,12 @@ siblings, clocks), or a slower dispatch of every op in those processes, which th
 a 4B at c = 1 turn into tok/s. Each worker runs a host probe before its engine starts
 (`host_probe_us_before_start`: the CPUs) and in every cell (`host_probe_us`: the CPUs and whatever the
 engine installed in its process), so that a run tells the two apart.
+
+"same" on two H200s (`e2e_h200x2_4b_s27.json`, 32 CPUs local to both GPUs): the probes read ~2.3 or
+~3.8 us per op, in both engines' processes alike, before start and in later cells (one process 2.5
+us in one cell, 4.2 in the next), and every phase of a step moved with them: the host's speed,
+not DDTree's work. Where a process runs among the 32 (a hyperthread whose sibling is busy, or not) is
+the likeliest cause, hence "cores"; each timed run now records its own probe (`host_probe_us_runs`).
 
 Why pin at all: in one H100 run (`e2e_h100x4_4b_s25_alone.json`, three engines on GPU 0, nothing else on the
 host) two host phases of the budget-"auto" engine that DDTree does not touch, vLLM's scheduling and
@@ -59,11 +66,35 @@ def local_cpus(device: str | None) -> list[int]:
     return [c for c in allowed if c in local] or allowed
 
 
-def cpus_of_each(devices: list, split: bool = False, local=local_cpus) -> list[list[int]]:
-    """Each engine's CPUs: those local to its GPU(s); split: one disjoint slice per engine (the engines
-    whose GPUs share a set of local CPUs split that set evenly, in order, contiguous slices; an engine
-    gets at least one CPU, shared if there are more engines than CPUs)."""
+def siblings_of(cpu: int) -> list[int]:
+    """The logical CPUs of cpu's physical core (sysfs thread_siblings_list; itself alone if unknown)."""
+    try:
+        path = pathlib.Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        return parse_cpulist(path.read_text())
+    except (OSError, ValueError):
+        return [cpu]
+
+
+def one_per_core(cpus, siblings=siblings_of) -> list[int]:
+    """The first of cpus on each physical core: the others are hyperthread siblings of one of them."""
+    seen: set[int] = set()
+    out = []
+    for c in cpus:
+        if c not in seen:
+            out.append(c)
+            seen.update(siblings(c))
+    return out
+
+
+def cpus_of_each(devices: list, split: bool = False, local=local_cpus, cores: bool = False,
+                 siblings=siblings_of) -> list[list[int]]:
+    """Each engine's CPUs: those local to its GPU(s); cores: one per physical core of those; split: one
+    disjoint slice per engine (the engines whose GPUs share a set of local CPUs split that set evenly,
+    in order, contiguous slices; an engine gets at least one CPU, shared if there are more engines
+    than CPUs)."""
     of_device = {d: tuple(local(d)) for d in dict.fromkeys(devices)}  # (one nvidia-smi call per GPU)
+    if cores:
+        of_device = {d: tuple(one_per_core(c, siblings)) for d, c in of_device.items()}
     if not split:
         return [list(of_device[d]) for d in devices]
     groups: dict[tuple, list[int]] = {}

@@ -28,7 +28,9 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
     mp = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
     devices = device_of_each(getattr(args, "devices", None), len(modes))
     pin = getattr(args, "pin_cpus", None)
-    cpus = _cpu_pinning.cpus_of_each(devices, split=pin == "split") if pin else [None] * len(modes)
+    cpus = [None] * len(modes)
+    if pin:
+        cpus = _cpu_pinning.cpus_of_each(devices, split=pin == "split", cores=pin == "cores")
     workers, started = [], []
     try:
         # all engines start at once (a cold 4B engine takes ~4.5 min on the H100, mostly compile and
@@ -75,6 +77,7 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     rounds["run_started_s"] = [r["started_s"] for r in runs[w.mode]]  # the interleaving, on record
                     rounds["warmup_started_s"] = warm[w.mode]
                     rounds["host_probe_us"] = probe[w.mode]
+                    rounds["host_probe_us_runs"] = [r["host_probe_us"] for r in runs[w.mode]]
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
                                   cells.median(runs[w.mode]), setup["ref"], rounds)
                 save()
@@ -205,8 +208,9 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
                     od = install_oracle(llm, reference, oracle.profile_from(msg[1]), prompts, conc)
                 elif msg[0] == "counters":
                     out = cells.counters(llm, budget)
-                elif msg[0] == "run":
-                    out = timed_steps(llm, prompts[: msg[1]], args.max_tokens)
+                elif msg[0] == "run":  # (with the host's speed right before it: _cpu_pinning.py)
+                    probe = _cpu_pinning.host_probe_us()
+                    out = timed_steps(llm, prompts[: msg[1]], args.max_tokens) | {"host_probe_us": probe}
                 elif msg[0] == "host_probe":
                     out = _cpu_pinning.host_probe_us()
                 elif msg[0] == "gpu_profile":

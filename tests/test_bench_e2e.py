@@ -160,7 +160,8 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
         assert max(f["warmup_started_s"] + d["warmup_started_s"]) < starts[0][0]
         for r in (f, d):
             assert r["reference_match"] == 1.0 and len(r["tok_s_runs"]) == 3 and r["rounds"] > 0
-            assert 0 < r["host_probe_us"] < 1e3  # each engine's host probe, per cell
+            assert 0 < r["host_probe_us"] < 1e3  # each engine's host probe, per cell, and per timed run
+            assert len(r["host_probe_us_runs"]) == 3 and all(0 < p < 1e3 for p in r["host_probe_us_runs"])
             assert r["tokens_per_round"] > 5  # the perfect oracle: (nearly) every draft accepted
         assert d["tree_steps"] > 0 and d["fallback_total"] == 0  # the tree ran, in its own process
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
@@ -247,10 +248,16 @@ def test_pinned_cpus_are_each_gpus_local_cpus_alike_or_split(bench, capsys):
     got = pin.cpus_of_each(["0", "0", "0", "1", "2"], split=True, local=node.get)
     assert got == [[0, 1], [2, 3], [4, 5], [6, 7], list(range(8, 16))]
     assert pin.cpus_of_each(["0"] * 3, True, lambda d: [4, 5]) == [[4], [4], [5]]  # more engines than CPUs: shared
+    # "cores": the same CPUs, one per physical core (here CPU c and c + 8 are hyperthread siblings)
+    sib = lambda c: sorted({c % 8, c % 8 + 8})  # noqa: E731
+    got = pin.cpus_of_each(["0", "1", "2"], local={"0": [0, 1, 8, 9], "1": [0, 1, 8, 9], "2": [9, 2, 10]}.get,
+                           cores=True, siblings=sib)
+    assert got == [[0, 1], [0, 1], [9, 2]]
+    assert pin.siblings_of(sorted(os.sched_getaffinity(0))[0])  # this machine's sysfs, or the CPU alone
     main = importlib.import_module("bench_e2e_gpu").main
     with pytest.raises(SystemExit):
         main(["--out", "x.json", "--side-by-side", "--pin-cpus", "apart"])
-    assert "--pin-cpus: invalid choice: 'apart' (choose from 'same', 'split')" in capsys.readouterr().err
+    assert "--pin-cpus: invalid choice: 'apart' (choose from 'same', 'cores', 'split')" in capsys.readouterr().err
     assert 0 < pin.host_probe_us(200) < 1e3
     assert pin.local_cpus(None) == sorted(os.sched_getaffinity(0))
     assert pin.local_cpus("99") == sorted(os.sched_getaffinity(0))  # no such GPU (no nvidia-smi): all allowed
