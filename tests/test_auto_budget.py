@@ -230,7 +230,8 @@ def test_a_probe_is_compared_with_its_neighbouring_steps_not_with_stale_costs():
     the c = 16 cell's read 17.4). A losing kind's cost is timed only at its probes, so its cost and
     the winner's came from different times and batch sizes, and auto verified trees in 20% of the
     c = 64 steps at 0.87x flat DFlash. A probe's timed step is compared with the winner's timed steps
-    just before and after it (same host, same batch): the choice uses the median of those ratios."""
+    just before and after it (same host, same batch): from three such ratios on (a median that one
+    stall cannot move), the choice uses their median."""
     m, p = _policy(probe=4)
     _round(m, [5, 5], [1, 1])  # tree 6 tokens per round, chain 5
     while p.tokens[ab.TREE] is None:
@@ -248,13 +249,14 @@ def test_a_probe_is_compared_with_its_neighbouring_steps_not_with_stale_costs():
     # (6/18 < 5/12): the chain wins, and a tree probe is priced at that ratio
     p._since[ab.TREE, 1] = 0
     assert p._decide(1) == ab.CHAIN and p.probe_gap == {1: 60}  # 2 * (12/8 - 6/5) / 1%
-    m2, q = _policy(probe=4)  # one probe only: fewer than 2 comparisons, the kinds' own costs decide
+    m2, q = _policy(probe=4)  # one probe only: fewer than 3 comparisons, the kinds' own costs decide
     _round(m2, [5, 5], [1, 1])
     while q.tokens[ab.TREE] is None:
         q.choose(1)
-    _steps(q, ab.TREE, 1, 10.0, 0.010, n=3)
-    _steps(q, ab.CHAIN, 1, 20.0, 0.0108, n=17)  # its first timed step is the tree's neighbour
-    assert len(q._pairs[(ab.TREE, ab.CHAIN, 1)]) == 1
+    _steps(q, ab.CHAIN, 1, 0.0, 0.006, n=3)
+    _steps(q, ab.TREE, 1, 10.0, 0.010)
+    _steps(q, ab.CHAIN, 1, 20.0, 0.0108, n=17)  # its first timed step is the tree's neighbour too
+    assert len(q._pairs[(ab.TREE, ab.CHAIN, 1)]) == 2
     q._since[ab.CHAIN, 1] = 0
     assert q._decide(1) == ab.TREE
 

@@ -100,7 +100,7 @@ _SETTLED = 4  # measured steps before a losing kind's probes are priced (until t
 _PROBE_SHARE = 0.01  # of the rate that probes of a losing kind may cost
 _PROBE_MAX = 16  # a losing kind is probed at least every probe_interval * this steps
 _PAIR_STEPS = 2  # timed steps of two kinds this many steps apart are compared directly (a probe and its neighbours)
-_MIN_PAIRS = 2  # such comparisons before they replace the kinds' own costs in the choice
+_MIN_PAIRS = 3  # such comparisons before they replace the kinds' own costs (a median: one stall cannot move it)
 
 
 def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
