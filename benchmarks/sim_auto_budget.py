@@ -53,20 +53,44 @@ def costs_from(result: dict, budget: int) -> dict:
     return out
 
 
-def run_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16, cv=0.12, stall=0.01,
-              stall_factor=5.0, warmup=0, seed=0, no_pairs=False) -> list[dict]:
-    """One policy over `cells` [(profile name, c, steps)], each cell after `warmup` untimed steps
-    (bench_e2e_gpu's --warmup-runs); rows: profile name -> (accepted, chain) per sampled
-    request-round (lists). Returns one dict per cell."""
+def _new_policy(budget, draft_len, probe_interval, no_pairs):
+    """(DDTreeMetrics, AutoBudget) on the CPU; no_pairs: the policy on its kinds' own costs alone."""
     import torch
 
     from ddtree_compile.integration import metrics
     from ddtree_compile.integration.round import auto_budget as ab
 
-    rng = random.Random(seed)
     m = metrics.DDTreeMetrics(draft_len, torch.device("cpu"))
     policy = ab.AutoBudget(m, budget, draft_len, probe_interval, None)
     policy.min_pairs = math.inf if no_pairs else policy.min_pairs
+    return m, policy
+
+
+def _play(policy, m, kind, R, t, dur, budget, accepted=(), chain=()):
+    """One step as the round reports it to the policy (its proposal, its verify's start, the next
+    proposal) and, for a tree step, its walk's rows: each row's accepted nodes and those on the chain."""
+    import torch
+
+    from ddtree_compile.integration.round import auto_budget as ab
+
+    policy.proposed(kind, R, t, t + min(0.002, dur / 2))
+    policy.verify_began(t + min(0.002, dur / 2))
+    policy.step_ended(t + dur)
+    if kind == ab.TREE:
+        a = torch.tensor(accepted)
+        m.record_round(torch.ones(R, dtype=torch.bool), torch.full((R,), budget), a, a - torch.tensor(chain),
+                       torch.zeros(R, dtype=torch.bool))
+
+
+def run_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16, cv=0.12, stall=0.01,
+              stall_factor=5.0, warmup=0, seed=0, no_pairs=False) -> list[dict]:
+    """One policy over `cells` [(profile name, c, steps)], each cell after `warmup` untimed steps
+    (bench_e2e_gpu's --warmup-runs); rows: profile name -> (accepted, chain) per sampled
+    request-round (lists). Returns one dict per cell."""
+    from ddtree_compile.integration.round import auto_budget as ab
+
+    rng = random.Random(seed)
+    m, policy = _new_policy(budget, draft_len, probe_interval, no_pairs)
     slow = 1 + stall * (stall_factor - 1)  # the mean step's factor from stalls
     t, out = 0.0, []
     for name, c, steps in cells:
@@ -78,15 +102,9 @@ def run_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16,
             kind = policy.choose(c)
             dur = costs[(kind, c)] * math.exp(rng.gauss(0, cv) - cv * cv / 2)
             dur *= stall_factor if rng.random() < stall else 1.0
-            policy.proposed(kind, c, t, t + min(0.002, dur / 2))
-            policy.verify_began(t + min(0.002, dur / 2))
-            policy.step_ended(t + dur)
+            pick = [rng.randrange(len(accepted)) for _ in range(c)] if kind == ab.TREE else []
+            _play(policy, m, kind, c, t, dur, budget, [accepted[j] for j in pick], [chain[j] for j in pick])
             t += dur
-            if kind == ab.TREE:
-                pick = [rng.randrange(len(accepted)) for _ in range(c)]
-                a = torch.tensor([accepted[j] for j in pick])
-                m.record_round(torch.ones(c, dtype=torch.bool), torch.full((c,), budget), a,
-                               a - torch.tensor([chain[j] for j in pick]), torch.zeros(c, dtype=torch.bool))
             if i >= 0:
                 made += c * tokens[kind]  # expected tokens: the evaluation without the rows' sampling noise
                 spent += dur
@@ -112,9 +130,6 @@ def drain_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=1
                 stall_factor=5.0, run_tokens=256, runs=7, drift=(1.0, 1e9), seed=0, no_pairs=False) -> list[dict]:
     """One policy per forced kind (None: auto, then the chain, then the tree) over `cells` [(profile
     name, c, _)], each cell `runs` runs of c requests of run_tokens tokens (the module docstring)."""
-    import torch
-
-    from ddtree_compile.integration import metrics
     from ddtree_compile.integration.round import auto_budget as ab
 
     got = {}
@@ -129,10 +144,8 @@ def drain_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=1
         factors.append(f)
     for forced in (None, ab.CHAIN, ab.TREE):
         rng = random.Random(seed)  # the requests' draws
-        m = metrics.DDTreeMetrics(draft_len, torch.device("cpu"))
-        policy = ab.AutoBudget(m, budget, draft_len, probe_interval, None)
+        m, policy = _new_policy(budget, draft_len, probe_interval, no_pairs)
         policy.forced = forced
-        policy.min_pairs = math.inf if no_pairs else policy.min_pairs
         t, out = 0.0, []
         for (name, c, _), f in zip(cells, factors):
             accepted, chain = rows[name]
@@ -146,26 +159,20 @@ def drain_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=1
                     R = len(active)
                     kind = policy.choose(R)
                     dur = cost_at(costs, kind, R) * next(step)
-                    policy.proposed(kind, R, t, t + min(0.002, dur / 2))
-                    policy.verify_began(t + min(0.002, dur / 2))
-                    policy.step_ended(t + dur)
-                    t += dur
                     pick = [rng.randrange(len(accepted)) for _ in active]
-                    nodes = [accepted[j] if kind == ab.TREE else chain[j] for j in pick]
-                    for i, n in zip(active, nodes):
+                    _play(policy, m, kind, R, t, dur, budget, [accepted[j] for j in pick], [chain[j] for j in pick])
+                    t += dur
+                    for i, j in zip(active, pick):
+                        n = accepted[j] if kind == ab.TREE else chain[j]
                         made += min(1 + n, left[i])
                         left[i] = max(0, left[i] - 1 - n)
-                    if kind == ab.TREE:
-                        a = torch.tensor([accepted[j] for j in pick])
-                        m.record_round(torch.ones(R, dtype=torch.bool), torch.full((R,), budget), a,
-                                       a - torch.tensor([chain[j] for j in pick]), torch.zeros(R, dtype=torch.bool))
                     spent += dur
                     taken[kind] += 1
             out.append({"profile": name, "concurrency": c, "rate": made / spent,
                         "tree_share": taken[ab.TREE] / sum(taken.values())})
         got[forced] = out
     for a, ch, tr in zip(got[None], got[ab.CHAIN], got[ab.TREE]):
-        a.update(steps=None, vs_flat=a["rate"] / ch["rate"], vs_best=a["rate"] / max(ch["rate"], tr["rate"]),
+        a.update(vs_flat=a["rate"] / ch["rate"], vs_best=a["rate"] / max(ch["rate"], tr["rate"]),
                  tree_vs_flat=tr["rate"] / ch["rate"])
     return got[None]
 
