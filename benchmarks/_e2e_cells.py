@@ -19,11 +19,12 @@ def cell(timed, llm, prompts, max_tokens, repeats) -> dict:
 
 
 def median(runs) -> dict:
-    """The run of median tok/s, with every run's tok/s and outputs and their summed wall time."""
+    """The run of median tok/s, with every run's tok/s and outputs, their summed wall time and the
+    smallest of their peak batches (a cell is as full as its emptiest run)."""
     mid = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
     return mid | {"tok_s_runs": [r["tok_s"] for r in runs], "runs_outputs": [r["outputs"] for r in runs],
                      "wall_s_total": sum(r["wall_s"] for r in runs),  # the span of the cell's round counters
-                     "steps_total": sum(r["steps"] for r in runs)}
+                     "steps_total": sum(r["steps"] for r in runs), "peak_batch": min(r["peak_batch"] for r in runs)}
 
 
 def match(outputs, reference) -> float:
@@ -41,6 +42,8 @@ def summary(r, ref, max_tokens) -> dict:
     out = {k: r[k] for k in ("wall_s", "output_tokens", "tok_s", "tpot_p50_ms", "tpot_p90_ms")} | {
         "reference_match": match(outputs, ref), "tok_s_runs": r.get("tok_s_runs", [r["tok_s"]]),
         "wall_s_total": r.get("wall_s_total", r["wall_s"])}
+    if "peak_batch" in r:
+        out["peak_batch"] = r["peak_batch"]
     if "steps_total" in r:  # every mode's engine steps (prefill included): ms per step side by side
         out["ms_per_step"] = 1e3 * out["wall_s_total"] / max(r["steps_total"], 1)
     if out["reference_match"] < 0.9:  # evidence for the closing note: where the outputs left the reference
@@ -147,6 +150,9 @@ def add_row(result, args, mode, budget, prof, c, r, ref, rounds) -> None:
         prof, budget or args.flat_len, args.top_k if budget else 1, args.flat_len, samples=2000)
     result["runs"].append(row)
     print(line(row), flush=True)
+    if row.get("peak_batch", c) < c:
+        print(f"  ^ {mode} served at most {row['peak_batch']} of the cell's {c} requests at once: "
+              "its KV cache holds fewer (summarize_e2e marks the row invalid)", flush=True)
 
 
 def line(r) -> str:

@@ -4,6 +4,9 @@
 
 - A run whose outputs left the reference (reference_match < 0.95) is flagged `invalid`: its
   acceptance is not the profile's (the oracle drafts the reference), so its speed says nothing.
+- A run that never had its cell's c requests in flight at once (`peak_batch` < c: the engine's KV
+  cache holds fewer, e.g. too small a --kv-cache-gib for engines sharing a GPU) is flagged `invalid`
+  too: it timed smaller batches and a queue, not concurrency c.
 - Flat DFlash's acceptance does not depend on the profile here: the three profiles share the
   chain's per-depth acceptance p0 (calibrate_oracle.py), only the off-chain ranks differ. So the
   flat baseline per concurrency is the mean of its valid runs over the profiles (one number less
@@ -46,6 +49,9 @@ def summarize(result: dict) -> dict:
             r["tok_s_agg"] = agg
         if "error" not in r and r.get("reference_match", 1.0) < VALID:
             r["invalid"] = f"outputs left the reference (match {r['reference_match']:.3f}); see mismatch_heads"
+        if "error" not in r and r.get("peak_batch", r.get("concurrency", 0)) < r.get("concurrency", 0):
+            r["invalid"] = (f"at most {r['peak_batch']} of its {r['concurrency']} requests in flight at once "
+                            "(the engine's KV cache holds fewer)")
     # --side-by-side: flat DFlash ran interleaved with the others in each (profile, concurrency) cell,
     # so each cell's own flat run is the baseline; else the mean over profiles (see the docstring)
     paired = bool(result.get("args", {}).get("side_by_side"))

@@ -160,6 +160,7 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
         assert max(f["warmup_started_s"] + d["warmup_started_s"]) < starts[0][0]
         for r in (f, d):
             assert r["reference_match"] == 1.0 and len(r["tok_s_runs"]) == 3 and r["rounds"] > 0
+            assert r["peak_batch"] == c  # every run had the cell's c requests in flight at once
             assert 0 < r["host_probe_us"] < 1e3  # each engine's host probe, per cell, and per timed run
             assert len(r["host_probe_us_runs"]) == 3 and all(0 < p < 1e3 for p in r["host_probe_us_runs"])
             assert r["tokens_per_round"] > 5  # the perfect oracle: (nearly) every draft accepted
@@ -277,3 +278,35 @@ def test_gpu_profile_concurrencies_bare_listed_or_named_error(bench, capsys):
     with pytest.raises(SystemExit):
         main(["--out", "x.json", "--gpu-profile", "c16"])
     assert "--gpu-profile: concurrencies joined by ',' (e.g. '1,16') or bare, got 'c16'" in capsys.readouterr().err
+
+
+def test_timed_runs_report_their_peak_batch_and_a_short_one_is_invalid(bench, tmp_path, monkeypatch):
+    """A run whose engine cannot hold all of its requests at once (here max_num_seqs=2; on the GPU a
+    KV cache too small for the cell) times smaller batches and a queue: timed_steps reports the most
+    requests that got tokens in one step, and summarize_e2e refuses such a row as a cell of c."""
+    from vllm import LLM
+
+    from ddtree_compile.cli.timing import timed_steps
+    from ddtree_compile.testing import harness, models
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    target = models.write_tiny_model("qwen3", tmp_path / "qwen3")
+    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_num_seqs=2))
+    try:
+        prompts = models.token_prompts(3, 8, 200, seed=0)
+        full, short = timed_steps(llm, prompts[:2], 6), timed_steps(llm, prompts, 6)
+    finally:
+        harness.shutdown(llm)
+    assert full["peak_batch"] == 2 and full["output_tokens"] == 12
+    assert short["peak_batch"] == 2 and short["output_tokens"] == 18  # all served, never 3 at once
+    summ = importlib.import_module("summarize_e2e")
+    cells = importlib.import_module("_e2e_cells")
+    rows = []
+    for c, r in ((2, full), (3, short)):
+        for mode in ("flat", "auto"):
+            s = cells.summary(cells.median([r]), r["outputs"], 6)
+            rows.append(dict(s, mode=mode, profile="p", concurrency=c, tokens_per_round=5.0, rounds=10))
+    res = summ.summarize({"args": {"side_by_side": True}, "runs": rows})
+    assert [("invalid" in r, "vs_flat" in r) for r in res["runs"]] == [(False, False), (False, True),
+                                                                      (True, False), (True, False)]
+    assert res["runs"][2]["invalid"].startswith("at most 2 of its 3 requests in flight at once")
