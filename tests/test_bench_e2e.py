@@ -310,3 +310,21 @@ def test_timed_runs_report_their_peak_batch_and_a_short_one_is_invalid(bench, tm
     assert [("invalid" in r, "vs_flat" in r) for r in res["runs"]] == [(False, False), (False, True),
                                                                       (True, False), (True, False)]
     assert res["runs"][2]["invalid"].startswith("at most 2 of its 3 requests in flight at once")
+
+
+def test_same_host_ratio_keeps_only_repeats_whose_probes_agree(bench):
+    """summarize_e2e's vs_flat_same_host: repeat i's two runs count only when their host probes are
+    within SAME_HOST of each other; the ratio is the aggregate (total tokens over total time) of those."""
+    summ = importlib.import_module("summarize_e2e")
+    cell = dict(profile="p", concurrency=4, reference_match=1.0, tokens_per_round=5.0, rounds=10, wall_s=1.0,
+                wall_s_total=3.0, output_tokens=100, tpot_p50_ms=1.0)
+    flat = dict(cell, mode="flat", tok_s=100.0, tok_s_runs=[100.0, 100.0, 50.0], host_probe_us_runs=[2.5, 4.2, 2.4])
+    auto = dict(cell, mode="auto", tok_s=90.0, tok_s_runs=[90.0, 60.0, 40.0], host_probe_us_runs=[2.6, 2.4, 2.5])
+    summ.summarize({"args": {"side_by_side": True}, "runs": [flat, auto]})
+    # repeat 1: flat's process slow (4.2 vs 2.4 us per op), left out; repeats 0 and 2 kept
+    assert auto["same_host_runs"] == [2, 3]
+    assert math.isclose(auto["vs_flat_same_host"], (1 / 100 + 1 / 50) / (1 / 90 + 1 / 40))
+    auto["host_probe_us_runs"] = [4.4, 2.4, 4.5]  # never the same host: no ratio, the count says why
+    summ.summarize({"args": {"side_by_side": True}, "runs": [flat, auto]})
+    assert auto["same_host_runs"] == [0, 3] and "vs_flat_same_host" not in auto
+    assert "| auto | - (0/3) |" in summ.table({"args": {"side_by_side": True}, "runs": [flat, auto]})
