@@ -1,6 +1,7 @@
 """--pin-cpus: each side-by-side engine's process on CPUs local to its GPU: the same CPUs for every
 engine ("same", the default), the same but one logical CPU per physical core ("cores": no engine
-thread shares a core with another's hyperthread sibling), or a disjoint slice each ("split").
+thread shares a core with another's hyperthread sibling), the same but only the CPUs that probed
+fastest before the engines started ("fast"), or a disjoint slice each ("split").
 
 "same" because the engines' runs alternate (one engine works at a time; an idle engine's processes
 block on their queues), so the fair placement gives each the same cores. With disjoint slices (the
@@ -18,6 +19,12 @@ engine installed in its process), so that a run tells the two apart.
 us in one cell, 4.2 in the next), and every phase of a step moved with them: the host's speed,
 not DDTree's work. Where a process runs among the 32 (a hyperthread whose sibling is busy, or not) is
 the likeliest cause, hence "cores"; each timed run now records its own probe (`host_probe_us_runs`).
+
+"cores" on two H200s (`e2e_h200x2_4b_s28.json`): the 32 CPUs are 32 cores to sysfs (a VM: its
+vCPUs' hyperthread siblings on the host are invisible), so it pinned as "same" did, and the per-run
+probes still flipped between ~2.4 and ~4.2 us within one process from one run to the next. Hence
+`probe_each_cpu` at the start and after each profile (`host_probe_us_per_cpu`: do the two speeds
+belong to CPUs, and do they stay?) and "fast": every engine on the CPUs that probed fastest at start.
 
 Why pin at all: in one H100 run (`e2e_h100x4_4b_s25_alone.json`, three engines on GPU 0, nothing else on the
 host) two host phases of the budget-"auto" engine that DDTree does not touch, vLLM's scheduling and
@@ -87,14 +94,16 @@ def one_per_core(cpus, siblings=siblings_of) -> list[int]:
 
 
 def cpus_of_each(devices: list, split: bool = False, local=local_cpus, cores: bool = False,
-                 siblings=siblings_of) -> list[list[int]]:
-    """Each engine's CPUs: those local to its GPU(s); cores: one per physical core of those; split: one
-    disjoint slice per engine (the engines whose GPUs share a set of local CPUs split that set evenly,
-    in order, contiguous slices; an engine gets at least one CPU, shared if there are more engines
-    than CPUs)."""
+                 siblings=siblings_of, fast: dict | None = None) -> list[list[int]]:
+    """Each engine's CPUs: those local to its GPU(s); cores: one per physical core of those; fast (a
+    probe_each_cpu result): the fastest of those (fastest_cpus); split: one disjoint slice per engine
+    (the engines whose GPUs share a set of local CPUs split that set evenly, in order, contiguous
+    slices; an engine gets at least one CPU, shared if there are more engines than CPUs)."""
     of_device = {d: tuple(local(d)) for d in dict.fromkeys(devices)}  # (one nvidia-smi call per GPU)
     if cores:
         of_device = {d: tuple(one_per_core(c, siblings)) for d, c in of_device.items()}
+    if fast:
+        of_device = {d: tuple(fastest_cpus(c, fast)) for d, c in of_device.items()}
     if not split:
         return [list(of_device[d]) for d in devices]
     groups: dict[tuple, list[int]] = {}
@@ -106,6 +115,30 @@ def cpus_of_each(devices: list, split: bool = False, local=local_cpus, cores: bo
             lo, hi = k * len(cpus) // len(members), (k + 1) * len(cpus) // len(members)
             out[i] = list(cpus[lo:hi]) or [cpus[k % len(cpus)]]
     return out
+
+
+def probe_each_cpu(cpus, probe=None) -> dict[int, float]:
+    """host_probe_us on each of `cpus`, this thread pinned to one at a time (its affinity restored
+    after): whether the host's two speeds (module docstring) belong to CPUs or to moments."""
+    probe = probe or (lambda: host_probe_us(500))
+    saved, out = os.sched_getaffinity(0), {}
+    try:
+        for c in cpus:
+            os.sched_setaffinity(0, {c})
+            out[c] = probe()
+    finally:
+        os.sched_setaffinity(0, saved)
+    return out
+
+
+def fastest_cpus(cpus, speeds: dict, tolerance: float = 1.15, least: int = 4) -> list[int]:
+    """Those of `cpus` whose probe (speeds: CPU -> us per op) reads within `tolerance` of the fastest
+    of them, at least the `least` fastest (an engine's processes need a few CPUs); unprobed CPUs last."""
+    known = sorted((speeds[c], c) for c in cpus if c in speeds)
+    if not known:
+        return list(cpus)
+    keep = {c for us, c in known if us <= tolerance * known[0][0]} | {c for _, c in known[:least]}
+    return [c for c in cpus if c in keep]
 
 
 def host_probe_us(n: int = 2000) -> float:

@@ -30,7 +30,9 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
     pin = getattr(args, "pin_cpus", None)
     cpus = [None] * len(modes)
     if pin:
-        cpus = _cpu_pinning.cpus_of_each(devices, split=pin == "split", cores=pin == "cores")
+        speeds = _probe_cpus(result, "start")
+        cpus = _cpu_pinning.cpus_of_each(devices, split=pin == "split", cores=pin == "cores",
+                                         fast=speeds if pin == "fast" else None)
     workers, started = [], []
     try:
         # all engines start at once (a cold 4B engine takes ~4.5 min on the H100, mostly compile and
@@ -81,6 +83,9 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
                                   cells.median(runs[w.mode]), setup["ref"], rounds)
                 save()
+            if pin:
+                _probe_cpus(result, prof["name"])
+                save()
             if prof is profiles[0]:
                 for c in cells.gpu_profile_at(args, setup["conc"], setup["conc"]):
                     for w in workers:
@@ -90,6 +95,14 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
     finally:
         for w in started:
             w.close()
+
+
+def _probe_cpus(result, when: str) -> dict:
+    """--pin-cpus: every CPU this process may use, probed one at a time (host_probe_us_per_cpu, a list
+    over the command: "start", then after each profile's cells)."""
+    speeds = _cpu_pinning.probe_each_cpu(sorted(os.sched_getaffinity(0)))
+    result.setdefault("host_probe_us_per_cpu", []).append({"at": when, "us": speeds})
+    return speeds
 
 
 def _rotated(workers: list, i: int) -> list:

@@ -42,12 +42,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def costs_from(result: dict, budget: int) -> dict:
     """{(kind, c): seconds per step} from a bench_e2e_gpu result: the chain's is flat DFlash's
-    ms_per_step, the tree's budget `budget`'s, each the mean over the result's profiles."""
+    ms_per_step, the tree's budget `budget`'s, each the mean over the result's valid rows' profiles
+    (a row summarize_e2e marked invalid timed other work than its cell: not a cost)."""
     out: dict = {}
     for kind, mode in (("chain", "flat"), ("tree", f"ddtree{budget}")):
         by_c: dict = {}
         for r in result["runs"]:
-            if r.get("mode") == mode and "error" not in r and r.get("ms_per_step"):
+            if r.get("mode") == mode and "error" not in r and "invalid" not in r and r.get("ms_per_step"):
                 by_c.setdefault(r["concurrency"], []).append(r["ms_per_step"] / 1e3)
         out.update({(kind, c): statistics.mean(v) for c, v in by_c.items()})
     return out

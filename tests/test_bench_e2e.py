@@ -144,6 +144,10 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
     # --pin-cpus (same): no GPU 6 or 4 here, so both get all of this process's CPUs
     assert res["worker_cpus"] == {"flat": sorted(os.sched_getaffinity(0)), "ddtree8": sorted(os.sched_getaffinity(0))}
     assert all(0 < p < 1e3 for p in res["host_probe_us_before_start"].values()), res["host_probe_us_before_start"]
+    # every CPU probed at the start and after the profile's cells (JSON keys: CPU ids as strings)
+    per_cpu = res["host_probe_us_per_cpu"]
+    assert [x["at"] for x in per_cpu] == ["start", "perfect"]
+    assert all(sorted(map(int, x["us"])) == sorted(os.sched_getaffinity(0)) for x in per_cpu), per_cpu
     pids = res["worker_pids"]
     assert set(pids) == {"flat", "ddtree8"} and len({*pids.values(), os.getpid()}) == 3, pids
     wall = res["worker_start_wall"]  # started together: every process spawned before any engine was up
@@ -258,10 +262,23 @@ def test_pinned_cpus_are_each_gpus_local_cpus_alike_or_split(bench, capsys):
     main = importlib.import_module("bench_e2e_gpu").main
     with pytest.raises(SystemExit):
         main(["--out", "x.json", "--side-by-side", "--pin-cpus", "apart"])
-    assert "--pin-cpus: invalid choice: 'apart' (choose from 'same', 'cores', 'split')" in capsys.readouterr().err
+    assert "--pin-cpus: invalid choice: 'apart' (choose from 'same', 'cores', 'fast', 'split')" in capsys.readouterr().err
     assert 0 < pin.host_probe_us(200) < 1e3
     assert pin.local_cpus(None) == sorted(os.sched_getaffinity(0))
     assert pin.local_cpus("99") == sorted(os.sched_getaffinity(0))  # no such GPU (no nvidia-smi): all allowed
+    # "fast": the CPUs within 15% of the fastest probe, at least the 4 fastest; unprobed ones only if none is
+    speeds = {0: 4.2, 1: 2.4, 2: 2.6, 3: 4.1, 4: 2.5, 5: 2.9, 6: 4.3, 7: 2.45}
+    assert pin.fastest_cpus(range(8), speeds) == [1, 2, 4, 7]
+    assert pin.fastest_cpus([0, 3, 6, 1, 9], speeds) == [0, 3, 6, 1]  # the 4 fastest of them, in their order
+    assert pin.fastest_cpus([8, 9], speeds) == [8, 9]
+    got = pin.cpus_of_each(["0", "1"], local={"0": list(range(8)), "1": [0, 1, 2, 3]}.get, fast=speeds)
+    assert got == [[1, 2, 4, 7], [0, 1, 2, 3]]
+    mine = sorted(os.sched_getaffinity(0))  # this machine: each CPU probed with this thread pinned to it
+    seen = []
+    probed = pin.probe_each_cpu(mine, probe=lambda: seen.append(sorted(os.sched_getaffinity(0))) or 1.0)
+    assert probed == {c: 1.0 for c in mine} and seen == [[c] for c in mine]
+    assert sorted(os.sched_getaffinity(0)) == mine  # restored
+    assert all(0 < us < 1e3 for us in pin.probe_each_cpu(mine[:1]).values())
 
 
 def test_gpu_profile_concurrencies_bare_listed_or_named_error(bench, capsys):

@@ -54,3 +54,18 @@ def test_a_draining_batch_costs_steps_between_the_measured_concurrencies(bench, 
     for extra in ([], ["--no-pairs"]):
         cells = _run(tmp_path, _costs(tmp_path, {1: 12.0, 4: 13.0}, {1: 30.0, 4: 36.0}), *longer, *extra)
         assert all(cell["tree_share"] < 0.2 and cell["vs_flat_mean"] > 0.75 for cell in cells.values()), cells
+
+
+def test_an_invalid_row_is_no_cost(bench, tmp_path):
+    """A row summarize_e2e marked invalid (e.g. its engine never held the cell's requests at once)
+    timed other work than its cell: its ms_per_step is left out, and a cell with no valid one is refused."""
+    sim = importlib.import_module("sim_auto_budget")
+    runs = [{"mode": "flat", "concurrency": 4, "ms_per_step": 13.0},
+            {"mode": "ddtree32", "concurrency": 4, "ms_per_step": 20.0, "profile": "a"},
+            {"mode": "ddtree32", "concurrency": 4, "ms_per_step": 9.0, "profile": "b", "invalid": "at most 3 of 4"}]
+    assert sim.costs_from({"runs": runs}, 32) == {("chain", 4): 0.013, ("tree", 4): 0.020}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"runs": runs[:1] + runs[2:]}))
+    with pytest.raises(SystemExit, match=r"--concurrency 4: .* has no tree step cost at c=4"):
+        sim.main(["--costs", str(path), "--profile-names", "sglang_plus22", "--concurrency", "4", "--steps", "10",
+                  "--out", str(tmp_path / "sim.json")])
