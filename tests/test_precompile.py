@@ -52,7 +52,7 @@ def test_precompile_writes_the_cost_table(tmp_path, monkeypatch):
         chain = b.get("kind") == ab.CHAIN
         # every step of a row took the kind it times: trees of that bucket, or the chain
         took_its_kind = b["chain_steps"] > 0 and b["tree_steps"] == 0 if chain else b["tree_steps"] > 0
-        assert b["round_ms"] > 0 and took_its_kind, b
+        assert b["round_ms"] > 0 and took_its_kind and b["peak_batch"] == b["batch"], b
         assert set(b["phase_ms"]) >= ({"build"} if chain else {"build", "verify", "walk", "commit"}), b
     assert set(table["starts"]) == {"4", "auto:4/8"} and all(s > 0 for s in table["starts"].values())
     warm = table["warm_start"]

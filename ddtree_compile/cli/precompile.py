@@ -165,10 +165,14 @@ def _time_engine(llm, key: str, buckets: list[int], prompts, max_tokens: int, dr
                 timed_steps(llm, prompts[:R], 4)
                 before = metrics.collect(llm)[0]
                 r = timed_steps(llm, prompts[:R], max_tokens)
+                if r["peak_batch"] < R:  # a row for batch R timed smaller batches: not R's cost
+                    raise RuntimeError(f"precompile: batch {R} ran at most {r['peak_batch']} requests at once ({key}: "
+                                       "its KV cache holds fewer); give the engine more KV cache or lower --max-batch")
                 after = metrics.collect(llm)[0]
                 d = metrics.counters_delta(after, before)
                 steps = max(d["tree_steps"] + d.get("auto_chain_steps", 0), 1)
-                row = {"budget": budget, "batch": R, "round_ms": 1e3 * r["wall_s"] / r["steps"],
+                row = {"budget": budget, "batch": R, "peak_batch": r["peak_batch"],
+                       "round_ms": 1e3 * r["wall_s"] / r["steps"],
                        "tree_steps": d["tree_steps"], "steps": r["steps"],
                        "phase_ms": {k: 1e3 * (v - before["seconds"].get(k, 0.0)) / steps
                                     for k, v in after["seconds"].items()}}
