@@ -5,6 +5,13 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub, ever
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in the interpreter on CPU
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in-process: faster, patchable
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test`'s two workers share 2 cores: torch's default (one OpenMP thread per core) in each makes
+    # every op a barrier across both cores, and a worker's ops wait on the other's busy core (the suite
+    # took longer than in one process). One thread each, the processes they start too (an engine's
+    # steps on these tiny models are serial Python anyway; vLLM's serving default is 1 as well, which
+    # its CPU worker cannot apply in-process).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import gc  # noqa: E402
