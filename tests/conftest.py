@@ -20,23 +20,25 @@ import pytest  # noqa: E402
 
 # `make test` runs the suite on two pytest-xdist workers, a whole module at a time (--dist loadfile,
 # module-scoped engines stay shared) in collection order (--no-loadscope-reorder). The modules that
-# take longest (seconds alone on 2 cores, measured) come first, so the two workers end together instead
-# of one starting the longest module last; the rest keep their order. One process: the order as written.
+# take longest come first, so the two workers end together instead of one starting a long module last;
+# the rest keep their order. The order is the one-process run's longest modules; the seconds are each
+# module's tests in the two-worker run on 2 cores (27:23 in all; the multi-process modules there share
+# the cores with the other worker). One process: the order as written.
 LONGEST_FIRST = (
-    "test_runner_v2_cpu.py",  # 280
-    "test_serve.py",  # 230
-    "test_passes_vllm.py",  # 210
-    "test_e2e_hybrid.py",  # 200
-    "test_e2e_tp.py",  # 200
-    "test_e2e_attention.py",  # 200
-    "test_e2e_compiled.py",  # 75
-    "test_dump.py",  # 75
-    "test_tree_attention.py",  # 65
-    "test_e2e_mrope.py",  # 60
-    "test_e2e_graph_buckets.py",  # 50
-    "test_e2e_sampling.py",  # 45
-    "test_e2e_demo.py",  # 40
-    "test_gdn_slots.py",  # 40
+    "test_runner_v2_cpu.py",  # 393
+    "test_serve.py",  # 304
+    "test_passes_vllm.py",  # 376
+    "test_e2e_hybrid.py",  # 239
+    "test_e2e_tp.py",  # 313
+    "test_e2e_attention.py",  # 388
+    "test_e2e_compiled.py",  # 99
+    "test_dump.py",  # 86
+    "test_tree_attention.py",  # 55
+    "test_e2e_mrope.py",  # 64
+    "test_e2e_graph_buckets.py",  # 70
+    "test_e2e_sampling.py",  # 77
+    "test_e2e_demo.py",  # 53
+    "test_gdn_slots.py",  # 47
 )
 
 
