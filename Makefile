@@ -4,6 +4,11 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The whole suite on two workers, one test module each at a time (module-scoped engines stay shared;
+# tests/conftest.py hands the longest modules out first). An engine keeps about one core busy, so two
+# workers fill CI's 2 cores. `make test PYTEST_WORKERS=0` runs it in one process.
+PYTEST_WORKERS ?= 2
+XDIST   := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup demo test test-slow test-serve test-layouts bench-cpu clean
 
@@ -21,11 +26,11 @@ demo: $(STAMP)
 	$(BIN)/python -m ddtree_compile.testing.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # The whole suite on the vec16 KV layout whatever this CPU would pick (README: CPU KV-cache layouts).
 test-layouts: $(STAMP)
-	DDTREE_TEST_CPU_ATTN_ISA=vec16 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	DDTREE_TEST_CPU_ATTN_ISA=vec16 $(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

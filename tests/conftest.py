@@ -5,11 +5,48 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub, ever
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in the interpreter on CPU
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in-process: faster, patchable
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test`'s two workers share 2 cores: torch's default (one OpenMP thread per core) in each makes
+    # every op a barrier across both cores, and a worker's ops wait on the other's busy core (the suite
+    # took longer than in one process). One thread each, the processes they start too (an engine's
+    # steps on these tiny models are serial Python anyway; vLLM's serving default is 1 as well, which
+    # its CPU worker cannot apply in-process).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
+
+# `make test` runs the suite on two pytest-xdist workers, a whole module at a time (--dist loadfile,
+# module-scoped engines stay shared) in collection order (--no-loadscope-reorder). The modules that
+# take longest come first, so the two workers end together instead of one starting a long module last;
+# the rest keep their order. The order is the one-process run's longest modules; the seconds are each
+# module's tests in the two-worker run on 2 cores (27:23 in all; the multi-process modules there share
+# the cores with the other worker). One process: the order as written.
+LONGEST_FIRST = (
+    "test_runner_v2_cpu.py",  # 393
+    "test_serve.py",  # 304
+    "test_passes_vllm.py",  # 376
+    "test_e2e_hybrid.py",  # 239
+    "test_e2e_tp.py",  # 313
+    "test_e2e_attention.py",  # 388
+    "test_e2e_compiled.py",  # 99
+    "test_dump.py",  # 86
+    "test_tree_attention.py",  # 55
+    "test_e2e_mrope.py",  # 64
+    "test_e2e_graph_buckets.py",  # 70
+    "test_e2e_sampling.py",  # 77
+    "test_e2e_demo.py",  # 53
+    "test_gdn_slots.py",  # 47
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's tests keep their order
 
 
 @pytest.fixture(autouse=True, scope="session")
