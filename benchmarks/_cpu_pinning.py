@@ -133,7 +133,8 @@ def probe_each_cpu(cpus, probe=None) -> dict[int, float]:
 
 def fastest_cpus(cpus, speeds: dict, tolerance: float = 1.15, least: int = 4) -> list[int]:
     """Those of `cpus` whose probe (speeds: CPU -> us per op) reads within `tolerance` of the fastest
-    of them, at least the `least` fastest (an engine's processes need a few CPUs); unprobed CPUs last."""
+    of them, at least the `least` fastest (an engine's processes need a few CPUs); unprobed CPUs are left
+    out, unless none of them was probed (then all of them)."""
     known = sorted((speeds[c], c) for c in cpus if c in speeds)
     if not known:
         return list(cpus)
