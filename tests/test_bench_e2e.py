@@ -297,7 +297,7 @@ def test_gpu_profile_concurrencies_bare_listed_or_named_error(bench, capsys):
     assert "--gpu-profile: concurrencies joined by ',' (e.g. '1,16') or bare, got 'c16'" in capsys.readouterr().err
 
 
-def test_timed_runs_report_their_peak_batch_and_a_short_one_is_invalid(bench, tmp_path, monkeypatch):
+def test_timed_runs_report_their_peak_batch_and_a_short_one_is_invalid(bench, tmp_path):
     """A run whose engine cannot hold all of its requests at once (here max_num_seqs=2; on the GPU a
     KV cache too small for the cell) times smaller batches and a queue: timed_steps reports the most
     requests that got tokens in one step, and summarize_e2e refuses such a row as a cell of c."""
@@ -306,8 +306,7 @@ def test_timed_runs_report_their_peak_batch_and_a_short_one_is_invalid(bench, tm
     from ddtree_compile.cli.timing import timed_steps
     from ddtree_compile.testing import harness, models
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    target = models.write_tiny_model("qwen3", tmp_path / "qwen3")
+    target = models.write_tiny_model("qwen3", tmp_path / "qwen3")  # (in-process engine: conftest)
     llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_num_seqs=2))
     try:
         prompts = models.token_prompts(3, 8, 200, seed=0)
