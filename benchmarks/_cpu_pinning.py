@@ -1,7 +1,8 @@
 """--pin-cpus: each side-by-side engine's process on CPUs local to its GPU: the same CPUs for every
 engine ("same", the default), the same but one logical CPU per physical core ("cores": no engine
 thread shares a core with another's hyperthread sibling), the same but only the CPUs that probed
-fastest before the engines started ("fast"), or a disjoint slice each ("split").
+fastest before the engines started ("fast"), the same with each timed run's thread on the CPU that
+probes fastest right before it ("run"), or a disjoint slice each ("split").
 
 "same" because the engines' runs alternate (one engine works at a time; an idle engine's processes
 block on their queues), so the fair placement gives each the same cores. With disjoint slices (the
@@ -25,6 +26,13 @@ vCPUs' hyperthread siblings on the host are invisible), so it pinned as "same" d
 probes still flipped between ~2.4 and ~4.2 us within one process from one run to the next. Hence
 `probe_each_cpu` at the start and after each profile (`host_probe_us_per_cpu`: do the two speeds
 belong to CPUs, and do they stay?) and "fast": every engine on the CPUs that probed fastest at start.
+"fast" on four H100s (`e2e_h100x4_4b_s29.json`, 64 CPUs): at every probe about half the CPUs read
+~2.2-2.6 us and half ~3.6-4.4, but which half changes: from one probe of all CPUs to the next (minutes
+apart) a CPU kept its state 33 times in 64 where chance gives 32, and by the first profile's end 9 of
+the 25 CPUs chosen at start were still fast. One process's consecutive timed runs, ~3 s apart, kept
+their state 65% of the time (chance 50%): a CPU's state lasts seconds. Hence "run": every engine on
+the same CPUs, and before each run its host loop's thread pinned to the one that probes fastest right
+then (on_fastest_cpu; the run's `cpu`), for that run only.
 
 Why pin at all: in one H100 run (`e2e_h100x4_4b_s25_alone.json`, three engines on GPU 0, nothing else on the
 host) two host phases of the budget-"auto" engine that DDTree does not touch, vLLM's scheduling and
@@ -37,6 +45,7 @@ comparison.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -129,6 +138,21 @@ def probe_each_cpu(cpus, probe=None) -> dict[int, float]:
     finally:
         os.sched_setaffinity(0, saved)
     return out
+
+
+@contextlib.contextmanager
+def on_fastest_cpu(probe=None):
+    """For the block, this thread on the CPU of its affinity that probes fastest now ("run": one timed
+    run's host loop); yields (that CPU, its probe in us per op). Its affinity is restored after; the
+    process's other threads keep theirs."""
+    saved = os.sched_getaffinity(0)
+    speeds = probe_each_cpu(sorted(saved), probe)
+    cpu = min(speeds, key=lambda c: (speeds[c], c))
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu, speeds[cpu]
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 def fastest_cpus(cpus, speeds: dict, tolerance: float = 1.15, least: int = 4) -> list[int]:

@@ -4,6 +4,7 @@ own, their runs interleaved within each cell."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -80,6 +81,8 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     rounds["warmup_started_s"] = warm[w.mode]
                     rounds["host_probe_us"] = probe[w.mode]
                     rounds["host_probe_us_runs"] = [r["host_probe_us"] for r in runs[w.mode]]
+                    if pin == "run":
+                        rounds["run_cpus"] = [r["cpu"] for r in runs[w.mode]]
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
                                   cells.median(runs[w.mode]), setup["ref"], rounds)
                 save()
@@ -211,6 +214,8 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
         conn.send(("error", traceback.format_exc()[-2000:]))
         return
     reference, od = harness.reference_from_outputs(prompts, setup["ref"]), None
+    # --pin-cpus run: each run's host loop (this thread: the engine is in-process) on the CPU fastest then
+    on_cpu = _cpu_pinning.on_fastest_cpu if getattr(args, "pin_cpus", None) == "run" else contextlib.nullcontext
     try:
         while (msg := _recv(conn))[0] != "close":
             try:
@@ -222,8 +227,11 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
                 elif msg[0] == "counters":
                     out = cells.counters(llm, budget)
                 elif msg[0] == "run":  # (with the host's speed right before it: _cpu_pinning.py)
-                    probe = _cpu_pinning.host_probe_us()
-                    out = timed_steps(llm, prompts[: msg[1]], args.max_tokens) | {"host_probe_us": probe}
+                    with on_cpu() as cpu:
+                        probe = _cpu_pinning.host_probe_us()
+                        out = timed_steps(llm, prompts[: msg[1]], args.max_tokens) | {"host_probe_us": probe}
+                    if cpu is not None:
+                        out["cpu"] = cpu[0]
                 elif msg[0] == "host_probe":
                     out = _cpu_pinning.host_probe_us()
                 elif msg[0] == "gpu_profile":

@@ -134,14 +134,14 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
     rc = bench.main(["--target", "tiny", "--max-tokens", "16", "--concurrency", "1,2", "--budgets", "8", "--top-k", "4",
                      "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect",
                      "--modes", "flat,ddtree8", "--repeats", "3", "--side-by-side", "--devices", "3,5",
-                     "--pin-cpus", "--gpu-profile", "2", "--out", str(out)])
+                     "--pin-cpus", "run", "--gpu-profile", "2", "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0, [r for r in res["runs"] if "error" in r]
     # --gpu-profile 2: one profiled run per engine at c=2 only (CPU: no kernels, the host ops are counted)
     assert [(g["mode"], g["concurrency"]) for g in res["gpu_profiles"]] == [("flat", 2), ("ddtree8", 2)]
     assert all(g["rounds"] > 0 and g["host_aten_ops_per_round"] > 0 for g in res["gpu_profiles"])
     assert res["worker_devices"] == {"flat": "6", "ddtree8": "4"}  # (CPU engines: the variable is all there is)
-    # --pin-cpus (same): no GPU 6 or 4 here, so both get all of this process's CPUs
+    # --pin-cpus run (as same): no GPU 6 or 4 here, so both get all of this process's CPUs
     assert res["worker_cpus"] == {"flat": sorted(os.sched_getaffinity(0)), "ddtree8": sorted(os.sched_getaffinity(0))}
     assert all(0 < p < 1e3 for p in res["host_probe_us_before_start"].values()), res["host_probe_us_before_start"]
     # every CPU probed at the start and after the profile's cells (JSON keys: CPU ids as strings)
@@ -167,6 +167,7 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
             assert r["peak_batch"] == c  # every run had the cell's c requests in flight at once
             assert 0 < r["host_probe_us"] < 1e3  # each engine's host probe, per cell, and per timed run
             assert len(r["host_probe_us_runs"]) == 3 and all(0 < p < 1e3 for p in r["host_probe_us_runs"])
+            assert len(r["run_cpus"]) == 3 and set(r["run_cpus"]) <= os.sched_getaffinity(0)  # each run's CPU
             assert r["tokens_per_round"] > 5  # the perfect oracle: (nearly) every draft accepted
         assert d["tree_steps"] > 0 and d["fallback_total"] == 0  # the tree ran, in its own process
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
@@ -262,7 +263,7 @@ def test_pinned_cpus_are_each_gpus_local_cpus_alike_or_split(bench, capsys):
     main = importlib.import_module("bench_e2e_gpu").main
     with pytest.raises(SystemExit):
         main(["--out", "x.json", "--side-by-side", "--pin-cpus", "apart"])
-    assert "--pin-cpus: invalid choice: 'apart' (choose from 'same', 'cores', 'fast', 'split')" in capsys.readouterr().err
+    assert "--pin-cpus: invalid choice: 'apart' (choose from 'same', 'cores', 'fast', 'run', 'split')" in capsys.readouterr().err
     assert 0 < pin.host_probe_us(200) < 1e3
     assert pin.local_cpus(None) == sorted(os.sched_getaffinity(0))
     assert pin.local_cpus("99") == sorted(os.sched_getaffinity(0))  # no such GPU (no nvidia-smi): all allowed
@@ -279,6 +280,16 @@ def test_pinned_cpus_are_each_gpus_local_cpus_alike_or_split(bench, capsys):
     assert probed == {c: 1.0 for c in mine} and seen == [[c] for c in mine]
     assert sorted(os.sched_getaffinity(0)) == mine  # restored
     assert all(0 < us < 1e3 for us in pin.probe_each_cpu(mine[:1]).values())
+    # "run": for one run, this thread on the CPU that probes fastest now (here: the last), then restored
+    speed = {c: 3.0 - 0.1 * i for i, c in enumerate(mine)}
+    with pin.on_fastest_cpu(probe=lambda: speed[min(os.sched_getaffinity(0))]) as (cpu, us):
+        inside = sorted(os.sched_getaffinity(0))
+    assert (cpu, us, inside) == (mine[-1], speed[mine[-1]], [mine[-1]])
+    assert sorted(os.sched_getaffinity(0)) == mine
+    with pytest.raises(RuntimeError), pin.on_fastest_cpu():  # (the real probe) restored when the run fails
+        assert len(os.sched_getaffinity(0)) == 1
+        raise RuntimeError("the run failed")
+    assert sorted(os.sched_getaffinity(0)) == mine
 
 
 def test_gpu_profile_concurrencies_bare_listed_or_named_error(bench, capsys):
