@@ -19,6 +19,12 @@
   the repeats whose two runs' host probes agree within SAME_HOST (the host's per-op speed flips between
   two states for either engine's process, `_cpu_pinning.py`), with `same_host_runs` = [kept, all]:
   what DDTree's work costs when the host is not what differs. An extra column, never the headline.
+- `vs_flat_ci90` (--side-by-side rows of 3 or more paired repeats): the 5th and 95th percentiles of the
+  aggregate ratio over the cell's repeats resampled with replacement (a seeded bootstrap, repeat i's
+  two runs kept together): whether a cell's ratio is below 1.00x beyond its run-to-run spread (upper
+  end < 1), above it (lower end > 1), or neither at this many repeats. Rough at 5 repeats (a bootstrap
+  of few samples runs narrow), but it tells a 0.91x that every repeat agrees on from one that a single
+  slow run made.
 - The plot (matplotlib: `pip install -e .[bench]`): tok/s over flat DFlash per mode, one panel per
   profile, x = concurrency.
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import random
 import statistics
 
 VALID = 0.95
@@ -50,7 +57,8 @@ def tok_s_agg(r: dict) -> float | None:
 def summarize(result: dict) -> dict:
     runs = result["runs"]
     for r in runs:
-        for k in ("vs_flat", "vs_flat_agg", "gain", "break_even", "vs_flat_same_host", "same_host_runs"):
+        for k in ("vs_flat", "vs_flat_agg", "gain", "break_even", "vs_flat_same_host", "same_host_runs",
+                  "vs_flat_ci90"):
             # derived here, never kept from a saved file
             r.pop(k, None)
         if "error" not in r and (agg := tok_s_agg(r)) is not None:
@@ -86,7 +94,9 @@ def summarize(result: dict) -> dict:
                 r["gain"] = r["tokens_per_round"] / f["tokens_per_round"]
                 r["break_even"] = f["rounds_per_s"] / rounds_per_s(r)
             if paired:
-                same_host(r, next(x for x in runs if x.get("mode") == "flat" and "error" not in x and key(x) == key(r)))
+                f_row = next(x for x in runs if x.get("mode") == "flat" and "error" not in x and key(x) == key(r))
+                same_host(r, f_row)
+                interval(r, f_row)
     result["flat_baseline"] = {_flat_key(*k) if paired else str(k): v for k, v in flat.items()}
     return result
 
@@ -104,6 +114,24 @@ def same_host(r: dict, flat: dict) -> None:
     r["same_host_runs"] = [len(kept), len(probes)]
     if kept:
         r["vs_flat_same_host"] = sum(1 / ft for _, ft in kept) / sum(1 / t for t, _ in kept)
+
+
+def interval(r: dict, flat: dict, n: int = 2000, seed: int = 0) -> None:
+    """vs_flat_ci90 of a side-by-side row against its cell's flat row (module docstring)."""
+    t, ft = r.get("tok_s_runs") or [], flat.get("tok_s_runs") or []
+    if len(t) < 3 or len(ft) != len(t):
+        return
+    rng, k = random.Random(seed), len(t)
+    ratios = sorted(sum(1 / ft[i] for i in idx) / sum(1 / t[i] for i in idx)
+                    for idx in ([rng.randrange(k) for _ in range(k)] for _ in range(n)))
+    r["vs_flat_ci90"] = [ratios[n // 20], ratios[n - 1 - n // 20]]
+
+
+def _ci_cell(r: dict | None) -> str:
+    if r is None or "vs_flat_ci90" not in r:
+        return "-"
+    lo, hi = r["vs_flat_ci90"]
+    return f"{lo:.2f}-{hi:.2f}" + (" below" if hi < 1 else " above" if lo > 1 else "")
 
 
 def _same_host_cell(r: dict | None) -> str:
@@ -148,6 +176,12 @@ def table(result: dict) -> str:
         for m in modes:
             lines.append(f"| {m} | " + " | ".join(_same_host_cell(cell.get((m, p, c))) for p in profiles for c in conc)
                          + " |")
+    if any("vs_flat_ci90" in r for r in runs):
+        lines.append("\n90% interval of the aggregate ratio over the cell's repeats (vs_flat_ci90, paired bootstrap; "
+                     "below / above: all of it under / over 1.00x):\n")
+        lines += [head, lines[1]]
+        for m in modes:
+            lines.append(f"| {m} | " + " | ".join(_ci_cell(cell.get((m, p, c))) for p in profiles for c in conc) + " |")
     nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
     if nospec:
         lines.append("| no speculation tok/s | " + " | ".join(

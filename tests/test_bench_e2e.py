@@ -355,3 +355,28 @@ def test_same_host_ratio_keeps_only_repeats_whose_probes_agree(bench):
     summ.summarize({"args": {"side_by_side": True}, "runs": [flat, auto]})
     assert auto["same_host_runs"] == [0, 3] and "vs_flat_same_host" not in auto
     assert "| auto | - (0/3) |" in summ.table({"args": {"side_by_side": True}, "runs": [flat, auto]})
+
+
+def test_ratio_interval_resamples_the_paired_repeats(bench):
+    """summarize_e2e's vs_flat_ci90: a bootstrap over a cell's repeats that keeps repeat i's two runs
+    together, so a ratio every repeat agrees on has no spread however much the runs' speeds vary."""
+    summ = importlib.import_module("summarize_e2e")
+    cell = dict(profile="p", concurrency=4, reference_match=1.0, tokens_per_round=5.0, rounds=10, wall_s=1.0,
+                wall_s_total=4.0, output_tokens=100, tpot_p50_ms=1.0)
+    flat = dict(cell, mode="flat", tok_s=100.0, tok_s_runs=[100.0, 130.0, 70.0, 100.0])
+    auto = dict(cell, mode="auto", tok_s=80.0, tok_s_runs=[80.0, 104.0, 56.0, 80.0])  # 0.8x in every repeat
+    res = {"args": {"side_by_side": True}, "runs": [flat, auto]}
+    summ.summarize(res)
+    assert all(math.isclose(x, 0.8) for x in auto["vs_flat_ci90"]), auto["vs_flat_ci90"]  # (unpaired: 0.6-1.1)
+    assert "| auto | 0.80-0.80 below |" in summ.table(res)
+    auto["tok_s_runs"] = [120.0, 104.0, 91.0, 100.0]  # 1.2, 0.8, 1.3, 1.0: either side of 1.00x
+    summ.summarize(res)
+    lo, hi = auto["vs_flat_ci90"]
+    agg = sum(1 / t for t in flat["tok_s_runs"]) / sum(1 / t for t in auto["tok_s_runs"])
+    assert 0.8 <= lo < 1.0 < hi <= 1.3 and lo < agg < hi
+    assert f"| auto | {lo:.2f}-{hi:.2f} |" in summ.table(res)
+    summ.summarize(res)
+    assert auto["vs_flat_ci90"] == [lo, hi]  # seeded: the same file summarised twice reads the same
+    auto["tok_s_runs"], flat["tok_s_runs"] = auto["tok_s_runs"][:2], flat["tok_s_runs"][:2]
+    summ.summarize(res)
+    assert "vs_flat_ci90" not in auto  # two repeats: no interval
