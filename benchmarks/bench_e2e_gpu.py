@@ -231,13 +231,14 @@ def main(argv=None) -> int:
                     "profile. The runs still alternate, so one engine runs at a time: a 27B-shaped engine per "
                     "GPU keeps every mode side by side where two do not fit one GPU. With --tensor-parallel-size N, "
                     "each engine's N GPUs joined by '+' (e.g. '0+1,2+3')")
-    ap.add_argument("--pin-cpus", nargs="?", const="same", choices=("same", "cores", "fast", "run", "split"), default=None,
+    ap.add_argument("--pin-cpus", nargs="?", const="same", choices=("same", "cores", "fast", "run", "split"),
+                    default=None,
                     help="--side-by-side: each engine's process (and vLLM's processes it starts) on the CPUs local "
                     "to its GPU (sysfs local_cpulist): the same CPUs for every engine ('same', the default: the runs "
                     "alternate), the same but one logical CPU per physical core ('cores': no hyperthread siblings), "
-                    "the same but those that probe fastest at start ('fast'), the same with each run's thread on the one "
-                    "that probes fastest right before it ('run': run_cpus), or a disjoint slice each ('split'); "
-                    "recorded as worker_cpus, every CPU's probe at start and after each profile as "
+                    "the same but those that probe fastest at start ('fast'), the same with each run's thread on "
+                    "the one that probes fastest right before it ('run': run_cpus), or a disjoint slice each "
+                    "('split'); recorded as worker_cpus, every CPU's probe at start and after each profile as "
                     "host_probe_us_per_cpu; every cell records each engine's "
                     "host_probe_us, and every timed run its own (host_probe_us_runs). Without it the OS places "
                     "them (_cpu_pinning.py: why)")

@@ -263,7 +263,8 @@ def test_pinned_cpus_are_each_gpus_local_cpus_alike_or_split(bench, capsys):
     main = importlib.import_module("bench_e2e_gpu").main
     with pytest.raises(SystemExit):
         main(["--out", "x.json", "--side-by-side", "--pin-cpus", "apart"])
-    assert "--pin-cpus: invalid choice: 'apart' (choose from 'same', 'cores', 'fast', 'run', 'split')" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--pin-cpus: invalid choice: 'apart' (choose from 'same', 'cores', 'fast', 'run', 'split')" in err
     assert 0 < pin.host_probe_us(200) < 1e3
     assert pin.local_cpus(None) == sorted(os.sched_getaffinity(0))
     assert pin.local_cpus("99") == sorted(os.sched_getaffinity(0))  # no such GPU (no nvidia-smi): all allowed
