@@ -215,6 +215,7 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
         return
     reference, od = harness.reference_from_outputs(prompts, setup["ref"]), None
     # --pin-cpus run: each run's host loop (this thread: the engine is in-process) on the CPU fastest then
+    # (with tensor parallel > 1 the ranks' worker processes keep the engine's CPUs: only this loop moves)
     on_cpu = _cpu_pinning.on_fastest_cpu if getattr(args, "pin_cpus", None) == "run" else contextlib.nullcontext
     try:
         while (msg := _recv(conn))[0] != "close":
