@@ -28,9 +28,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
-# The whole suite on the vec16 KV layout whatever this CPU would pick (README: CPU KV-cache layouts).
+# The whole suite with another CPU's choices: the vec16 KV layout and the start-up choices of the other
+# CPU kind (AVX512-BF16 or not: the GDN state dtype, hence hybrid block sizes), whatever this CPU would
+# pick (README: CPU KV-cache layouts; ddtree_compile/testing/cpu_choices.py).
+OTHER_CPU_KIND = $(shell $(BIN)/python -c "from ddtree_compile.testing import cpu_choices as c; \
+	print({'plain': 'avx512_bf16'}.get(c.this_cpu_kind(), 'plain'))" 2>/dev/null)
 test-layouts: $(STAMP)
-	DDTREE_TEST_CPU_ATTN_ISA=vec16 $(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	DDTREE_TEST_CPU_ATTN_ISA=vec16 DDTREE_TEST_CPU_KIND=$(OTHER_CPU_KIND) $(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
