@@ -99,7 +99,7 @@ def _summary(path: pathlib.Path, names: list[str], since: str) -> int:
     tests = {k: v for k, v in _load(path).get("tests", {}).items()
              if k.split(".py")[0].removeprefix("test_") in names and v.get("finished", "") >= since}
     print(f"\n=== GPU suite: {len(tests)} results in {path}")
-    first = next(iter(tests.values()), {})
+    first = next((v for v in tests.values() if v.get("device")), {})
     print(f"device {first.get('device')}, vLLM {first.get('vllm')}, torch {first.get('torch')}, "
           f"commit {first.get('commit')}")
     bad = 0
