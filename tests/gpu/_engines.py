@@ -131,6 +131,27 @@ def seeded(llm, prompts: list) -> dict:
             "seeded_seeds_differ": one != other}
 
 
+@contextlib.contextmanager
+def drafting_from(llm, continuation: dict, check=None):
+    """For the block: the drafter harness drafting `continuation` ({prompt ids: prompt + continuation}:
+    deep accepts and sibling branches), and with `check` (a harness.GdnStateCheck) every commit checked."""
+    from ddtree_compile.integration import engines
+    from ddtree_compile.testing import harness
+
+    state = engines.find_state(llm)
+    if check is not None:
+        state.debug_gdn_records = True
+        state.commit_hooks.append(check)
+    h = harness.DraftHarness(continuation).install(llm)
+    try:
+        yield
+    finally:
+        h.uninstall()
+        if check is not None:
+            state.commit_hooks.remove(check)
+            state.debug_gdn_records = False
+
+
 def ddtree_runs(llm, ref: dict, prompts: dict, state_check: bool) -> dict:
     """DDTree's checks on one engine, per prompt kind: its own random drafter, then the drafter harness
     (drafts from the reference's continuation: deep accepts and sibling branches) with, on hybrids,
@@ -149,17 +170,8 @@ def ddtree_runs(llm, ref: dict, prompts: dict, state_check: bool) -> dict:
         c0 = metrics.collect(llm)[0]
         got = generate(llm, p)
         c1 = metrics.collect(llm)[0]
-        if state_check:
-            state.debug_gdn_records = True
-            state.commit_hooks.append(check)
-        h = harness.DraftHarness(continuation).install(llm)
-        try:
+        with drafting_from(llm, continuation, check if state_check else None):
             guided = generate(llm, p)
-        finally:
-            h.uninstall()
-            if state_check:
-                state.commit_hooks.remove(check)
-                state.debug_gdn_records = False
         c2 = metrics.collect(llm)[0]
         out[kind] = {"gates_random": gates(ref[kind], got), "gates_harness": gates(ref[kind], guided),
                      "counters_random": metrics.counters_delta(c1, c0),

@@ -112,7 +112,8 @@ def pytest_runtest_makereport(item, call):
         entry["skip_reason"] = str(rep.longrepr[-1]) if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
 
 
-def _commit() -> str:
+def commit() -> str:
+    """git rev-parse HEAD (+dirty) of this checkout, else $DDTREE_COMMIT (the device gets no .git)."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if out.returncode == 0 and out.stdout.strip():
@@ -129,7 +130,7 @@ def _machine() -> dict:
 
     n = torch.cuda.device_count()
     return {"device": torch.cuda.get_device_name(0) + (f" x{n}" if n > 1 else ""), "gpus": n,
-            "vllm": _vllm_version(), "torch": torch.__version__, "commit": _commit()}
+            "vllm": _vllm_version(), "torch": torch.__version__, "commit": commit()}
 
 
 def pytest_runtest_logfinish(nodeid, location):

@@ -8,10 +8,10 @@ flat DFlash too), and so that a crash or a hang costs one module, not the suite.
 from the repository root `ddtree_compile/` (whose passes/ and templates/ live beside it) would shadow
 the installed package. Each module's tests merge their entries into $DDTREE_GPU_RESULTS (default
 benchmarks/results/gpu_suite.json, tests/gpu/conftest.py); a module that crashed or was stopped gets
-an entry of its own here (the entries of its tests that finished are there). With --deadline-s (the device's 10-minute command
-limit), no module starts with less than MIN_START_S left and a running one is stopped at the deadline,
-so the JSON and the summary always come back; $OUT (the device tool's folder) receives a copy of the
-JSON and the whole log.
+an entry of its own here (the entries of its tests that finished are there). With --deadline-s (the
+device's 10-minute command limit), no module starts with less than MIN_START_S left and a running one
+is stopped at the deadline, so the JSON and the summary always come back; $OUT (the device tool's
+folder) receives a copy of the JSON and the whole log.
 """
 
 from __future__ import annotations
@@ -28,21 +28,13 @@ import sys
 import threading
 import time
 
+from conftest import commit  # beside this file (sys.path[0]): the evidence's commit, one definition
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # cheapest and most basic first; tp2 needs two GPUs (it skips itself on one)
 ORDER = ("kernels", "e2e", "mrope", "v2", "align", "layer_diff", "fp8", "draftless", "serve", "tp2")
 MIN_START_S = 90  # an engine's start alone can take this long: no module starts with less left
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("DDTREE_COMMIT", "unknown")
 
 
 def _load(path: pathlib.Path) -> dict:
@@ -59,7 +51,7 @@ def _run_module(name: str, pytest_args: list[str], env: dict, timeout: float | N
     log.write(f"\n=== {name}: {' '.join(cmd)}\n")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd="/tmp", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)  # its own group: a timeout ends its engines too
+                            errors="replace", process_group=0)  # its own group: a timeout ends its engines too
 
     def pump():
         for line in proc.stdout:
@@ -88,7 +80,7 @@ def _note_module(path: pathlib.Path, name: str, rc, wall: float, since: str, log
     tests = doc.setdefault("tests", {})
     tail = log_path.read_text(errors="replace").splitlines()[-40:] if log_path.exists() else []
     tests[f"test_{name}.py"] = {"outcome": "timeout" if rc == "timeout" else f"crashed (rc {rc})",
-                                "duration_s": round(wall, 1), "commit": _commit(),
+                                "duration_s": round(wall, 1), "commit": commit(),
                                 "finished": since, "log_tail": "\n".join(tail)[-3000:]}
     doc["tests"] = dict(sorted(tests.items()))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +130,7 @@ def main(argv=None) -> int:
     log_path = (out or pathlib.Path("/tmp/ddtree-gpu")) / "gpu_suite.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1", "DDTREE_GPU_RESULTS": str(results.resolve()),
-           "DDTREE_COMMIT": _commit()}
+           "DDTREE_COMMIT": commit()}
     since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     t_start = time.perf_counter()
     with open(log_path, "a") as log:

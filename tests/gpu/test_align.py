@@ -12,9 +12,8 @@ post-processing runs after it), block boundaries checked, turn 2 read from the c
 
 from __future__ import annotations
 
-import pytest
-
 import _engines as E
+import pytest
 
 BF16_STATE = {"mamba_ssm_cache_dtype": "auto"}
 
@@ -43,18 +42,11 @@ def align(gpu_env, tmp_path_factory):
         if state is None:
             return out
         own = E.generate(llm, turn1, max_tokens=200) + E.generate(llm, turn2, max_tokens=32)
-        state.debug_gdn_records = True
         check = harness.GdnStateCheck()
-        state.commit_hooks.append(check)
-        h = harness.DraftHarness({tuple(g["prompt"]): g["prompt"] + g["tokens"] for g in own}).install(llm)
         c0 = metrics.collect(llm)[0]
-        try:
+        with E.drafting_from(llm, {tuple(g["prompt"]): g["prompt"] + g["tokens"] for g in own}, check):
             got1 = E.generate(llm, turn1, max_tokens=200)
             got2 = E.generate(llm, turn2, max_tokens=32)
-        finally:
-            h.uninstall()
-            state.commit_hooks.remove(check)
-            state.debug_gdn_records = False
         out.update(counters=metrics.counters_delta(metrics.collect(llm)[0], c0),
                    turn2_cached=[g["cached"] for g in got2], gates=E.gates(ref1 + ref2, got1 + got2),
                    state_check={"paths": check.paths, "sibling_paths": check.sibling_paths,

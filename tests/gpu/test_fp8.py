@@ -13,9 +13,8 @@ DDTree's own unless flat DFlash lacks it too on that target (FP8 GEMMs choose ke
 
 from __future__ import annotations
 
-import pytest
-
 import _engines as E
+import pytest
 
 CASES = {"kv": {"kv_cache_dtype": "fp8"}, "weights": {"quantization": "fp8"}}
 CONTROL = {"weights": "TRITON_ATTN"}
@@ -66,15 +65,8 @@ def fp8(request, gpu_env, tmp_path_factory):
         random = E.generate(llm, prompts)
         c1 = metrics.collect(llm)[0]
         check = harness.GdnStateCheck()
-        state.debug_gdn_records = True
-        state.commit_hooks.append(check)
-        h = harness.DraftHarness({tuple(r["prompt"]): r["prompt"] + r["tokens"] for r in ref}).install(llm)
-        try:
+        with E.drafting_from(llm, {tuple(r["prompt"]): r["prompt"] + r["tokens"] for r in ref}, check):
             guided = E.generate(llm, prompts)
-        finally:
-            h.uninstall()
-            state.commit_hooks.remove(check)
-            state.debug_gdn_records = False
         out["counters"] = {"random": metrics.counters_delta(c1, c0),
                            "harness": metrics.counters_delta(metrics.collect(llm)[0], c1)}
         out["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths, "max_rel_err": check.max_err}

@@ -15,9 +15,8 @@ decoder layers record, per target forward, each layer's token-mixer output and i
 
 from __future__ import annotations
 
-import pytest
-
 import _engines as E
+import pytest
 
 PROMPT_LEN, THRESHOLD = 1500, 2e-2
 LONG = {"max_model_len": 4096, "max_num_batched_tokens": 4096, "language_model_only": True,
@@ -38,7 +37,7 @@ class Recorder:
         self.types = ["gdn" if hasattr(layer, "linear_attn") else "attention" for layer in self.layers]
         self.handles.append(self.layers[0].register_forward_pre_hook(self._start, with_kwargs=True))
         for i, layer in enumerate(self.layers):
-            mixer = getattr(layer, "linear_attn", None) or getattr(layer, "self_attn")
+            mixer = getattr(layer, "linear_attn", None) or layer.self_attn
             self.handles.append(layer.register_forward_hook(self._hook(i, "out")))
             self.handles.append(mixer.register_forward_hook(self._hook(i, "mixer"), with_kwargs=True))
 
@@ -59,10 +58,12 @@ class Recorder:
             output = a[-1]
             if site == "out" and isinstance(output, (tuple, list)):  # (hidden, residual): the stream after it
                 output = output[0] + output[1] if len(output) > 1 and output[1] is not None else output[0]
-            elif site == "mixer":
+            elif site == "mixer":  # GDN mixers write into an output buffer (`output=` or their 2nd argument)
+                args, kwargs = a[0], a[1]
                 t = output[0] if isinstance(output, (tuple, list)) else output
-                kwargs = a[1] if len(a) > 2 else {}
-                output = t if isinstance(t, torch.Tensor) else kwargs.get("output")  # an output buffer
+                if not isinstance(t, torch.Tensor):
+                    t = kwargs.get("output", args[1] if len(args) > 1 else None)
+                output = t
             if self.steps and isinstance(output, torch.Tensor):
                 self.steps[-1]["layers"][i][site] = output.detach().float().cpu()
         return hook

@@ -19,9 +19,8 @@ from __future__ import annotations
 import importlib.util
 import time
 
-import pytest
-
 import _engines as E
+import pytest
 
 ARGS = ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "4096",
         "--kv-cache-memory-bytes", str(2 << 30), "--seed", "0", "--mamba-ssm-cache-dtype", "float32",

@@ -12,9 +12,8 @@ L positions) replayed, (hybrid) the committed GDN state equal to a float32 repla
 
 from __future__ import annotations
 
-import pytest
-
 import _engines as E
+import pytest
 
 V2 = ".gpu.model_runner."  # vllm.v1.worker.gpu.model_runner.GPUModelRunner (V1: gpu_model_runner)
 
