@@ -86,7 +86,7 @@ def test_no_triton_compiles_of_ddtree_kernels_after_serving(hybrid, record):
 @pytest.fixture(scope="module")
 def auto_menu(gpu_env, tmp_path_factory):
     gpu_env.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    from ddtree_compile.integration import metrics
+    from ddtree_compile.integration import engines, metrics
     from ddtree_compile.testing import models
 
     root = tmp_path_factory.mktemp("qwen3")
@@ -96,8 +96,6 @@ def auto_menu(gpu_env, tmp_path_factory):
     _, ref = E.reference(target, prompts, hybrid=False)
     continuation = {tuple(r["prompt"]): r["prompt"] + r["tokens"] for r in ref["text"]}
     with E.running(target, drafter, hybrid=False, auto_menu=[8, 16]) as (llm, info):
-        from ddtree_compile.integration import engines
-
         attached = engines.find_state(llm) is not None
         got = E.generate(llm, prompts["text"])
         c_random = metrics.collect(llm)[0] if attached else {}
