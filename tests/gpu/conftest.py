@@ -113,7 +113,10 @@ def pytest_runtest_makereport(item, call):
 
 
 def commit() -> str:
-    """git rev-parse HEAD (+dirty) of this checkout, else $DDTREE_COMMIT (the device gets no .git)."""
+    """$DDTREE_COMMIT when set (the device's copy of the tree may carry a stale .git: name the commit that
+    was sent), else git rev-parse HEAD (+dirty) of this checkout."""
+    if os.environ.get("DDTREE_COMMIT"):
+        return os.environ["DDTREE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if out.returncode == 0 and out.stdout.strip():
@@ -122,7 +125,7 @@ def commit() -> str:
             return out.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("DDTREE_COMMIT", "unknown")
+    return "unknown"
 
 
 def _machine() -> dict:
