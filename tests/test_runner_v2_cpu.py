@@ -213,12 +213,19 @@ with tempfile.TemporaryDirectory() as tmp:
         r["fallback_steps"] = dict(state.metrics.fallback_steps)
     finally:
         engines.shutdown(llm)
-    llm = LLM(**models.tiny_llm_kwargs(target, **pc_kw))
-    try:
-        ref = greedy(llm, turns["1"], 48, logprobs=5) + greedy(llm, turns["2"], 16, logprobs=5)
-    finally:
-        engines.shutdown(llm)
-    out["align"]["gates"] = [harness.regret_gate((x[1], x[2]), g) for x, g in zip(ref, out["align"]["outputs"])]
+    # no speculation, and vLLM's flat DFlash with the same cache (the control: align's chunked bf16 prefill
+    # moves near-ties for vLLM's own speculative path too)
+    flat = dict(enable_prefix_caching=True, speculative_config={"method": "dflash", "model": str(drafter),
+                                                                "num_speculative_tokens": 4})
+    refs = {}
+    for name, extra in (("none", {}), ("flat", flat)):
+        llm = LLM(**models.tiny_llm_kwargs(target, **pc_kw, **extra))
+        try:
+            refs[name] = greedy(llm, turns["1"], 48, logprobs=5) + greedy(llm, turns["2"], 16, logprobs=5)
+        finally:
+            engines.shutdown(llm)
+    out["align"]["gates"] = [harness.controlled_gate((x[1], x[2]), (c[1], c[2]), g)
+                             for x, c, g in zip(refs["none"], refs["flat"], out["align"]["outputs"])]
 print("RESULT " + json.dumps(out, default=str))
 """
 
@@ -282,7 +289,8 @@ def test_budget_auto_is_refused_once_at_attach_and_verifies_the_tree(run):
 
 def test_hybrid_prefix_caching_runs_the_tree_within_the_regret_gate(run):
     """Align mode: DDTree attached and walking trees, both turns within the regret gate of no
-    speculation, as DDTree without prefix caching is (the multimodal hybrid's gates above); turn 2 read
+    speculation (vLLM's flat DFlash with the cache as the control), as DDTree without prefix caching is
+    (the multimodal hybrid's gates above); turn 2 read
     blocks from the cache. Not token for token equal to DDTree without the cache: align schedules the
     prefill in block-aligned chunks, whose bf16 GDN numerics differ from one chunk (a near-tie can flip
     in turn 1, before any cache hit); the state check below is the exact comparison."""
