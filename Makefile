@@ -41,7 +41,7 @@ test-serve: $(STAMP)
 
 bench-cpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_round.py --device cpu
-	$(BIN)/python benchmarks/bench_round_ops.py --out benchmarks/results/round_ops_cpu.json
+	$(BIN)/python benchmarks/bench_round_ops.py --out build/round_ops_cpu.json
 
 clean:
 	rm -rf $(VENV) *.egg-info

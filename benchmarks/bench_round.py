@@ -1,6 +1,6 @@
 """Round overhead: build_tree + walk_tree per DDTree round, across requests R and budgets B.
 
-    python benchmarks/bench_round.py --device cpu   [--out benchmarks/results/round_cpu.json]
+    python benchmarks/bench_round.py --device cpu   [--out build/round_cpu.json]
     python benchmarks/bench_round.py --device cuda  [--impl torch triton] [--tune] [--sweep] [--out ...]
 
 --impl picks the build and walk implementation(s) timed side by side (build_tree / walk_tree(..., impl=...)); CUDA

@@ -1,6 +1,6 @@
 """Host work of DDTree's round inside vLLM: aten ops per tree step, per stage, on a real engine.
 
-    python benchmarks/bench_round_ops.py [--kind qwen3_5] [--out benchmarks/results/round_ops_cpu.json]
+    python benchmarks/bench_round_ops.py [--kind qwen3_5] [--out build/round_ops_cpu.json]
 
 On the GPU every aten op the round runs eagerly is a kernel launch plus host dispatch (the H100's
 dense 4B round spends ~12 of its ~18 ms in DDTree's host phase timers), so the op count per step

@@ -1,8 +1,8 @@
 """Budget "auto"'s policy offline: the real AutoBudget (integration/round/auto_budget.py) and
 DDTreeMetrics on the CPU, fed synthetic steps, to tell the policy's own losses from the GPU's.
 
-    python benchmarks/sim_auto_budget.py --costs benchmarks/results/e2e_h100x4_4b_s25_alone.json \
-        --out benchmarks/results/sim_auto_4b_s25.json
+    python benchmarks/sim_auto_budget.py --costs benchmarks/results/e2e_h100x4_4b.json \
+        --out build/sim_auto_4b.json
 
 The cells run in the benchmark's order (each profile, then each concurrency), one policy over all of
 them, as one engine serves a side-by-side run. Per step the policy chooses a kind for R = c requests
