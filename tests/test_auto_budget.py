@@ -8,7 +8,7 @@ import pytest
 import torch
 from _auto_budget_common import BUDGET, L, rates as _rates
 
-from ddtree_compile.integration import config, engines, metrics
+from ddtree_compile.integration import config, metrics
 from ddtree_compile.integration.round import auto_budget as ab
 
 

