@@ -96,8 +96,8 @@ def num_splits(tiles: AttnTiles, num_sms: int, num_requests: int, num_kv_heads: 
     split adds a partial to write and merge and its own fixed cost (at R = 8 with a 1k context, 4 splits
     ran 1.5x slower than 2). On the H100 low-R sweep ("lowr_sweep" in tree_attention_h100.json, git
     history) it picks the fastest timed split count at every swept shape where its choice was timed, but
-    one (2% off). Capped by max_splits and by the keys the block table can hold (`max_keys`, context + tree): a split that
-    max_keys can never reach would stay empty.
+    one (2% off). Capped by max_splits and by the keys the block table can hold (`max_keys`, context +
+    tree): a split that max_keys can never reach would stay empty.
 
     Known cost: a grid that already fills the GPU (P >= slots) gets one split. At 8k-32k contexts 2-5
     splits ran 4-13% faster there (f078ad5 table), but at 1k they ran 25-42% slower (lowr_sweep), and a
