@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import platform
 import random
 import statistics
@@ -253,6 +254,7 @@ def main() -> int:
 
     def save():
         if args.out:
+            pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
 

@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     for stage in rows[0]["stages"]:
         print(f"{stage:32s}" + "".join(f"{r['stages'][stage]['ops_per_call']:>24}" for r in rows))
     print(f"{'round (ours, drafter excluded)':32s}" + "".join(f"{r['round_ops_per_step']:>24}" for r in rows))
-    if args.out:
+    if args.out:  # (make bench-cpu writes to build/, which a fresh clone lacks)
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
