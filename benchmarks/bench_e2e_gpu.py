@@ -226,7 +226,7 @@ def main(argv=None) -> int:
                     "engine: one worker process per rank, the oracle and sharpen() on every rank (collective_rpc); the "
                     "shaped targets' one MoE layer gets TP experts (vLLM refuses TP > experts; write_shaped); "
                     "vLLM's custom all-reduce is off (it crashed vLLM's own flat DFlash graph capture on two "
-                    "H100s: gpu_tp2_026_h100x2.json). With --side-by-side two 27B-shaped engines at TP=2 need "
+                    "H100s: README, Known gaps). With --side-by-side two 27B-shaped engines at TP=2 need "
                     "per GPU ~29 GiB of weights each and, at c=16, ~20 (DDTree 32) and ~10 GiB (flat) of GDN "
                     "state: two H200s hold that, two 80 GiB H100s do not (run the modes one engine at a time there)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
