@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST   := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: setup demo test test-slow test-serve test-layouts bench-cpu clean
+.PHONY: setup demo test test-slow test-serve test-layouts test-gpu bench-cpu clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,9 +28,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
-# The whole suite on the vec16 KV layout whatever this CPU would pick (README: CPU KV-cache layouts).
+# The whole suite with another CPU's choices: the vec16 KV layout and the start-up choices of the other
+# CPU kind (AVX512-BF16 or not: the GDN state dtype, hence hybrid block sizes), whatever this CPU would
+# pick (README: CPU KV-cache layouts; ddtree_compile/testing/cpu_choices.py).
+OTHER_CPU_KIND = $(shell $(BIN)/python -c "from ddtree_compile.testing import cpu_choices as c; \
+	print({'plain': 'avx512_bf16'}.get(c.this_cpu_kind(), 'plain'))" 2>/dev/null)
 test-layouts: $(STAMP)
-	DDTREE_TEST_CPU_ATTN_ISA=vec16 $(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	DDTREE_TEST_CPU_ATTN_ISA=vec16 DDTREE_TEST_CPU_KIND=$(OTHER_CPU_KIND) $(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
@@ -38,6 +42,19 @@ test-slow: $(STAMP)
 # The `vllm serve` capability suite, slow modules included (real server subprocesses; docs/serve.md).
 test-serve: $(STAMP)
 	$(BIN)/python -m pytest -q -m "" tests/test_serve.py tests/test_serve_attention.py tests/test_serve_vision.py $(PYTEST_ARGS)
+
+# The GPU suite (tests/gpu, vLLM 0.26 on CUDA), on a GPU machine after the bundle's install (README "On a
+# GPU"): one pytest process per module, evidence in benchmarks/results/gpu_suite.json (and $OUT), one
+# summary. No CPU venv here: that machine has no network; its vLLM lives under /tmp/site
+# (/tmp/vllm-env.sh), and the project is reinstalled from this tree so the tests import this code.
+# GPU_TESTS picks modules (e.g. GPU_TESTS="kernels e2e"), PYTEST_ARGS goes to each pytest (e.g. -k kv),
+# GPU_DEADLINE_S stops in time for a device command's limit (0: none).
+GPU_TESTS ?=
+GPU_DEADLINE_S ?= 0
+test-gpu:
+	@set -e; if [ -f /tmp/vllm-env.sh ]; then . /tmp/vllm-env.sh; \
+	  python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null; fi; \
+	  GPU_DEADLINE_S=$(GPU_DEADLINE_S) python3 tests/gpu/run_suite.py $(GPU_TESTS) -- $(PYTEST_ARGS)
 
 bench-cpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_round.py --device cpu

@@ -94,7 +94,7 @@ def gpu_check(cfg, R=2, B=22, layers=3):
             paths = [side_path(p) for p in tree.tolist()]
             acc, plen = accepted(paths)
             convs = [L.conv_state] + [L.conv_state.clone() for _ in range(layers - 1)]
-            ssms = [L.ssm] + [L.ssm.clone() for _ in range(layers - 1)] if strat == "records" else []
+            ssms = [L.ssm] + [L.ssm.clone() for _ in range(layers - 1)]  # the commit moves every layer's state
             rk = L.rec_kv.expand(layers, *L.rec_kv.shape).contiguous() if strat == "records" else None
             rg = L.rec_gb.expand(layers, *L.rec_gb.shape).contiguous() if strat == "records" else None
             fn = gdn_commit_ref if impl == "ref" else gdn_commit_triton

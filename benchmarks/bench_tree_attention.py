@@ -27,8 +27,8 @@ import triton
 
 from ddtree_compile.templates import launch, tuning
 
-from _attn_checks import check_against_reference, check_causal_and_dense, check_op_graph_and_compact
-from _attn_fp8 import check_fp8_against_vllm_fa3
+from _attn_checks import (check_against_reference, check_causal_and_dense, check_fp8_against_vllm_fa3,
+                          check_op_graph_and_compact)
 from _attn_common import (BLOCK_SIZE, BUDGETS, CONTEXTS, DEV, MODELS, REQUESTS, bench, causal_fa, dense_bias,
                           dense_gqa_supported, dense_group, dense_sdpa, fa_gqa_supported, kernel_info, log,
                           make_tiles, setup_group, time_tree)

@@ -11,7 +11,7 @@ graph on CPU), so the check that every layer reached its tree op runs on the sta
 Outputs must equal no speculation exactly (float32 attention-only target) and the hybrid's committed
 GDN state must equal a float32 replay of each committed path (bf16 target, regret gate on tokens).
 The capture and the padded rows of a bucket larger than the batch run on the GPU only
-(tests/test_gpu_vllm026.py). The engine's workspace is checked as a GPU engine has it: tree
+(tests/gpu/test_e2e.py). The engine's workspace is checked as a GPU engine has it: tree
 attention's split-KV scratch is planned and allocated here too (on the CPU the op runs its reference,
 which takes the scratch and needs none), and every tree-attention call must get the engine's one
 scratch, every bucket's GDN verify its one depth stack.

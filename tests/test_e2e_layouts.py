@@ -3,7 +3,7 @@ choice for the host: `vec` for float32, `amx` for the bf16 hybrid on CPUs with A
 
 vLLM picks vec16 for head sizes that are multiples of 16 but not of 32; our tiny models have head
 size 64, so both engines here are started with vLLM's choice forced to vec16 (the adapter's
-force_cpu_attn_isa; vec16's kernels serve any head size). Greedy DDTree == no speculation, with
+testing/cpu_choices.py; vec16's kernels serve any head size). Greedy DDTree == no speculation, with
 branching trees (harness drafter), and the counters prove the tree path ran on that layout.
 Per-layout unit checks of every layout, AMX included, are in test_kv_layouts.py.
 """
@@ -12,9 +12,8 @@ import os
 
 import pytest
 
-from ddtree_compile import adapters
 from ddtree_compile.integration import config, metrics, plugin
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import cpu_choices, harness, models
 
 DRAFT_LEN, TOP_K, BUDGET, MAX_TOKENS = 7, 4, 16, 120
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=1)
@@ -36,11 +35,11 @@ def runs(tmp_path_factory):
     def llm(**kw):
         return LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", **kw))
 
-    adapters.current().force_cpu_attn_isa("vec16")
+    cpu_choices.force_attn_isa("vec16")
     try:
         return _run(llm, drafter)
     finally:
-        adapters.current().force_cpu_attn_isa(os.environ.get("DDTREE_TEST_CPU_ATTN_ISA") or None)  # the suite's choice
+        cpu_choices.force_attn_isa(os.environ.get(cpu_choices.ENV_ISA) or None)  # the suite's choice
 
 
 def _run(llm, drafter):

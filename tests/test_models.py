@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddtree_compile.integration import engines
-from ddtree_compile.testing import models
+from ddtree_compile.testing import harness, models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read by huggingface_hub at import time
 
@@ -130,8 +130,9 @@ class _OpCounter:
             monkeypatch.setattr(ops, name, wrapped)
 
 
-def _generate(model_dir, drafter_dir=None, eager=True):
-    """Greedy outputs and spec-decode counters of one engine, which is then shut down."""
+def _generate(model_dir, drafter_dir=None, eager=True, logprobs=None):
+    """Greedy outputs (with the top `logprobs` per position) and spec-decode counters of one engine,
+    which is then shut down."""
     from vllm import LLM, SamplingParams
 
     kwargs = models.tiny_llm_kwargs(model_dir, enforce_eager=eager, disable_log_stats=False)
@@ -143,13 +144,15 @@ def _generate(model_dir, drafter_dir=None, eager=True):
         }
     llm = LLM(**kwargs)
     prompts = models.token_prompts(NUM_PROMPTS, PROMPT_LEN, models.VOCAB, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
+    done = llm.generate(prompts, params, use_tqdm=False)
+    outs = [list(o.outputs[0].token_ids) for o in done]
+    lps = [[{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs] for o in done] if logprobs else None
     metrics = {
         m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name
     }
     engines.shutdown(llm)
-    return {"outputs": outs, "metrics": metrics}
+    return {"outputs": outs, "logprobs": lps, "metrics": metrics}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -176,7 +179,7 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen3_plain(model_dirs):
-    return _generate(model_dirs["qwen3"])
+    return _generate(model_dirs["qwen3"], logprobs=5)
 
 
 @pytest.fixture(scope="module")
@@ -208,10 +211,15 @@ def test_qwen3_greedy_outputs_vary(qwen3_plain):
 
 
 def test_flat_dflash_matches_no_speculation_on_qwen3(qwen3_plain, qwen3_dflash):
+    """Within the regret gate, not token for token: vLLM's verify runs other bf16 kernels than its
+    decode (on a CPU with AMX, another KV layout too), and a near-tie can flip at the first token
+    where they differ."""
     m = qwen3_dflash["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0
     assert m["vllm:spec_decode_num_draft_tokens"] == NUM_SPEC * m["vllm:spec_decode_num_drafts"]
-    assert qwen3_dflash["outputs"] == qwen3_plain["outputs"]
+    gates = [harness.regret_gate((ref, lps), got)
+             for ref, lps, got in zip(qwen3_plain["outputs"], qwen3_plain["logprobs"], qwen3_dflash["outputs"])]
+    assert all(g["ok"] for g in gates), gates
 
 
 def test_flat_dflash_runs_gdn_spec_path_on_hybrid(hybrid_dflash):

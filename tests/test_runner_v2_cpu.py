@@ -171,12 +171,19 @@ print("RESULT " + json.dumps(out, default=str))
 """
 
 ALIGN = PRELUDE + r"""
+import os
+from ddtree_compile.testing import cpu_choices
+cpu_choices.force_kind(os.environ.get(cpu_choices.ENV_KIND) or "avx512_bf16")
 with tempfile.TemporaryDirectory() as tmp:
     target, drafter, kw = write_vl(pathlib.Path(tmp))
     # -- the same hybrid with prefix caching ("align"), a two-turn conversation -----------------------
-    # The align block B depends on the CPU (state dtype, kernel block sizes: 128 here), so the turns are
-    # sized from it: turn 1 (3B - 40 prompt tokens, 48 generated) crosses the boundary at 3B inside tree
-    # rounds; turn 2 (turn 1 as DDTree continued it, plus 8 tokens) reads its first blocks from the cache.
+    # The align block B follows the GDN state's dtype, which vLLM picks by CPU kind: float32 on AVX512-BF16
+    # CPUs (every AMX CPU), B = 256, bf16 elsewhere, B = 128. The AVX512-BF16 kind is taken on every CPU
+    # (testing/cpu_choices.py; DDTREE_TEST_CPU_KIND picks the other): turn 1's prefill (3B - 40 tokens)
+    # then outgrows the 512-token batch, so its chunks run next to tree rows whose drafts are cut to
+    # the GDN slots (the step that crashed V2 on AMX CPUs). Turn 1 (48 generated) crosses the boundary
+    # at 3B inside tree rounds; turn 2 (turn 1 as DDTree continued it, plus 8 tokens) reads its first
+    # blocks from the cache.
     # The harness drafts the engine's own greedy continuation (a first pass), so paths run deep. DDTree
     # without prefix caching on this hybrid and runner is the multimodal part (ATTENTION_VL_AUTO, its gates).
     pc_kw = dict(kw, mamba_ssm_cache_dtype="auto")
@@ -201,6 +208,9 @@ with tempfile.TemporaryDirectory() as tmp:
         r["turn2_cached"] = [o.num_cached_tokens for o in llm.generate(  # (turn 2 again: its cache hits)
             turns["2"], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)]
         r["state_check"] = {"paths": check.paths, "boundaries": check.boundaries, "max_err": check.max_err}
+        r["kind"] = os.environ.get(cpu_choices.ENV_KIND) or "avx512_bf16"
+        r["chunked"] = 3 * B - 40 > engines.find_runner(llm).vllm_config.scheduler_config.max_num_batched_tokens
+        r["fallback_steps"] = dict(state.metrics.fallback_steps)
     finally:
         engines.shutdown(llm)
     llm = LLM(**models.tiny_llm_kwargs(target, **pc_kw))
@@ -281,6 +291,15 @@ def test_hybrid_prefix_caching_runs_the_tree_within_the_regret_gate(run):
     assert r["counters"]["tree_steps"] > 0 and r["counters"]["sibling_rounds"] > 0, r["counters"]
     assert all(g["ok"] for g in r["gates"]), r["gates"]
     assert min(r["turn2_cached"]) >= r["block"], r["turn2_cached"]
+
+
+def test_hybrid_prefix_caching_serves_prefill_chunks_next_to_trees(run):
+    """AVX512-BF16 CPUs' choices (every CPU's here, unless DDTREE_TEST_CPU_KIND picks the other): the
+    256-token align block chunks turn 1's prefill next to tree rows, a counted whole-step fallback."""
+    r = run["align"]
+    if r["kind"] == "avx512_bf16":
+        assert r["block"] == 256 and r["chunked"], r
+        assert r["fallback_steps"].get("mixed batch (prefill or partial drafts next to trees)", 0) > 0, r
 
 
 def test_hybrid_prefix_caching_commits_the_block_boundary_state(run):

@@ -223,14 +223,6 @@ PROJECT = ["README.md", "CHANGELOG.md", "Makefile", "pyproject.toml", "setup_cpu
 TEXT = {".py", ".md", ".sh", ".toml", ".json", ".txt", ".cfg", ".ini", ".yaml", ".yml", ".log"}
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".hypothesis"}
 
-# Being replaced by tests/gpu (`make test-gpu`): the integrator deletes these when that suite lands.
-# A listed file that no longer exists is simply skipped, so the list can go with the last of them.
-BEING_REPLACED_BY_TESTS_GPU = {
-    "benchmarks/gpu_e2e_026.py", "benchmarks/gpu_jit_026.py", "benchmarks/gpu_layer_diff_026.py",
-    "benchmarks/gpu_mrope_026.py", "benchmarks/gpu_serve_026.py", "benchmarks/gpu_tp2_026.py",
-    "benchmarks/gpu_v2_026.py", "benchmarks/run_gpu_checks.sh", "tests/test_gpu_vllm026.py",
-}
-
 # The word is spelled apart so that this file passes its own check.
 RUN_WORD = re.compile(r"\b" + "sess" + r"ions?\b", re.IGNORECASE)
 # Library identifiers that contain the word and are not prose: pytest's fixture scope, an attribute
@@ -255,12 +247,8 @@ def _rel(path: pathlib.Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
-def _checked(path: pathlib.Path) -> bool:
-    return _rel(path) not in BEING_REPLACED_BY_TESTS_GPU
-
-
 def _text_files():
-    return [p for p in _project_files() if (p.suffix in TEXT or p.name == "Makefile") and _checked(p)]
+    return [p for p in _project_files() if p.suffix in TEXT or p.name == "Makefile"]
 
 
 def test_readme_is_short():
@@ -298,7 +286,7 @@ def test_benchmarks_tests_and_examples_stay_short():
     """test_modules_stay_short's limit for every other Python file of the project."""
     long = {}
     for p in _project_files():
-        if p.suffix == ".py" and _checked(p) and p.relative_to(ROOT).parts[0] not in PACKAGES:
+        if p.suffix == ".py" and p.relative_to(ROOT).parts[0] not in PACKAGES:
             n = len(p.read_text().splitlines())
             if n > MAX_LINES:
                 long[_rel(p)] = n

@@ -129,9 +129,11 @@ class RunnerView(abc.ABC):
         accepted path + bonus, -1 after)."""
 
     @abc.abstractmethod
-    def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor):
-        """vLLM's sampler output with rows `rows` (bool [R]) replaced by `tokens` [R, 1+K] (path +
-        bonus, -1 after) of verifies of `drafts` [R] drafts; returns the output the runner gets."""
+    def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor):
+        """vLLM's sampler output with rows `rows` (bool [R]) replaced by `tokens` [R, W] (path +
+        bonus, -1 after; W = vLLM's width); returns the output the runner gets. A row may hold no
+        drafts or a chunk of a prefill (no token kept): what vLLM counted for it stays its count
+        of the step, less the tokens the replacement drops."""
 
     @abc.abstractmethod
     def prompt_token_ids(self, req_id: str) -> list[int]: ...

@@ -196,15 +196,18 @@ class V2RunnerView(V1RunnerView):
         return SamplerOutput(sampled_token_ids=sampled_token_ids.to(torch.int64), logprobs_tensors=logprobs_tensors,
                              num_nans=None, num_sampled=num_sampled, num_rejected=query_len - num_sampled)
 
-    def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor):
-        """V2 reads the counts, not the padding: they are replaced with the ids."""
+    def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor):
+        """V2 reads the counts, not the padding: they are replaced with the ids. The tokens a row
+        loses become rejected ones, counted from V2's own values: a row of a chunked prefill (V2 set
+        0 sampled, 0 rejected) keeps them, and so does every row not replaced. Recounting from the
+        drafts (drafts + 1 - sampled) would reject a token of such a row and move V2's device
+        num_computed_tokens one short of the scheduler's."""
         out = sampler_output
         ids = out.sampled_token_ids
         ids.copy_(torch.where(rows.unsqueeze(1), tokens.to(ids.dtype), ids))
-        n = (tokens != -1).sum(1).to(out.num_sampled.dtype)
-        out.num_sampled.copy_(torch.where(rows, n, out.num_sampled))
-        rejected = (drafts.to(n.device) + 1 - n).to(out.num_rejected.dtype)
-        out.num_rejected.copy_(torch.where(rows, rejected, out.num_rejected))
+        n = torch.where(rows, (tokens != -1).sum(1).to(out.num_sampled.dtype), out.num_sampled)
+        out.num_rejected.add_((out.num_sampled - n).to(out.num_rejected.dtype))
+        out.num_sampled.copy_(n)
         return out
 
     def prompt_token_ids(self, req_id: str) -> list[int]:

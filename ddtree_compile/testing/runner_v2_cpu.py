@@ -48,6 +48,9 @@ def enable() -> None:
         backends.backends.pop("cpu", None)
     if not tu.HAS_TRITON:
         raise RuntimeError("vllm.triton_utils.HAS_TRITON stayed false: this vLLM checks Triton differently")
+    from . import cpu_choices
+
+    cpu_choices.apply_from_env()  # the suite's forced CPU choices (make test-layouts) reach V2 engines too
 
 
 def run_scripts(scripts, cwd) -> dict:

@@ -202,15 +202,17 @@ class DDTreeRound:
             return out
         # Tree paths are at most L deep; chain rows and chain-verified steps may accept more drafts
         # than the GDN state slots hold: cut them (host reads only: the step's shape and vLLM's counts).
+        # A chain-verified step may mix rows of every kind (full or cut drafts, none, prefill chunks):
+        # only tokens past P are dropped, so a row that kept fewer keeps vLLM's counts.
         if step is not None and step.N > P and any(step.chain_rows):
             self._cap_walk(step, P)
-            return self._cap_tokens(out, P, torch.full((step.R,), step.N - 1, device=self.ctx.device))
+            return self._cap_tokens(out, P)
         spec = self.ctx.view.spec_batch(metadata) if step is None else None
         if spec is not None and max(spec.drafts_per_request) >= P:
-            return self._cap_tokens(out, P, self.ctx.h2d(spec.drafts_per_request, torch.int64))
+            return self._cap_tokens(out, P)
         return out
 
-    def _cap_tokens(self, out, P: int, drafts):
+    def _cap_tokens(self, out, P: int):
         """vLLM's sampled tokens cut to `P` per request: a prefix of what the target agreed with is
         committed losslessly (greedy: its argmax at each; sampling: each token is drawn from its
         distribution given the ones before, and where the cut falls depends on the position only)."""
@@ -220,8 +222,7 @@ class DDTreeRound:
             return out
         tokens = tokens.clone()
         tokens[:, P:] = -1
-        return view.replace_sampled(out, tokens, torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device),
-                                    drafts)
+        return view.replace_sampled(out, tokens, torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device))
 
     @staticmethod
     def _cap_walk(step, P: int) -> None:

@@ -121,7 +121,7 @@ class WalkStage:
         seeds = ctx.h2d([ctx.seed(q) for q in req_ids], torch.int64)
         walk = walk_tree(tree, sample_target_tokens(lg, temp[:R], seeds, pos))
         width = ctx.view.sampled_tokens(out)[0].shape[1]
-        return ctx.view.replace_sampled(out, _pad_cols(walk.tokens, width), ctx.h2d(redo, torch.bool), k_t)
+        return ctx.view.replace_sampled(out, _pad_cols(walk.tokens, width), ctx.h2d(redo, torch.bool))
 
     def _greedy_walk(self, target, tokens, parents, depths, num_nodes, ancestor_bits, top1, tree_rows,
                      **counters) -> tuple[WalkResult, torch.Tensor]:

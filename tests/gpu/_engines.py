@@ -1,0 +1,212 @@
+"""Engine set-up and the lossless checks that the GPU modules share (tests/gpu).
+
+Every engine is a tiny model written here with seeded random weights (ddtree_compile/testing/models.py),
+bf16 (the Triton tree attention has no fp32 path), in-process (counters, commit hooks and the drafter
+harness reach the runner). Compiled engines use the tree pass's compilation config with
+FULL_AND_PIECEWISE CUDA graphs: tree verifies replay FULL graphs captured with the tree ops, mixed
+batches run PIECEWISE. References (no speculation) run eagerly: their start costs seconds instead of a
+compile, and the regret gate judges DDTree's divergences from them (an eager reference held every gate
+of the V2 runs, benchmarks/results/gpu_v2_026_h200.json).
+
+Hybrids keep their GDN state cache in float32 in every engine: with bf16, no speculation rounds the
+state after every token while a verify that accepts k tokens rounds once after k, and that alone moved
+a first divergence past the gate, DDTree's plain chain (top_k 1) as much as its trees
+(benchmarks/results/gpu_vllm026_h100.json, "probes"). Nothing here imports vLLM at module level: CI
+collects the GPU modules on CPU machines and skips them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+BUDGET, TOP_K, DRAFT_LEN, MAX_TOKENS, TOL = 16, 4, 7, 96, 0.2
+MIXED = ["sliding_attention", "full_attention"]  # the Qwen3.6 drafter's shape: vLLM serves it on V2 only
+# The multimodal target's settings: images need the tokenizer and a longer context than the tiny 512
+MM = {"skip_tokenizer_init": False, "max_model_len": 1024, "limit_mm_per_prompt": {"image": 1}}
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def start(target, drafter=None, *, flat=False, hybrid=True, graphs=True, budget=BUDGET, top_k=TOP_K,
+          auto_menu=None, **kw):
+    """(llm, info) for one engine: no speculation (drafter None), vLLM's flat DFlash (flat) or DDTree."""
+    from vllm import LLM
+
+    from ddtree_compile.integration import config, engines
+    from ddtree_compile.passes.entry import compilation_config
+    from ddtree_compile.testing import models
+
+    args = models.tiny_llm_kwargs(target, dtype="bfloat16", async_scheduling=False, **kw)
+    if hybrid:
+        args.setdefault("mamba_ssm_cache_dtype", "float32")
+    extra = {"gdn_prefill_backend": "triton"} if hybrid else {}  # the GPU bundle has no FlashInfer
+    if graphs:
+        args["compilation_config"] = {**compilation_config("cuda"), "cudagraph_mode": "FULL_AND_PIECEWISE"}
+    else:
+        args["enforce_eager"] = True
+    if flat:  # vLLM's own flat DFlash: the control for what speculation alone changes
+        args["speculative_config"] = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": DRAFT_LEN}
+    elif drafter is not None:
+        auto = {"auto_budget": auto_menu, "probe_interval": 4} if auto_menu else {}
+        switch = config.vllm_kwargs(drafter, budget="auto" if auto_menu else budget, top_k=top_k,
+                                    num_speculative_tokens=DRAFT_LEN, **auto)
+        args["speculative_config"] = switch["speculative_config"]
+        extra.update(switch["additional_config"])
+    if extra:
+        args["additional_config"] = extra
+    t0 = time.perf_counter()
+    llm = LLM(**args)
+    info = {"start_s": round(time.perf_counter() - t0, 1)}
+    runner = engines.find_runner(llm)
+    if runner is not None:
+        vc = runner.vllm_config
+        info.update(runner=f"{type(runner).__module__}.{type(runner).__name__}",
+                    cudagraph_mode=str(vc.compilation_config.cudagraph_mode),
+                    uses_mrope=bool(vc.model_config.uses_mrope))
+    return llm, info
+
+
+@contextlib.contextmanager
+def running(target, drafter=None, **kw):
+    """start(), and the engine shut down (its GPU memory freed) however the block ends."""
+    from ddtree_compile.integration import engines
+
+    llm, info = start(target, drafter, **kw)
+    try:
+        yield llm, info
+    finally:
+        engines.shutdown(llm)
+
+
+def generate(llm, prompts, logprobs=None, max_tokens=MAX_TOKENS, **sampling) -> list[dict]:
+    """Per prompt (token ids or text + image): prompt ids, generated ids, log-probs, cached tokens."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(**{"temperature": 0.0, **sampling, "max_tokens": max_tokens, "ignore_eos": True,
+                               "logprobs": logprobs})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [{"prompt": list(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
+             "lps": [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs] if logprobs else None,
+             "cached": o.num_cached_tokens} for o in outs]
+
+
+def gates(ref: list[dict], got: list[dict]) -> list[dict]:
+    """The regret gate of each output against the reference's (generate(..., logprobs=5))."""
+    from ddtree_compile.testing import harness
+
+    return [harness.regret_gate((r["tokens"], r["lps"]), g["tokens"], TOL) for r, g in zip(ref, got)]
+
+
+def reference(target, prompts: dict, **kw) -> tuple[dict, dict]:
+    """(engine info, {prompt kind: greedy outputs with log-probs}) of an eager no-speculation engine."""
+    with running(target, graphs=False, **kw) as (llm, info):
+        return info, {k: generate(llm, p, logprobs=5) for k, p in prompts.items()}
+
+
+def text_and_image_prompts() -> dict:
+    """4 random-token prompts (no vision token ids) and 4 image prompts of different sizes."""
+    import numpy as np
+    from PIL import Image
+
+    from ddtree_compile.testing import models
+
+    def image(seed, size=128):
+        return Image.fromarray((np.random.RandomState(seed).rand(size, size, 3) * 255).astype("uint8"))
+
+    return {"text": models.token_prompts(4, 16, models.VOCAB - 8, seed=5),
+            "image": [{"prompt": IMAGE + "what is this", "multi_modal_data": {"image": image(0)}},
+                      {"prompt": "look " + IMAGE + "and say", "multi_modal_data": {"image": image(1)}},
+                      {"prompt": "two " + IMAGE + "then", "multi_modal_data": {"image": image(2, 192)}},
+                      {"prompt": IMAGE, "multi_modal_data": {"image": image(3, 64)}}]}
+
+
+def seeded(llm, prompts: list) -> dict:
+    """Seeded sampling (temperature 1): the batch twice with one seed, once with another, and requests
+    1-3 alone: reproducible, independent of the batch, and the seed matters."""
+    one = [g["tokens"] for g in generate(llm, prompts, temperature=1.0, seed=1234)]
+    again = [g["tokens"] for g in generate(llm, prompts, temperature=1.0, seed=1234)]
+    other = [g["tokens"] for g in generate(llm, prompts, temperature=1.0, seed=4321)]
+    alone = [generate(llm, [q], temperature=1.0, seed=1234)[0]["tokens"] for q in prompts[1:4]]
+    return {"seeded_repeat_equal": one == again, "seeded_alone_equal": alone == one[1:4],
+            "seeded_seeds_differ": one != other}
+
+
+@contextlib.contextmanager
+def drafting_from(llm, continuation: dict, check=None):
+    """For the block: the drafter harness drafting `continuation` ({prompt ids: prompt + continuation}:
+    deep accepts and sibling branches), and with `check` (a harness.GdnStateCheck) every commit checked."""
+    from ddtree_compile.integration import engines
+    from ddtree_compile.testing import harness
+
+    state = engines.find_state(llm)
+    if check is not None:
+        state.debug_gdn_records = True
+        state.commit_hooks.append(check)
+    h = harness.DraftHarness(continuation).install(llm)
+    try:
+        yield
+    finally:
+        h.uninstall()
+        if check is not None:
+            state.commit_hooks.remove(check)
+            state.debug_gdn_records = False
+
+
+def ddtree_runs(llm, ref: dict, prompts: dict, state_check: bool) -> dict:
+    """DDTree's checks on one engine, per prompt kind: its own random drafter, then the drafter harness
+    (drafts from the reference's continuation: deep accepts and sibling branches) with, on hybrids,
+    every committed GDN state and conv window checked against a float32 replay of the path; then
+    seeded sampling. Counters per phase (tree_steps, graph_steps = verifies that replayed a FULL graph)."""
+    from ddtree_compile.integration import engines, metrics
+    from ddtree_compile.testing import harness
+
+    state = engines.find_state(llm)
+    out = {"attached": state is not None, "fallbacks_at_start": dict(metrics.PROCESS_STARTUP_FALLBACKS)}
+    if state is None:
+        return out
+    check = harness.GdnStateCheck()
+    continuation = {tuple(r["prompt"]): r["prompt"] + r["tokens"] for v in ref.values() for r in v}
+    for kind, p in prompts.items():
+        c0 = metrics.collect(llm)[0]
+        got = generate(llm, p)
+        c1 = metrics.collect(llm)[0]
+        with drafting_from(llm, continuation, check if state_check else None):
+            guided = generate(llm, p)
+        c2 = metrics.collect(llm)[0]
+        out[kind] = {"gates_random": gates(ref[kind], got), "gates_harness": gates(ref[kind], guided),
+                     "counters_random": metrics.counters_delta(c1, c0),
+                     "counters_harness": metrics.counters_delta(c2, c1)}
+    if state_check:
+        out["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths,
+                              "boundaries": check.boundaries, "max_rel_err": check.max_err}
+    out.update(seeded(llm, [q for v in prompts.values() for q in v]))
+    out["counters_total"] = metrics.collect(llm)[0]
+    return out
+
+
+def check_lossless(out: dict, kinds, graphs: bool = True, state_check: bool = True, record=None) -> None:
+    """The assertions on ddtree_runs' result (and its key numbers to `record`)."""
+    assert out["attached"], f"DDTree did not attach: {out['fallbacks_at_start']}"
+    all_gates = [g for k in kinds for key in ("gates_random", "gates_harness") for g in out[k][key]]
+    if record is not None:
+        record(gates_ok=f"{sum(g['ok'] for g in all_gates)}/{len(all_gates)}",
+               max_regret=max(g["regret"] for g in all_gates),
+               first_divergences=[g["divergence"] for g in all_gates],
+               **{f"{k}_{phase}": {c: out[k][f"counters_{phase}"].get(c) for c in
+                                   ("tree_steps", "graph_steps", "sibling_rounds", "mean_accept_depth")}
+                  for k in kinds for phase in ("random", "harness")},
+               state_check=out.get("state_check"),
+               seeded={k: out[k] for k in ("seeded_repeat_equal", "seeded_alone_equal", "seeded_seeds_differ")})
+    for k in kinds:
+        for phase in ("random", "harness"):
+            c = out[k][f"counters_{phase}"]
+            assert c["tree_steps"] > 0, (k, phase, c)
+            if graphs:  # every tree verify replayed a FULL graph (captured with the tree ops)
+                assert c["graph_steps"] >= c["tree_steps"], (k, phase, c)
+        assert out[k]["counters_harness"]["sibling_rounds"] > 0, out[k]  # the trees left the top-1 chain
+    bad = [g for g in all_gates if not g["ok"]]
+    assert not bad, f"outside the regret gate: {bad}"
+    if state_check:
+        sc = out["state_check"]
+        assert sc["paths"] > 0 and sc["sibling_paths"] > 0, sc
+    assert out["seeded_repeat_equal"] and out["seeded_alone_equal"] and out["seeded_seeds_differ"], out
