@@ -41,7 +41,7 @@ test-slow: $(STAMP)
 
 # The `vllm serve` capability suite, slow modules included (real server subprocesses; docs/serve.md).
 test-serve: $(STAMP)
-	$(BIN)/python -m pytest -q -m "" tests/test_serve.py tests/test_serve_attention.py tests/test_serve_vision.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "" tests/test_serve_hybrid.py tests/test_serve_attention.py tests/test_serve_vision.py $(PYTEST_ARGS)
 
 # The GPU suite (tests/gpu, vLLM 0.26 on CUDA), on a GPU machine after the bundle's install (README "On a
 # GPU"): one pytest process per module, evidence in benchmarks/results/gpu_suite.json (and $OUT), one

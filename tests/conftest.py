@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 # the cores with the other worker). One process: the order as written.
 LONGEST_FIRST = (
     "test_runner_v2_cpu.py",  # 393
-    "test_serve.py",  # 304
+    "test_serve_hybrid.py",  # 304
     "test_passes_vllm.py",  # 376
     "test_e2e_hybrid.py",  # 239
     "test_e2e_tp.py",  # 313
