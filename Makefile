@@ -41,7 +41,7 @@ test-slow: $(STAMP)
 
 # The `vllm serve` capability suite, slow modules included (real server subprocesses; docs/serve.md).
 test-serve: $(STAMP)
-	$(BIN)/python -m pytest -q -m "" tests/test_serve.py tests/test_serve_attention.py tests/test_serve_vision.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "" tests/test_serve_hybrid.py tests/test_serve_attention.py tests/test_serve_vision.py $(PYTEST_ARGS)
 
 # The GPU suite (tests/gpu, vLLM 0.26 on CUDA), on a GPU machine after the bundle's install (README "On a
 # GPU"): one pytest process per module, evidence in benchmarks/results/gpu_suite.json (and $OUT), one
@@ -58,7 +58,7 @@ test-gpu:
 
 bench-cpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_round.py --device cpu
-	$(BIN)/python benchmarks/bench_round_ops.py --out benchmarks/results/round_ops_cpu.json
+	$(BIN)/python benchmarks/bench_round_ops.py --out build/round_ops_cpu.json
 
 clean:
 	rm -rf $(VENV) *.egg-info

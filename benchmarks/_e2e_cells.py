@@ -126,19 +126,6 @@ def gpu_profile(llm, prompts, max_tokens, budget, top=30) -> dict:
                          for c, t, k in host[:top]]}
 
 
-def trace(llm, prompts, max_tokens, path) -> str:
-    """A short run under torch.profiler with Python stacks, written as a gzipped Chrome trace to
-    `path` (*.json.gz): the timeline of host and GPU per round, for benchmarks/trace_summary.py."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from ddtree_compile.cli.timing import timed_steps
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as p:
-        timed_steps(llm, prompts, max_tokens)
-    p.export_chrome_trace(str(path))
-    return str(path)
-
-
 def add_row(result, args, mode, budget, prof, c, r, ref, rounds) -> None:
     from ddtree_compile.testing import oracle
 

@@ -99,7 +99,7 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -
     if getattr(args, "tensor_parallel_size", 1) > 1:  # one worker process per rank (runners via collective_rpc)
         kw["tensor_parallel_size"] = args.tensor_parallel_size
         # vLLM 0.26's custom all-reduce crashed its own flat DFlash graph capture on two H100s (an illegal
-        # memory access in custom_all_reduce.cuh; gpu_tp2_026_h100x2.json): NCCL for every mode alike
+        # memory access in custom_all_reduce.cuh; README, Known gaps): NCCL for every mode alike
         kw["disable_custom_all_reduce"] = True
     if spec is not None:
         kw["speculative_config"] = spec

@@ -4,11 +4,9 @@ own, their runs interleaved within each cell."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import time
 
-import _cpu_pinning
 import _e2e_cells as cells
 import _phase_timers
 from _e2e_engine import ddtree_attached, force_chain, install_oracle, start_engine
@@ -18,7 +16,7 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
     """--side-by-side: every speculative mode's engine is up at once, each in its own process
     (ModeWorker), the GPU's memory split evenly between them, and in each (profile, concurrency)
     cell their timed runs alternate, the order rotated per repeat. A drift of the host's speed then
-    hits every mode alike: on the H100 (session 11) flat DFlash's three identical c=1 cells,
+    hits every mode alike: on the H100 flat DFlash's three identical c=1 cells,
     measured minutes apart in one engine, took 13.9, 17.4 and 14.8 ms per round, a spread larger
     than the gains being measured."""
     import multiprocessing
@@ -28,19 +26,13 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
     args = argparse.Namespace(**setup["args"])
     mp = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
     devices = device_of_each(getattr(args, "devices", None), len(modes))
-    pin = getattr(args, "pin_cpus", None)
-    cpus = [None] * len(modes)
-    if pin:
-        speeds = _probe_cpus(result, "start")
-        cpus = _cpu_pinning.cpus_of_each(devices, split=pin == "split", cores=pin == "cores",
-                                         fast=speeds if pin == "fast" else None)
     workers, started = [], []
     try:
         # all engines start at once (a cold 4B engine takes ~4.5 min on the H100, mostly compile and
         # graph capture on one host thread each); engines sharing a GPU have fixed KV caches (start_engine)
-        for (mode, budget, spec, extra), device, cpu in zip(modes, devices, cpus):
+        for (mode, budget, spec, extra), device in zip(modes, devices):
             share = devices.count(device)
-            started.append(ModeWorker(mp, mode, budget, spec, extra, {**setup, "share": share}, device, cpu))
+            started.append(ModeWorker(mp, mode, budget, spec, extra, {**setup, "share": share}, device))
         for w in started:
             try:
                 w.ready()
@@ -52,8 +44,6 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
             result.setdefault("worker_start_wall", {})[w.mode] = [w.info["spawned_s"], w.info["ready_s"]]
             if w.info["devices"] is not None:  # (as the worker's process saw them)
                 result.setdefault("worker_devices", {})[w.mode] = w.info["devices"]
-            result.setdefault("worker_cpus", {})[w.mode] = w.info["cpus"]
-            result.setdefault("host_probe_us_before_start", {})[w.mode] = w.info["host_probe_us"]
             if not w.info["attached"]:
                 result["runs"].append({"mode": w.mode, "error": "DDTree did not attach",
                                        "fallbacks": w.info["fallbacks"]})
@@ -70,7 +60,6 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     for w in _rotated(workers, i):
                         warm[w.mode].append(w.call("run", c)["started_s"])
                 before = {w.mode: w.call("counters") for w in workers}
-                probe = {w.mode: w.call("host_probe") for w in workers}
                 runs = {w.mode: [] for w in workers}
                 for i in range(max(args.repeats, 1)):
                     for w in _rotated(workers, i):
@@ -79,15 +68,8 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     rounds = cells.rounds_of(w.budget, before[w.mode], w.call("counters"))
                     rounds["run_started_s"] = [r["started_s"] for r in runs[w.mode]]  # the interleaving, on record
                     rounds["warmup_started_s"] = warm[w.mode]
-                    rounds["host_probe_us"] = probe[w.mode]
-                    rounds["host_probe_us_runs"] = [r["host_probe_us"] for r in runs[w.mode]]
-                    if pin == "run":
-                        rounds["run_cpus"] = [r["cpu"] for r in runs[w.mode]]
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
                                   cells.median(runs[w.mode]), setup["ref"], rounds)
-                save()
-            if pin:
-                _probe_cpus(result, prof["name"])
                 save()
             if prof is profiles[0]:
                 for c in cells.gpu_profile_at(args, setup["conc"], setup["conc"]):
@@ -98,14 +80,6 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
     finally:
         for w in started:
             w.close()
-
-
-def _probe_cpus(result, when: str) -> dict:
-    """--pin-cpus: every CPU this process may use, probed one at a time (host_probe_us_per_cpu, a list
-    over the command: "start", then after each profile's cells)."""
-    speeds = _cpu_pinning.probe_each_cpu(sorted(os.sched_getaffinity(0)))
-    result.setdefault("host_probe_us_per_cpu", []).append({"at": when, "us": speeds})
-    return speeds
 
 
 def _rotated(workers: list, i: int) -> list:
@@ -139,20 +113,17 @@ class ModeWorker:
     next run then failed ("CUDA graph capturing detected at an inappropriate time"); the Prometheus
     registry, which the spec-decode counters are read from, holds only the last engine's."""
 
-    def __init__(self, mp, mode, budget, spec, extra, setup, device=None, cpus=None):
+    def __init__(self, mp, mode, budget, spec, extra, setup, device=None):
         self.mode, self.budget = mode, budget
         self.conn, child = mp.Pipe()
         # not a daemon: a daemonic process may not start processes of its own (torch.compile's workers)
         self.proc = mp.Process(target=worker_main, args=(child, mode, budget, spec, extra, setup))
-        saved, affinity = os.environ.get("CUDA_VISIBLE_DEVICES"), os.sched_getaffinity(0)
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         if device is not None:  # a spawned process starts with the parent's environment of this moment
             os.environ["CUDA_VISIBLE_DEVICES"] = device
-        if cpus is not None:  # and with its CPU affinity (--pin-cpus), which vLLM's processes inherit
-            os.sched_setaffinity(0, cpus)
         try:
             self.proc.start()
         finally:
-            os.sched_setaffinity(0, affinity)
             if saved is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
@@ -199,7 +170,6 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
 
     args, conc, prompts = argparse.Namespace(**setup["args"]), setup["conc"], setup["prompts"]
     try:
-        probe = _cpu_pinning.host_probe_us()  # before the engine: the CPUs' own speed, for the cells' probes
         plugin.register()
         llm, start = start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"], mode=mode)
         if getattr(args, "phase_timers", False):
@@ -208,15 +178,11 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
             force_chain(llm, mode)
         conn.send(("ok", {"start_s": start, "attached": not budget or ddtree_attached(llm),
                           "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid(),
-                          "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                          "cpus": sorted(os.sched_getaffinity(0)), "host_probe_us": probe}))
+                          "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
     except Exception:
         conn.send(("error", traceback.format_exc()[-2000:]))
         return
     reference, od = harness.reference_from_outputs(prompts, setup["ref"]), None
-    # --pin-cpus run: each run's host loop (this thread: the engine is in-process) on the CPU fastest then
-    # (with tensor parallel > 1 the ranks' worker processes keep the engine's CPUs: only this loop moves)
-    on_cpu = _cpu_pinning.on_fastest_cpu if getattr(args, "pin_cpus", None) == "run" else contextlib.nullcontext
     try:
         while (msg := _recv(conn))[0] != "close":
             try:
@@ -227,14 +193,8 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
                     od = install_oracle(llm, reference, oracle.profile_from(msg[1]), prompts, conc)
                 elif msg[0] == "counters":
                     out = cells.counters(llm, budget)
-                elif msg[0] == "run":  # (with the host's speed right before it: _cpu_pinning.py)
-                    with on_cpu() as cpu:
-                        probe = _cpu_pinning.host_probe_us()
-                        out = timed_steps(llm, prompts[: msg[1]], args.max_tokens) | {"host_probe_us": probe}
-                    if cpu is not None:
-                        out["cpu"] = cpu[0]
-                elif msg[0] == "host_probe":
-                    out = _cpu_pinning.host_probe_us()
+                elif msg[0] == "run":
+                    out = timed_steps(llm, prompts[: msg[1]], args.max_tokens)
                 elif msg[0] == "gpu_profile":
                     out = cells.gpu_profile(llm, prompts[: msg[1]], args.max_tokens, budget)
                 conn.send(("ok", out))

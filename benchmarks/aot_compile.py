@@ -53,7 +53,7 @@ from ddtree_compile.templates.tree_walk import walk_tree_triton
 
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "aot_sm90_sm121a.json")
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "aot_sm90_sm121a.json")
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def run(args) -> dict:
     from ddtree_compile.testing import harness, models, oracle
 
     plugin.register()
-    prof_json = json.loads(pathlib.Path(args.profiles).read_text())
+    prof_json = json.loads((ROOT / args.profiles).read_text())
     profiles = [oracle.profile_from(p) for p in prof_json["profiles"] if p["name"] in args.profile_names]
     conc = [int(c) for c in args.concurrency.split(",")]
     # a fixed --models-dir keeps the model paths, so vLLM's compile cache of an earlier process applies
@@ -143,13 +143,6 @@ def run(args) -> dict:
                             {"mode": mode, "profile": prof.name, "concurrency": c,
                              **cells.gpu_profile(llm, prompts[:c], args.max_tokens, budget)})
                         save()
-                    if args.trace_tokens and prof is profiles[0]:
-                        stem = pathlib.Path(args.out).with_suffix("")
-                        result.setdefault("traces", []).extend(
-                            {"mode": mode, "profile": prof.name, "concurrency": c, "tokens": args.trace_tokens,
-                             "path": cells.trace(llm, prompts[:c], args.trace_tokens,
-                                                 f"{stem}_trace_{mode}_c{c}.json.gz")} for c in conc)
-                        save()
                 finally:
                     od.uninstall()
         finally:
@@ -201,7 +194,8 @@ def main(argv=None) -> int:
                     "runs: every engine enters a cell at its steady state (budget 'auto' carries the last cell's "
                     "costs and acceptance into the next: H100 4B runs without it lagged a profile switch, "
                     "taking the chain in most of a c=1 cell where budget 32 read 1.20x)")
-    ap.add_argument("--profiles", default=str(ROOT / "benchmarks" / "oracle_profiles.json"))
+    ap.add_argument("--profiles", default="benchmarks/oracle_profiles.json", help="relative to the repository root "
+                    "unless absolute (so that results record no machine path)")
     ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35")
     ap.add_argument("--modes", default="nospec,flat,ddtree,auto", help="any of nospec, flat, ddtree (every "
                     "budget), ddtree<B>, auto, autochain (budget \"auto\" held to the chain every step: what its chain "
@@ -216,9 +210,6 @@ def main(argv=None) -> int:
                     help="per mode, one more run at the first profile's concurrencies under torch.profiler: GPU busy "
                     "ms per round and the top kernels (gpu_profiles); bare: every concurrency (--side-by-side) or "
                     "the first; or a list, e.g. '1,16' (a profiled run at c=64 takes minutes)")
-    ap.add_argument("--trace-tokens", type=int, default=0, help="per mode and concurrency, one more run of this "
-                    "many tokens under torch.profiler with Python stacks, saved as a gzipped Chrome trace beside "
-                    "--out (benchmarks/trace_summary.py: where a round's host time goes)")
     ap.add_argument("--phase-timers", action="store_true", help="host wall time per phase of vLLM's step "
                     "(scheduler, runner, drafter; _phase_timers.py) for every mode: rows get phase_ms_per_step")
     ap.add_argument("--side-by-side", action="store_true", help="all speculative modes' engines up at once, "
@@ -231,22 +222,11 @@ def main(argv=None) -> int:
                     "profile. The runs still alternate, so one engine runs at a time: a 27B-shaped engine per "
                     "GPU keeps every mode side by side where two do not fit one GPU. With --tensor-parallel-size N, "
                     "each engine's N GPUs joined by '+' (e.g. '0+1,2+3')")
-    ap.add_argument("--pin-cpus", nargs="?", const="same", choices=("same", "cores", "fast", "run", "split"),
-                    default=None,
-                    help="--side-by-side: each engine's process (and vLLM's processes it starts) on the CPUs local "
-                    "to its GPU (sysfs local_cpulist): the same CPUs for every engine ('same', the default: the runs "
-                    "alternate), the same but one logical CPU per physical core ('cores': no hyperthread siblings), "
-                    "the same but those that probe fastest at start ('fast'), the same with each run's thread on "
-                    "the one that probes fastest right before it ('run': run_cpus), or a disjoint slice each "
-                    "('split'); recorded as worker_cpus, every CPU's probe at start and after each profile as "
-                    "host_probe_us_per_cpu; every cell records each engine's "
-                    "host_probe_us, and every timed run its own (host_probe_us_runs). Without it the OS places "
-                    "them (_cpu_pinning.py: why)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor_parallel_size of every "
                     "engine: one worker process per rank, the oracle and sharpen() on every rank (collective_rpc); the "
                     "shaped targets' one MoE layer gets TP experts (vLLM refuses TP > experts; write_shaped); "
                     "vLLM's custom all-reduce is off (it crashed vLLM's own flat DFlash graph capture on two "
-                    "H100s: gpu_tp2_026_h100x2.json). With --side-by-side two 27B-shaped engines at TP=2 need "
+                    "H100s: README, Known gaps). With --side-by-side two 27B-shaped engines at TP=2 need "
                     "per GPU ~29 GiB of weights each and, at c=16, ~20 (DDTree 32) and ~10 GiB (flat) of GDN "
                     "state: two H200s hold that, two 80 GiB H100s do not (run the modes one engine at a time there)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
@@ -270,15 +250,11 @@ def main(argv=None) -> int:
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.profile_names = args.profile_names.split(",")
     args.modes = args.modes.split(",")
-    if args.pin_cpus and not args.side_by_side:
-        ap.error("--pin-cpus: only with --side-by-side")
     if args.devices and not args.side_by_side:
         ap.error("--devices: only with --side-by-side")
     if args.devices and any(len(g.split("+")) != args.tensor_parallel_size for g in args.devices.split(",")):
         ap.error(f"--devices {args.devices!r}: each engine needs --tensor-parallel-size "
                  f"({args.tensor_parallel_size}) GPUs, joined by '+' (e.g. '0+1,2+3' for 2)")
-    if args.side_by_side and args.trace_tokens:
-        ap.error("--trace-tokens: not with --side-by-side (trace the modes one engine at a time)")
     if args.tensor_parallel_size > 1:
         if args.gpu_profile:
             ap.error("--gpu-profile: not with --tensor-parallel-size > 1 (the kernels run in the rank processes, "

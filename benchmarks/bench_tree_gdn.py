@@ -2,7 +2,7 @@
 a chain of the same token count, snapshot vs replay (records) commit over all 48 GDN layers, bytes
 written per step, and the drift of bf16/fp16 state storage vs fp32 after 256 committed rounds.
 
-GPU:   python benchmarks/bench_tree_gdn.py --out benchmarks/results/tree_gdn_h100.json
+GPU:   python benchmarks/bench_tree_gdn.py --out build/tree_gdn_h100.json
 CPU:   python benchmarks/bench_tree_gdn.py --smoke   (Triton interpreter, tiny shapes: checks the script)
 Times are CUDA-graph replays with a cold L2 (triton.testing.do_bench flushes it), i.e. one layer as it
 runs inside a 48-layer model whose states do not stay in L2 between steps.
@@ -144,7 +144,7 @@ def fla_chain(cfg, L, fla):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/tree_gdn_h100.json")
+    ap.add_argument("--out", default="build/tree_gdn_h100.json")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--rounds", type=int, default=256)

@@ -1,8 +1,8 @@
 """Budget "auto"'s policy offline: the real AutoBudget (integration/round/auto_budget.py) and
 DDTreeMetrics on the CPU, fed synthetic steps, to tell the policy's own losses from the GPU's.
 
-    python benchmarks/sim_auto_budget.py --costs benchmarks/results/e2e_h100x4_4b_s25_alone.json \
-        --out benchmarks/results/sim_auto_4b_s25.json
+    python benchmarks/sim_auto_budget.py --costs benchmarks/results/e2e_h100x4_4b.json \
+        --out build/sim_auto_4b.json
 
 The cells run in the benchmark's order (each profile, then each concurrency), one policy over all of
 them, as one engine serves a side-by-side run. Per step the policy chooses a kind for R = c requests
@@ -181,7 +181,7 @@ def drain_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=1
 def simulate(args) -> dict:
     from ddtree_compile.testing import oracle
 
-    prof_json = json.loads(pathlib.Path(args.profiles).read_text())
+    prof_json = json.loads((ROOT / args.profiles).read_text())
     profiles = {p["name"]: oracle.profile_from(p) for p in prof_json["profiles"]}
     names = [n for n in args.profile_names.split(",") if n]
     for n in names:
@@ -232,7 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--costs", required=True, help="a bench_e2e_gpu.py result JSON: flat DFlash's and budget "
                     "--budget's ms_per_step per concurrency are the chain's and the tree's step costs")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--profiles", default=str(ROOT / "benchmarks" / "oracle_profiles.json"))
+    ap.add_argument("--profiles", default="benchmarks/oracle_profiles.json", help="relative to the repository "
+                    "root unless absolute (results record no machine path)")
     ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--steps", type=int, default=240, help="steps per cell (the GPU cells: ~200-260)")
@@ -258,6 +259,7 @@ def main(argv=None) -> int:
     result = simulate(args)
     print(table(result))
     if args.out:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     return 0
 

@@ -1,6 +1,6 @@
 """Summarise a bench_e2e_gpu.py result: validity flags, ratios to flat DFlash, a markdown table, a plot.
 
-    python benchmarks/summarize_e2e.py benchmarks/results/e2e_h100_qwen35_4b_sbs.json [--png out.png]
+    python benchmarks/summarize_e2e.py benchmarks/results/e2e_h100x4_4b.json [--png out.png]
 
 - A run whose outputs left the reference (reference_match < 0.95) is flagged `invalid`: its
   acceptance is not the profile's (the oracle drafts the reference), so its speed says nothing.
@@ -15,10 +15,6 @@
   run's tok/s over it, `gain` its tokens per round over flat's and `break_even` flat's rounds/s
   over the run's (the gain it needs). `tok_s_agg` / `vs_flat_agg`: the same over all of a cell's
   timed runs (total tokens over total time), the number the tables show where it exists.
-- `vs_flat_same_host` (--side-by-side rows with per-run host probes): the same aggregate over only
-  the repeats whose two runs' host probes agree within SAME_HOST (the host's per-op speed flips between
-  two states for either engine's process, `_cpu_pinning.py`), with `same_host_runs` = [kept, all]:
-  what DDTree's work costs when the host is not what differs. An extra column, never the headline.
 - `vs_flat_ci90` (--side-by-side rows of 3 or more paired repeats): the 5th and 95th percentiles of the
   aggregate ratio over the cell's repeats resampled with replacement (a seeded bootstrap, repeat i's
   two runs kept together): whether a cell's ratio is below 1.00x beyond its run-to-run spread (upper
@@ -38,7 +34,6 @@ import random
 import statistics
 
 VALID = 0.95
-SAME_HOST = 1.2  # the probes' two states read ~2.4 and ~4.2 us per op: 1.75x apart
 
 
 def rounds_per_s(r: dict) -> float:
@@ -57,8 +52,7 @@ def tok_s_agg(r: dict) -> float | None:
 def summarize(result: dict) -> dict:
     runs = result["runs"]
     for r in runs:
-        for k in ("vs_flat", "vs_flat_agg", "gain", "break_even", "vs_flat_same_host", "same_host_runs",
-                  "vs_flat_ci90"):
+        for k in ("vs_flat", "vs_flat_agg", "gain", "break_even", "vs_flat_ci90"):
             # derived here, never kept from a saved file
             r.pop(k, None)
         if "error" not in r and (agg := tok_s_agg(r)) is not None:
@@ -95,25 +89,9 @@ def summarize(result: dict) -> dict:
                 r["break_even"] = f["rounds_per_s"] / rounds_per_s(r)
             if paired:
                 f_row = next(x for x in runs if x.get("mode") == "flat" and "error" not in x and key(x) == key(r))
-                same_host(r, f_row)
                 interval(r, f_row)
     result["flat_baseline"] = {_flat_key(*k) if paired else str(k): v for k, v in flat.items()}
     return result
-
-
-def same_host(r: dict, flat: dict) -> None:
-    """vs_flat_same_host / same_host_runs of a side-by-side row against its cell's flat row: run i of
-    each ran in repeat i; a pair counts when their host probes are within SAME_HOST of each other.
-    Every run of a cell emits the same tokens, so the aggregate ratio is sum(1/flat tok/s) over
-    sum(1/tok/s)."""
-    probes, fprobes = r.get("host_probe_us_runs"), flat.get("host_probe_us_runs")
-    if not probes or not fprobes or len(probes) != len(r["tok_s_runs"]) or len(fprobes) != len(probes):
-        return
-    kept = [(t, ft) for t, ft, p, fp in zip(r["tok_s_runs"], flat["tok_s_runs"], probes, fprobes)
-            if max(p, fp) <= SAME_HOST * min(p, fp)]
-    r["same_host_runs"] = [len(kept), len(probes)]
-    if kept:
-        r["vs_flat_same_host"] = sum(1 / ft for _, ft in kept) / sum(1 / t for t, _ in kept)
 
 
 def interval(r: dict, flat: dict, n: int = 2000, seed: int = 0) -> None:
@@ -132,13 +110,6 @@ def _ci_cell(r: dict | None) -> str:
         return "-"
     lo, hi = r["vs_flat_ci90"]
     return f"{lo:.2f}-{hi:.2f}" + (" below" if hi < 1 else " above" if lo > 1 else "")
-
-
-def _same_host_cell(r: dict | None) -> str:
-    if r is None or "same_host_runs" not in r:
-        return "-"
-    kept, n = r["same_host_runs"]
-    return f"{r['vs_flat_same_host']:.2f}x ({kept}/{n})" if kept else f"- (0/{n})"
 
 
 def _flat_key(pair: str, profile: str, c: int) -> str:
@@ -170,12 +141,6 @@ def table(result: dict) -> str:
         label = f"flat DFlash tok/s ({pair})" if pair else "flat DFlash tok/s"
         lines.append(f"| {label} | " + " | ".join(
             f"{fb[k]['tok_s_agg'] or fb[k]['tok_s']:.0f}" if k in fb else "-" for k in keys) + " |")
-    if any("same_host_runs" in r for r in runs):
-        lines.append("\nRepeats whose two runs' host probes agree (vs_flat_same_host, kept/all runs):\n")
-        lines += [head, lines[1]]
-        for m in modes:
-            lines.append(f"| {m} | " + " | ".join(_same_host_cell(cell.get((m, p, c))) for p in profiles for c in conc)
-                         + " |")
     if any("vs_flat_ci90" in r for r in runs):
         lines.append("\n90% interval of the aggregate ratio over the cell's repeats (vs_flat_ci90, paired bootstrap; "
                      "below / above: all of it under / over 1.00x):\n")

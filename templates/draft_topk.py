@@ -169,7 +169,7 @@ class TopkConfig:
 
 
 # By regime: "large" when the batch has >= 2 rows (R * L) per SM. sm_90 (H100) values: the fastest of the
-# `bench_round.py --tune` sweep (benchmarks/results/round_h100.json: R=1 -> small, R=64 -> large); other
+# `bench_round.py --tune` sweep (round_h100.json in the git history: R=1 -> small, R=64 -> large); other
 # GPUs use them unmeasured. Few warps win (cheaper cross-warp reductions, more programs per SM).
 CONFIGS = {"small": TopkConfig(1024, 2, 1, 4.0), "large": TopkConfig(1024, 2, 2, 4.0)}
 
@@ -195,7 +195,7 @@ def compiled_variant(rows: int, vocab: int, device: torch.device) -> tuple:
     (BLOCK, warps, PIPE, DIRECT; the merge's SP) and the integer specializations of `splits` (== 1,
     % 16). The plan follows the batch (splits fill the SMs), so a batch size never seen before can
     compile a kernel mid-serving (the H100 at the 4B shape: seven variants, 9 kernels, between 1 and 24
-    requests; benchmarks/results/gpu_jit_026_h100.json)."""
+    requests; gpu_jit_026_h100.json in the git history)."""
     block, _, splits, warps, pipe = plan_topk(rows, vocab, device)
     return block, warps, pipe, splits == 1, splits % 16 == 0, None if splits == 1 else _next_pow2(splits)
 

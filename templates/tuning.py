@@ -1,8 +1,8 @@
 """Launch parameters for the tree templates, per GPU architecture.
 
 Tree attention on sm_90 (H100). The tiles for head sizes 128 and 256 won the f078ad5 tile sweep
-(benchmarks/bench_tree_attention.py --sweep; candidates and times in benchmarks/results/
-tree_attention_h100.json under "tile_sweep_f078ad5"). The per-bucket rules (one row tile, whole-wave split
+(benchmarks/bench_tree_attention.py --sweep; candidates and times in tree_attention_h100.json, in the
+git history, under "tile_sweep_f078ad5"). The per-bucket rules (one row tile, whole-wave split
 count, min_chunk) come from the low-request / short-context plan sweep (`--lowr-sweep`, under "lowr_sweep"
 in the same file); the ratio table there ("records") was timed with exactly these entries. Head size 64 on
 sm_90 was checked for correctness on the H100 but not swept. sm_121 (GB10 / DGX Spark) entries are
@@ -43,8 +43,8 @@ _SM90 = {
     256: AttnTiles(128, 32, 8, 4, waves=1.0, min_chunk=96, page_group=64),
 }
 # GB10 (sm_121a): UNMEASURED. ~99 KB smem per block and mma.sync (no wgmma), so small tiles, 2 stages.
-# Compile-checked only (benchmarks/aot_compile.py, Triton 3.9 / ptxas 13.4, sm_121a; results in
-# benchmarks/results/aot_sm90_sm121a.json): shared memory 51 / 37 / 25 KB for D = 256 / 128 / 64 against
+# Compile-checked only (benchmarks/aot_compile.py, Triton 3.9 / ptxas 13.4, sm_121a; its table
+# aot_sm90_sm121a.json is in the git history): shared memory 51 / 37 / 25 KB for D = 256 / 128 / 64 against
 # 99 KB; spills: D=256 40 B (split-KV path) and 188 B (one-split path), D=64 68 B (one-split), D=128 none.
 # Unmeasured alternative without spills at D=256: 32x32 tiles with 8 warps (same 51 KB, 228-234 regs).
 _SM121 = {
@@ -94,10 +94,10 @@ def num_splits(tiles: AttnTiles, num_sms: int, num_requests: int, num_kv_heads: 
     whole-wave counts S = floor(k * slots / P) (and 1) are candidates -- one program past a wave costs a
     whole extra wave -- and the fewest splits within SPLIT_TOLERANCE of the best cost win, since every
     split adds a partial to write and merge and its own fixed cost (at R = 8 with a 1k context, 4 splits
-    ran 1.5x slower than 2). On the H100 low-R sweep (benchmarks/results, "lowr_sweep") it picks the
-    fastest timed split count at every swept shape where its choice was timed, but one (2% off). Capped by
-    max_splits and by the keys the block table can hold (`max_keys`, context + tree): a split that
-    max_keys can never reach would stay empty.
+    ran 1.5x slower than 2). On the H100 low-R sweep ("lowr_sweep" in tree_attention_h100.json, git
+    history) it picks the fastest timed split count at every swept shape where its choice was timed, but
+    one (2% off). Capped by max_splits and by the keys the block table can hold (`max_keys`, context +
+    tree): a split that max_keys can never reach would stay empty.
 
     Known cost: a grid that already fills the GPU (P >= slots) gets one split. At 8k-32k contexts 2-5
     splits ran 4-13% faster there (f078ad5 table), but at 1k they ran 25-42% slower (lowr_sweep), and a

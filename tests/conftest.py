@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 # the cores with the other worker). One process: the order as written.
 LONGEST_FIRST = (
     "test_runner_v2_cpu.py",  # 393
-    "test_serve.py",  # 304
+    "test_serve_hybrid.py",  # 304
     "test_passes_vllm.py",  # 376
     "test_e2e_hybrid.py",  # 239
     "test_e2e_tp.py",  # 313
@@ -77,3 +77,66 @@ def _forced_cpu_choices():
 
     yield cpu_choices.apply_from_env()
     cpu_choices.reset()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_after_each_module():
+    yield
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def compile_caches_off(tmp_path_factory):
+    """Every engine of the module compiles afresh, so the tree-verify pass really runs (a cached
+    artifact would skip it)."""
+    import torch._inductor.config as inductor_config
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
+    mp.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm_cache")))
+    # Inductor read that variable when it was imported: set its config too, through its own patch()
+    # (monkeypatch's undo deletes a torch config entry instead of restoring it).
+    with inductor_config.patch(force_disable_caches=True):
+        yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32_reference(tmp_path_factory, request):
+    """Tiny float32 Qwen3 + its DFlash drafter, an `llm(**kw)` factory (eager, float32, stats on)
+    and the no-speculation outputs of the module's PROMPTS x MAX_TOKENS: the reference the oracle
+    drafts from and that lossless runs must equal token for token."""
+    from vllm import LLM
+
+    from ddtree_compile.testing import harness, models
+
+    prompts, max_tokens = request.module.PROMPTS, request.module.MAX_TOKENS
+    root = tmp_path_factory.mktemp("tiny_fp32")
+    target = models.write_tiny_model("qwen3", root / "qwen3")
+    drafter = models.write_tiny_dflash_drafter(target, root / "dflash")
+
+    def llm(**kw):
+        return LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", disable_log_stats=False, **kw))
+
+    ref_llm = llm()
+    try:
+        outs = harness.generate(ref_llm, prompts, max_tokens)
+    finally:
+        harness.shutdown(ref_llm)
+    return {"root": root, "target": target, "drafter": drafter, "llm": llm, "ref": outs,
+            "reference": harness.reference_from_outputs(prompts, outs)}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/bench_e2e_gpu.py as a module (loading it puts benchmarks/ on sys.path: its helper
+    modules import by name)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -4,8 +4,8 @@ A real compile (Triton 3.9 targets an architecture this machine does not have; p
 registers) through benchmarks/aot_compile.py --quick: the sm_121a tree-attention tile of every head size
 and one realistic configuration of each other template, plus a probe (the H100's D=256 tile) that must be
 reported as NOT fitting, so the check can say no. Run in a subprocess: the suite sets TRITON_INTERPRET=1,
-under which kernels cannot be compiled. The full table for sm_90 and sm_121a is
-benchmarks/results/aot_sm90_sm121a.json (python benchmarks/aot_compile.py).
+under which kernels cannot be compiled. The full table for sm_90 and sm_121a:
+python benchmarks/aot_compile.py (writes build/aot_sm90_sm121a.json).
 """
 
 import json

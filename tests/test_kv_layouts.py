@@ -13,7 +13,7 @@ import functools
 
 import pytest
 import torch
-from test_tree_attention import BASE, dense_oracle, make_case
+from _tree_attention_cases import BASE, dense_oracle, make_case
 
 from ddtree_compile.integration import kv_layouts
 

@@ -1,9 +1,13 @@
 """The package's shape, as the redesign promised it: no import cycle (imports inside functions
 counted), vLLM's private names only in the adapters, the product never importing its test support
-(ddtree_compile.testing), short modules. Read from the source (AST), nothing imported."""
+(ddtree_compile.testing), short modules. Read from the source (AST), nothing imported.
+
+And the repository's: a short README, indexed results without machine paths, no module over MAX_LINES
+in benchmarks and tests either, runs named as runs (or by date). Plain file checks, at the end."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -206,3 +210,93 @@ def test_a_vllm_read_would_be_found(tmp_path):
     (tmp_path / "m.py").write_text("def f(runner, md, x):\n    a = runner.positions\n    b = md.seq_lens[:3]\n"
                                    "    return x.view.positions(a)\n")
     assert _vllm_reads(tmp_path / "m.py") == ["runner.positions (line 2)", "md.seq_lens (line 3)"]
+
+
+# The repository's layout.
+
+RESULTS = ROOT / "benchmarks" / "results"
+README_MAX_LINES = 300
+
+# The project's own files; build outputs, the venv and git's folder are not the project.
+PROJECT = ["README.md", "CHANGELOG.md", "Makefile", "pyproject.toml", "setup_cpu.py",
+           "docs", "benchmarks", "tests", "ddtree_compile", "passes", "templates", "examples"]
+TEXT = {".py", ".md", ".sh", ".toml", ".json", ".txt", ".cfg", ".ini", ".yaml", ".yml", ".log"}
+SKIP_DIRS = {"__pycache__", ".pytest_cache", ".hypothesis"}
+
+# The word is spelled apart so that this file passes its own check.
+RUN_WORD = re.compile(r"\b" + "sess" + r"ions?\b", re.IGNORECASE)
+# Library identifiers that contain the word and are not prose: pytest's fixture scope, an attribute
+# named after a class (requests.Session, aiohttp.ClientSession is one word already). Stripped first.
+API_IDENTIFIERS = re.compile(r"""scope\s*=\s*["']""" + "sess" + r"""ion["']|\.""" + "Sess" + r"ion\b")
+# Absolute paths of a machine (a user's home, scratch and work folders, system prefixes).
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:tmp|work|root|home|Users|mnt|scratch|opt|var|data)/")
+
+
+def _project_files():
+    for entry in PROJECT:
+        path = ROOT / entry
+        if path.is_file():
+            yield path
+        elif path.is_dir():
+            for p in sorted(path.rglob("*")):
+                if p.is_file() and not SKIP_DIRS & set(p.relative_to(ROOT).parts):
+                    yield p
+
+
+def _rel(path: pathlib.Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _text_files():
+    return [p for p in _project_files() if p.suffix in TEXT or p.name == "Makefile"]
+
+
+def test_readme_is_short():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): history goes to CHANGELOG.md"
+
+
+def test_every_result_file_has_an_index_entry():
+    index = (RESULTS / "INDEX.md").read_text()
+    missing = [_rel(p) for p in sorted(RESULTS.rglob("*"))
+               if p.is_file() and p.name != "INDEX.md" and f"`{p.name}`" not in index]
+    assert not missing, f"results without an entry (`NAME`: what, machine, command, commit) in INDEX.md: {missing}"
+
+
+def test_result_files_record_no_machine_path():
+    found = []
+    for p in sorted(RESULTS.rglob("*")):
+        if p.is_file() and p.suffix in TEXT:
+            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+                if MACHINE_PATH.search(line):
+                    found.append(f"{_rel(p)}:{i}: {line.strip()[:120]}")
+    assert not found, "machine paths in results (record paths relative to the repository):\n" + "\n".join(found[:20])
+
+
+def test_no_run_is_called_by_the_other_word():
+    found = []
+    for p in _text_files():
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+            if RUN_WORD.search(API_IDENTIFIERS.sub("", line)):
+                found.append(f"{_rel(p)}:{i}: {line.strip()[:120]}")
+    assert not found, 'say "run" or give a date:\n' + "\n".join(found[:30])
+
+
+def test_benchmarks_tests_and_examples_stay_short():
+    """test_modules_stay_short's limit for every other Python file of the project."""
+    long = {}
+    for p in _project_files():
+        if p.suffix == ".py" and p.relative_to(ROOT).parts[0] not in PACKAGES:
+            n = len(p.read_text().splitlines())
+            if n > MAX_LINES:
+                long[_rel(p)] = n
+    assert not long, f"modules over {MAX_LINES} lines (split them by topic): {long}"
+
+
+def test_the_guards_see_what_they_guard():
+    """The checks above pass vacuously if they read nothing: they must see this repository's files."""
+    names = {_rel(p) for p in _text_files()}
+    assert {"README.md", "CHANGELOG.md", "tests/test_structure.py", "benchmarks/bench_e2e_gpu.py"} <= names
+    assert RUN_WORD.search("one " + "Sess" + "ion later") and not RUN_WORD.search("start_new_" + "sess" + "ion")
+    assert not RUN_WORD.search(API_IDENTIFIERS.sub("", '@pytest.fixture(scope="' + "sess" + 'ion")'))
+    assert MACHINE_PATH.search('"profiles": "/work/main/x.json"') and not MACHINE_PATH.search("build/m4 a/tmp/b")
