@@ -12,6 +12,15 @@ import torch
 from ddtree_compile.testing import cpu_choices, models
 
 
+@pytest.fixture(autouse=True)
+def _the_suites_choices_after_each_test():
+    """Tests here force and release choices; the suite's own (DDTREE_TEST_CPU_*, make test-layouts) are
+    what the next module's engines must get."""
+    yield
+    cpu_choices.reset()
+    cpu_choices.apply_from_env()
+
+
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     return models.write_tiny_model("qwen3_5", tmp_path_factory.mktemp("kinds") / "qwen3_5")
@@ -39,7 +48,8 @@ def test_each_cpu_kind_sizes_the_gdn_state_as_that_kind_of_cpu_does(hybrid):
 def test_forced_kv_layout_and_release():
     from vllm.v1.attention.backends import cpu_attn
 
-    own = cpu_attn._get_attn_isa(torch.bfloat16, 128)
+    cpu_choices.force_attn_isa(None)
+    own = cpu_attn._get_attn_isa(torch.bfloat16, 128)  # this CPU's
     cpu_choices.force_attn_isa("vec16")
     try:
         assert cpu_attn._get_attn_isa(torch.bfloat16, 128) == "vec16"
@@ -53,4 +63,4 @@ def test_bad_values_name_the_variable_and_the_allowed_values(monkeypatch, env, v
     monkeypatch.setenv(env, value)
     with pytest.raises(ValueError, match=f"{env}: must be one of .*got 'amx'"):
         cpu_choices.apply_from_env()
-    cpu_choices.reset()
+    monkeypatch.undo()  # before the fixture above re-applies the suite's variables
