@@ -2,7 +2,7 @@
 
 Read from the vLLM 0.26.0 source (commit ffd46bfab, `vllm/_version.py`); docs/vllm_0_26.md has the
 facts with file:line. Paths below are relative to that `vllm/` package. Run on an H100 with
-PIECEWISE CUDA graphs (attention-only and hybrid targets; benchmarks/results/gpu_e2e_026_h100.json).
+PIECEWISE CUDA graphs (attention-only and hybrid targets; tests/gpu, results/gpu_suite.json).
 
 What differs from 0.32 (everything else is the same code, checked line by line):
 

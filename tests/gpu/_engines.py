@@ -6,7 +6,7 @@ harness reach the runner). Compiled engines use the tree pass's compilation conf
 FULL_AND_PIECEWISE CUDA graphs: tree verifies replay FULL graphs captured with the tree ops, mixed
 batches run PIECEWISE. References (no speculation) run eagerly: their start costs seconds instead of a
 compile, and the regret gate judges DDTree's divergences from them (an eager reference held every gate
-of the V2 runs, benchmarks/results/gpu_v2_026_h200.json).
+of the V2 runs: tests/gpu/test_v2.py, benchmarks/results/gpu_suite.json).
 
 Hybrids keep their GDN state cache in float32 in every engine: with bf16, no speculation rounds the
 state after every token while a verify that accepts k tokens rounds once after k, and that alone moved
