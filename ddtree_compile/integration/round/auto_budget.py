@@ -29,7 +29,7 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   interference (a first-call compile, a stall, an idle engine between requests) only ever adds time:
   with a mean, a few stalls among few samples would hold a kind's cost up for many steps. Its mean,
   not one order statistic: the lower quartile of 9 steps differed from the fixed-budget engines'
-  mean steps by -22% to +11% on the H100 (`e2e_h100x4_4b_s24.json`), more than the tree-vs-chain
+  mean steps by -22% to +11% on the H100 (CHANGELOG), more than the tree-vs-chain
   margins at c = 4, and both kinds' costs carry the same downward bias, which the comparison
   cancels. A cycle is timed only when the step before it was a clean step of the same kind and batch
   bucket: a cycle also holds what the step before left it (the host's wait for that step's verify,
@@ -40,7 +40,7 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   a probe is two steps of its kind, the second timed.
 - Which kind is faster is read from neighbouring steps. A losing kind is timed only at its probes,
   the winner at every step, and between the two the host's speed changes (on two H200s the same flat
-  DFlash step took 10.9 ms in one cell and 15.3 ms in the next, `e2e_h200x2_4b_s27.json`), and so
+  DFlash step took 10.9 ms in one cell and 15.3 ms in the next, CHANGELOG), and so
   does the batch inside its bucket (bucket 16 holds 16..31 requests: a c = 64 run's tail read the
   chain's step there at 29.9 ms, the c = 16 cell at 17.4): the costs then compare different hosts
   and batches. So a probe's timed step is also compared with the winner's timed steps right before
@@ -65,7 +65,7 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   profile (tree 14.5 ms and 4.83 tokens, chain 12.7 ms and 4.76 at c = 1) the tree is probed every
   ~25 steps, at c = 16 (26.7 and 19.7 ms) every ~62. A back-off to 256 steps instead kept auto on
   the chain for most of a cell after the acceptance rose (+4% -> +22% profile: 1.10x flat where
-  budget 32 read 1.17x, `e2e_h100_4b_s23.json`).
+  budget 32 read 1.17x, CHANGELOG).
 
 On CUDA (vLLM 0.26, V1 runner) every kind has FULL CUDA graphs per batch bucket: vLLM's own for
 the largest tree (1 + K = B + 1 tokens per request), and the adapter's for the smaller buckets and
