@@ -49,34 +49,36 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's tests keep their order
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _collect_only_between_engines():
-    """Cyclic garbage is collected at safe points only: after each test module and in engines.shutdown.
+# Once per test process (pytest_configure / pytest_unconfigure, in each xdist worker too):
+#
+# Cyclic garbage is collected at safe points only: after each test module and in engines.shutdown.
+# vLLM's CPU GEMM handles have a `__del__` that fails inside a fake-tensor trace, and an automatic
+# collection can fall inside the next engine's compile (ddtree_compile/engines.py); vLLM itself turns
+# the collector off around CUDA graph capture for the same kind of reason.
+#
+# DDTREE_TEST_CPU_ATTN_ISA=vec16 (or vec) and DDTREE_TEST_CPU_KIND=avx512_bf16 (or plain) start every
+# engine of the suite with that KV layout and that CPU kind's start-up choices, those another CPU would
+# get (`make test-layouts`; ddtree_compile/testing/cpu_choices.py). Subprocess engines apply the same
+# variables themselves.
+_CPU_CHOICE_VARS = ("DDTREE_TEST_CPU_ATTN_ISA", "DDTREE_TEST_CPU_KIND")
+_GC_WAS_ENABLED = gc.isenabled()
 
-    vLLM's CPU GEMM handles have a `__del__` that fails inside a fake-tensor trace, and an automatic
-    collection can fall inside the next engine's compile (ddtree_compile/engines.py); vLLM itself
-    turns the collector off around CUDA graph capture for the same kind of reason.
-    """
-    was_enabled = gc.isenabled()
+
+def pytest_configure(config):
     gc.disable()
-    yield
-    if was_enabled:
+    if any(os.environ.get(k) for k in _CPU_CHOICE_VARS):
+        from ddtree_compile.testing import cpu_choices
+
+        cpu_choices.apply_from_env()
+
+
+def pytest_unconfigure(config):
+    if any(os.environ.get(k) for k in _CPU_CHOICE_VARS):
+        from ddtree_compile.testing import cpu_choices
+
+        cpu_choices.reset()
+    if _GC_WAS_ENABLED:
         gc.enable()
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _forced_cpu_choices():
-    """DDTREE_TEST_CPU_ATTN_ISA=vec16 (or vec) and DDTREE_TEST_CPU_KIND=avx512_bf16 (or plain) start every
-    engine of the suite with that KV layout and that CPU kind's start-up choices, those another CPU
-    would get (`make test-layouts`; ddtree_compile/testing/cpu_choices.py). Subprocess engines apply
-    the same variables themselves."""
-    if not any(os.environ.get(k) for k in ("DDTREE_TEST_CPU_ATTN_ISA", "DDTREE_TEST_CPU_KIND")):
-        yield {}
-        return
-    from ddtree_compile.testing import cpu_choices
-
-    yield cpu_choices.apply_from_env()
-    cpu_choices.reset()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -226,7 +226,7 @@ SKIP_DIRS = {"__pycache__", ".pytest_cache", ".hypothesis"}
 # The word is spelled apart so that this file passes its own check.
 RUN_WORD = re.compile(r"\b" + "sess" + r"ions?\b", re.IGNORECASE)
 # Library identifiers that contain the word and are not prose: pytest's fixture scope, an attribute
-# named after a class (requests.Session, aiohttp.ClientSession is one word already). Stripped first.
+# named after a client class of requests or aiohttp. Stripped first.
 API_IDENTIFIERS = re.compile(r"""scope\s*=\s*["']""" + "sess" + r"""ion["']|\.""" + "Sess" + r"ion\b")
 # Absolute paths of a machine (a user's home, scratch and work folders, system prefixes).
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:tmp|work|root|home|Users|mnt|scratch|opt|var|data)/")
