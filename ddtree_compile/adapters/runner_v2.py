@@ -6,13 +6,16 @@ forms: eager `model.forward`, `cudagraph_manager.run_pw_graph`, `run_fullgraph`,
 sampler) and calls the round's hooks with V1's arguments, so build / verify / walk / commit are the
 same stages on both runners (docs/runner_v2.md has the lines of both releases).
 
-Served: greedy and seeded sampling, chain rows through V2's own rejection sampler with one-hot drafts
+Served: V2's default loop (async scheduling on: the round is device work between V2's own host steps,
+no host sync of its own, and the host learns the committed tokens through V2's asynchronous output one
+step later, as for flat DFlash) and the synchronous one; greedy and seeded sampling, chain rows
+through V2's own rejection sampler with one-hot drafts
 (lossless: the drafts are the tree's, not samples of the drafter's distribution), attention-only and
 GatedDeltaNet hybrids, M-RoPE, eager engines and torch.compile with PIECEWISE / FULL_AND_PIECEWISE
 graphs (tree verifies replay FULL graphs captured through V2's graph manager; the drafter's graphs are
 captured for L queries). Refused at attach (unsupported_features): pure FULL graphs, V2's breakable
-graphs, async scheduling, custom logits processors, hybrid prefix caching; budget "auto" verifies
-the tree every step.
+graphs, custom logits processors, hybrid prefix caching other than "align"; budget "auto" verifies the tree
+every step.
 """
 
 from __future__ import annotations
@@ -108,8 +111,6 @@ class V2RunnerView(V1RunnerView):
                     f"FULL_DECODE_ONLY or PIECEWISE")
         if getattr(getattr(self.runner, "cudagraph_manager", None), "use_breakable_cg", False):
             return "breakable CUDA graphs of Model Runner V2 (the round hooks vLLM's compiled piecewise graphs)"
-        if vc.scheduler_config.async_scheduling:
-            return "async scheduling (the tree round is synchronous: pass async_scheduling=False)"
         if type(self.speculator).__name__ != "DFlashSpeculator":
             return f"a {type(self.speculator).__name__} speculator (DDTree needs V2's DFlash speculator)"
         return model_features_unsupported(mc, cc)
@@ -176,7 +177,10 @@ class V2RunnerView(V1RunnerView):
         ks = [int(k) for k in b.num_draft_tokens_per_req[:R]]
         starts = b.query_start_loc_np[:R]
         rows = np.concatenate([np.arange(s + 1, s + 1 + k) for s, k in zip(starts, ks)] or [np.zeros(0, np.int64)])
-        draft_tokens = b.input_ids[torch.from_numpy(rows.astype(np.int64)).to(b.input_ids.device)]
+        rows = torch.from_numpy(rows.astype(np.int64))
+        if b.input_ids.is_cuda:  # pinned + non_blocking: under async scheduling the host must not wait here
+            rows = rows.pin_memory()
+        draft_tokens = b.input_ids[rows.to(b.input_ids.device, non_blocking=True)]
         return SpecBatch(ks, draft_tokens, b.logits_indices)
 
     def sampled_tokens(self, sampler_output) -> tuple[torch.Tensor, object]:

@@ -183,23 +183,26 @@ def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: flo
     num_speculative_tokens becomes max(effective budget, L) so its slots hold the tree. The
     `compilation_config` installs the tree pass for `platform` ("cpu", "cuda", "rocm"; default: "cuda"
     where torch sees a GPU): on GPUs it also keeps the graph whole for the pass
-    (passes/entry.compilation_config). `async_scheduling` is off: the tree round runs in vLLM's
-    synchronous path, and vLLM 0.26 turns async scheduling on by default for DFlash on GPUs (the
-    engine would then run as flat DFlash). Merge it with your own with
-    `merge_llm_kwargs`. `auto`: auto_budget / probe_interval / cost_table with budget="auto".
+    (passes/entry.compilation_config). Async scheduling is left to vLLM (on for DFlash on GPUs: Model
+    Runner V2 runs the round in that loop; on the V1 runner the plugin turns it off, switch.py).
+    Merge it with your own with `merge_llm_kwargs`. Adding only the ddtree block to a flat DFlash
+    configuration does the same (switch.py). `auto`: auto_budget / probe_interval / cost_table with budget="auto".
     """
     cfg = DDTreeConfig(budget=budget, top_k=top_k, temperature=temperature, chain_seed=chain_seed,
                        draft_len=_int("draft_len", num_speculative_tokens, 1), **auto)
-    b_eff = effective_budget(cfg.tree_budget, top_k, cfg.draft_len)
     kwargs = {
         "speculative_config": {"method": "dflash", "model": str(draft_model),
-                               "num_speculative_tokens": buckets.draft_slots(b_eff, cfg.draft_len)},
+                               "num_speculative_tokens": draft_slots(cfg, cfg.draft_len)},
         "additional_config": {KEY: cfg.to_dict()},
-        "async_scheduling": False,
     }
     # vLLM resolves the pass as `__import__("ddtree_compile").__dict__["tree_verify_pass"]`.
     kwargs["compilation_config"] = compilation_config(platform or _platform(), PASS_NAME)
     return kwargs
+
+
+def draft_slots(cfg: DDTreeConfig, draft_len: int) -> int:
+    """vLLM's num_speculative_tokens K for these settings and draft length L: max(effective budget, L)."""
+    return buckets.draft_slots(effective_budget(cfg.tree_budget, cfg.top_k, draft_len), draft_len)
 
 
 def _platform() -> str:
@@ -211,12 +214,8 @@ def _platform() -> str:
 def merge_llm_kwargs(user: dict, switch: dict) -> dict:
     """`vllm.LLM` kwargs of your own plus the DDTree switch (`vllm_kwargs`): the switch's speculative
     config; additional_config and compilation_config merged key by key (yours win, except the tree
-    pass, which must stay: another post-grad pass in its place is an error; and async scheduling,
-    which the tree round cannot run under)."""
-    if user.get("async_scheduling"):
-        raise ValueError("async_scheduling=True: DDTree's round runs in vLLM's synchronous path; "
-                         "allowed: False or unset")
-    out = {**user, "speculative_config": switch["speculative_config"], "async_scheduling": False}
+    pass, which must stay: another post-grad pass in its place is an error)."""
+    out = {**user, "speculative_config": switch["speculative_config"]}
     out["additional_config"] = {**user.get("additional_config", {}), **switch["additional_config"]}
     cc_user = dict(user.get("compilation_config") or {})
     passes = {**cc_user.get("inductor_passes", {})}

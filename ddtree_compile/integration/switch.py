@@ -1,0 +1,88 @@
+"""The switch as one addition to a flat DFlash configuration.
+
+A user who runs flat DFlash (`--speculative-config '{"method": "dflash", "model": ..., 
+"num_speculative_tokens": 15}'`, vLLM's own compilation and loop) adds only
+`--additional-config '{"ddtree": {"budget": 32}}'` (or `additional_config=` for `vllm.LLM`). The plugin
+(plugin.py) wraps `EngineArgs.create_engine_config`, in the process that builds vLLM's config, and
+adjusts what the round needs, logging each change once:
+
+- `num_speculative_tokens`: the user's is the drafter's chain length L; vLLM's draft slots must hold
+  the tree, so it becomes `draft_slots(budget, L)` and the ddtree block records L as `draft_len`.
+- `compilation_config`: the tree-verify pass is installed (passes/entry.compilation_config), the
+  user's other settings kept; another post-grad pass in its place is an error.
+- async scheduling: left as vLLM resolves it (on for DFlash on GPUs). Model Runner V2 serves the
+  round in that loop; the V1 runner does not, so where vLLM picked V1 and the user did not ask for
+  async scheduling, it is turned off (an explicit `--async-scheduling` on V1 starts flat DFlash,
+  refused at attach and counted).
+
+What `config.vllm_kwargs` produces already has these values: adjusting it again changes nothing.
+"""
+
+from __future__ import annotations
+
+from . import config as config_mod
+
+
+def adjust_engine_args(args) -> list[str]:
+    """Before vLLM builds its config from `args` (vLLM's EngineArgs): the changes made, as log lines."""
+    cfg = config_mod.parse(getattr(args, "additional_config", None))
+    spec = getattr(args, "speculative_config", None)
+    if cfg is None or not isinstance(spec, dict) or spec.get("method") != "dflash":
+        return []  # (no DFlash drafter: attach says so)
+    notes = []
+    K = spec.get("num_speculative_tokens")
+    L = cfg.draft_len if cfg.draft_len is not None else K
+    if L is None:
+        return []  # vLLM takes the drafter's block; the round reads L from the drafter at attach
+    if cfg.draft_len is None:
+        args.additional_config = {**args.additional_config,
+                                  config_mod.KEY: {**args.additional_config[config_mod.KEY], "draft_len": L}}
+        cfg = config_mod.parse(args.additional_config)
+    slots = config_mod.draft_slots(cfg, L)
+    if K != slots:
+        args.speculative_config = {**spec, "num_speculative_tokens": slots}
+        notes.append(f"speculative_config.num_speculative_tokens {K} -> {slots} (vLLM's draft slots hold the tree of "
+                     f"{slots} nodes; the drafter keeps drafting {L} positions)")
+    note = _install_pass(args)
+    if note:
+        notes.append(note)
+    return notes
+
+
+def _install_pass(args) -> str | None:
+    """The tree-verify pass in `args.compilation_config` (vLLM's CompilationConfig or a dict)."""
+    from vllm.platforms import current_platform
+
+    wanted = config_mod.compilation_config("cpu" if current_platform.device_type == "cpu" else "cuda",
+                                           config_mod.PASS_NAME)
+    cc = args.compilation_config
+    get = cc.get if isinstance(cc, dict) else lambda k, d=None: getattr(cc, k, d)
+    theirs = dict(get("inductor_passes") or {})
+    if theirs.get("post_grad_custom_post_pass") not in (None, config_mod.PASS_NAME):
+        raise ValueError(f"compilation_config.inductor_passes['post_grad_custom_post_pass'] is "
+                         f"{theirs['post_grad_custom_post_pass']!r}; DDTree needs {config_mod.PASS_NAME!r} there")
+    changes = {"inductor_passes": {**theirs, **wanted["inductor_passes"]}}
+    if "splitting_ops" in wanted:
+        ops = list(get("splitting_ops") or [])
+        changes["splitting_ops"] = ops + [op for op in wanted["splitting_ops"] if op not in ops]
+        changes["use_inductor_graph_partition"] = True
+    if all(get(k) == v for k, v in changes.items()):
+        return None
+    for key, value in changes.items():
+        if isinstance(cc, dict):
+            cc[key] = value
+        else:
+            setattr(cc, key, value)
+    return "compilation_config: the tree-verify pass installed (" + ", ".join(sorted(changes)) + ")"
+
+
+def adjust_vllm_config(vllm_config, user_async) -> list[str]:
+    """After vLLM built its config: async scheduling off on the V1 runner unless the user asked for it."""
+    if config_mod.parse(vllm_config.additional_config) is None or vllm_config.speculative_config is None:
+        return []
+    sc = vllm_config.scheduler_config
+    if sc.async_scheduling and user_async is None and not vllm_config.use_v2_model_runner:
+        sc.async_scheduling = False
+        return ["async scheduling off: vLLM picked the V1 model runner, whose round runs in the synchronous "
+                "loop (Model Runner V2 serves it with async scheduling: VLLM_USE_V2_MODEL_RUNNER=1)"]
+    return []
