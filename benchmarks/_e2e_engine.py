@@ -66,7 +66,23 @@ def _save(cfg, folder: pathlib.Path) -> None:
     tmp.rmdir()
 
 
-def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -> dict:
+# The loops a mode runs in: (VLLM_USE_V2_MODEL_RUNNER, async_scheduling: None = as vLLM resolves it).
+# v2async is what vLLM 0.26 gives the users' pair by default (its mixed sliding/full drafter makes vLLM
+# pick Model Runner V2; async scheduling is on for DFlash): every table's reference column.
+LOOPS = {"v2async": ("1", None), "v2sync": ("1", False), "v1sync": ("0", False)}
+
+
+def loop_of(mode: str, args) -> str:
+    """A mode's loop: its "@loop" suffix, else --loop."""
+    return mode.partition("@")[2] or args.loop
+
+
+def use_loop(loop: str) -> None:
+    """This process's model runner (set before its first engine: vLLM reads it at config time)."""
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = LOOPS[loop][0]
+
+
+def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, loop: str = "v1sync") -> dict:
     from ddtree_compile.testing import models
 
     hybrid = args.target != "tiny" or args.tiny_kind != "qwen3"
@@ -103,10 +119,8 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict) -
         kw["disable_custom_all_reduce"] = True
     if spec is not None:
         kw["speculative_config"] = spec
-        # DDTree's round runs in vLLM's synchronous loop; flat DFlash runs in the same loop (vLLM 0.26
-        # turns async scheduling on for DFlash: the first H100 run saw 2-3 s stalls and one run whose
-        # drafts went out of step with the oracle there), so the ratios compare drafting, not loops.
-        kw["async_scheduling"] = False
+    if LOOPS[loop][1] is not None:
+        kw["async_scheduling"] = LOOPS[loop][1]
     if extra:
         kw["additional_config"] = extra
     return kw
@@ -163,7 +177,7 @@ def start_engine(args, target, conc, prompts, spec=None, extra=None, share=1, mo
     from vllm import LLM
 
     t = time.perf_counter()
-    kw = engine_kwargs(target, args, max(conc), spec, extra or {})
+    kw = engine_kwargs(target, args, max(conc), spec, extra or {}, loop_of(mode or "", args))
     if share > 1 and "gpu_memory_utilization" in kw:
         # the engines start together (side_by_side): a KV cache sized from a memory profile would count
         # what the other engines allocate meanwhile as this one's, so each gets a fixed cache instead
@@ -267,3 +281,16 @@ def attached(llm, mode, budget, result) -> bool:
                                "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS)})
         return False
     return True
+
+
+def loop_info(llm) -> dict:
+    """What a row records of the engine it timed: the runner class and whether async scheduling was on."""
+    from ddtree_compile.integration import engines
+
+    runner = engines.find_runner(llm)
+    if runner is None:  # (tensor parallel: the runner lives in the rank processes)
+        vc = llm.llm_engine.vllm_config
+        return {"runner": "V2" if vc.use_v2_model_runner else "V1",
+                "async_scheduling": bool(vc.scheduler_config.async_scheduling)}
+    return {"runner": f"{type(runner).__module__}.{type(runner).__name__}",
+            "async_scheduling": bool(runner.vllm_config.scheduler_config.async_scheduling)}

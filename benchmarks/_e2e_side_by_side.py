@@ -9,7 +9,7 @@ import time
 
 import _e2e_cells as cells
 import _phase_timers
-from _e2e_engine import ddtree_attached, force_chain, install_oracle, start_engine
+from _e2e_engine import ddtree_attached, force_chain, install_oracle, loop_info, loop_of, start_engine, use_loop
 
 
 def side_by_side(modes, profiles, setup, result, save) -> None:
@@ -69,7 +69,7 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     rounds["run_started_s"] = [r["started_s"] for r in runs[w.mode]]  # the interleaving, on record
                     rounds["warmup_started_s"] = warm[w.mode]
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
-                                  cells.median(runs[w.mode]), setup["ref"], rounds)
+                                  cells.median(runs[w.mode]), setup["ref"], {**rounds, **w.info["loop"]})
                 save()
             if prof is profiles[0]:
                 for c in cells.gpu_profile_at(args, setup["conc"], setup["conc"]):
@@ -170,6 +170,7 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
 
     args, conc, prompts = argparse.Namespace(**setup["args"]), setup["conc"], setup["prompts"]
     try:
+        use_loop(loop_of(mode, args))
         plugin.register()
         llm, start = start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"], mode=mode)
         if getattr(args, "phase_timers", False):
@@ -178,7 +179,8 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
             force_chain(llm, mode)
         conn.send(("ok", {"start_s": start, "attached": not budget or ddtree_attached(llm),
                           "fallbacks": dict(metrics.PROCESS_STARTUP_FALLBACKS), "pid": os.getpid(),
-                          "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+                          "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                          "loop": {"loop": loop_of(mode, args), **loop_info(llm)}}))
     except Exception:
         conn.send(("error", traceback.format_exc()[-2000:]))
         return

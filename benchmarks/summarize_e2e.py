@@ -21,6 +21,10 @@
   end < 1), above it (lower end > 1), or neither at this many repeats. Rough at 5 repeats (a bootstrap
   of few samples runs narrow), but it tells a 0.91x that every repeat agrees on from one that a single
   slow run made.
+- The reference is the mode "flat", in the loop the benchmark gives it (by default vLLM's own: Model
+  Runner V2 with async scheduling, rows record `runner` and `async_scheduling`); where the run has
+  "flat@v1sync" too (the V1 synchronous flat DFlash of earlier tables), a second table gives every
+  mode's ratio to that.
 - The plot (matplotlib: `pip install -e .[bench]`): tok/s over flat DFlash per mode, one panel per
   profile, x = concurrency.
 """
@@ -34,6 +38,7 @@ import random
 import statistics
 
 VALID = 0.95
+OLD_BASELINE = "flat@v1sync"  # bench_e2e_gpu mode: flat DFlash on the V1 runner, async scheduling off
 
 
 def rounds_per_s(r: dict) -> float:
@@ -147,6 +152,18 @@ def table(result: dict) -> str:
         lines += [head, lines[1]]
         for m in modes:
             lines.append(f"| {m} | " + " | ".join(_ci_cell(cell.get((m, p, c))) for p in profiles for c in conc) + " |")
+    old = [r for r in runs if r["mode"] == OLD_BASELINE and "vs_flat" in r]
+    if old:  # the earlier baseline (V1 runner, synchronous loop): every mode's ratio to it, the same cells
+        ratio = {(r["profile"], r["concurrency"]): r.get("vs_flat_agg", r["vs_flat"]) for r in old}
+        lines.append(f"\nOver {OLD_BASELINE} (the V1 synchronous flat DFlash earlier tables compared against):\n")
+        lines += [head, lines[1]]
+        for m in modes:
+            if m == OLD_BASELINE:
+                continue
+            lines.append(f"| {m} | " + " | ".join(
+                f"{cell[(m, p, c)].get('vs_flat_agg', cell[(m, p, c)]['vs_flat']) / ratio[(p, c)]:.2f}x"
+                if (m, p, c) in cell and "vs_flat" in cell[(m, p, c)] and (p, c) in ratio else "-"
+                for p in profiles for c in conc) + " |")
     nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
     if nospec:
         lines.append("| no speculation tok/s | " + " | ".join(

@@ -303,3 +303,34 @@ def test_ratio_interval_resamples_the_paired_repeats(bench):
     auto["tok_s_runs"], flat["tok_s_runs"] = auto["tok_s_runs"][:2], flat["tok_s_runs"][:2]
     summ.summarize(res)
     assert "vs_flat_ci90" not in auto  # two repeats: no interval
+
+
+def test_modes_take_a_loop_and_the_summary_compares_with_the_old_baseline(bench, capsys):
+    """--modes NAME@LOOP: each mode's engine in its loop (v2async: vLLM's default, async scheduling left
+    to vLLM; v2sync / v1sync: async off), mixed loops only side by side (one runner per process), an
+    unknown loop named with the allowed ones; the summary adds every mode's ratio to flat@v1sync."""
+    import types
+
+    args = types.SimpleNamespace(modes=["nospec", "flat", "ddtree@v2sync", "flat@v1sync", "auto"], budgets=[16, 32],
+                                 loop="v2async")
+    assert bench.speculative_modes(args) == [("flat", None), ("ddtree16@v2sync", 16), ("ddtree32@v2sync", 32),
+                                             ("flat@v1sync", None), ("auto", "auto")]
+    engine = importlib.import_module("_e2e_engine")
+    assert [engine.loop_of(m, args) for m in ("flat", "flat@v1sync")] == ["v2async", "v1sync"]
+    kw_args = types.SimpleNamespace(target="tiny", tiny_kind="qwen3", prompt_len=8, max_tokens=8, budgets=[8],
+                                    flat_len=4, auto_budget=8, device="cpu")
+    assert "async_scheduling" not in engine.engine_kwargs("/t", kw_args, 2, None, {}, "v2async")
+    assert engine.engine_kwargs("/t", kw_args, 2, None, {}, "v2sync")["async_scheduling"] is False
+    for argv, why in ((["--modes", "flat@v3"], "unknown loop(s) ['v3']; allowed: v2async, v2sync, v1sync"),
+                      (["--modes", "flat@v2async,flat@v1sync"], "different loops: only with --side-by-side")):
+        with pytest.raises(SystemExit):
+            bench.main(["--out", "x.json", *argv])
+        assert why in capsys.readouterr().err
+    summ = importlib.import_module("summarize_e2e")
+    cell = dict(profile="a", concurrency=1, tpot_p50_ms=1.0, reference_match=1.0, tokens_per_round=5.0, wall_s=1.0,
+                rounds=10)
+    runs = [dict(cell, mode="flat", tok_s=200.0), dict(cell, mode="flat@v1sync", tok_s=100.0),
+            dict(cell, mode="ddtree32", budget=32, tok_s=150.0)]
+    text = summ.table(summ.summarize({"args": {"side_by_side": True}, "runs": runs}))
+    assert "| ddtree32 | 0.75x (1.00) |" in text and "| flat@v1sync | 0.50x (1.00) |" in text
+    assert text.split("Over flat@v1sync")[1].count("| ddtree32 | 1.50x |") == 1, text

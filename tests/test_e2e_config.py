@@ -70,7 +70,7 @@ def test_merge_llm_kwargs_keeps_yours_and_the_pass():
 
 
 def test_the_ddtree_block_added_to_a_flat_dflash_configuration_is_the_switch():
-    """What the plugin does to vLLM's EngineArgs (switch.py) when a user adds only the ddtree block to
+    """What the plugin does to vLLM's EngineArgs (adapters/engine_args.py) when a user adds only the ddtree block to
     their flat DFlash settings: the drafter's L becomes draft_len, vLLM's slots hold the tree, the
     tree-verify pass is installed in their compilation config (a dict or vLLM's CompilationConfig),
     and the settings `vllm_kwargs` already made are left as they are."""
@@ -78,7 +78,7 @@ def test_the_ddtree_block_added_to_a_flat_dflash_configuration_is_the_switch():
 
     from vllm.config import CompilationConfig
 
-    from ddtree_compile.integration import switch
+    from ddtree_compile.adapters import engine_args as switch
 
     flat = {"method": "dflash", "model": "/d", "num_speculative_tokens": 15}
     for cc in ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE")):
@@ -222,11 +222,23 @@ def _llm(dirs, **kw):
     return LLM(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, dtype="float32", **kw))
 
 
-def test_bad_budget_for_vllm_slots_fails_at_start(dirs):
+def test_flat_dflash_settings_plus_the_ddtree_block_start_ddtree(dirs):
+    """A user's flat DFlash settings (4 drafts) plus only the ddtree block: vLLM's draft slots are raised
+    to the tree's (a budget over num_speculative_tokens no longer fails at start), the drafter keeps its 4."""
     kw = {"speculative_config": {"method": "dflash", "model": str(dirs["drafter"]), "num_speculative_tokens": 4},
           "additional_config": {"ddtree": {"budget": 16, "top_k": 4}}}
-    with pytest.raises(Exception, match="num_speculative_tokens >= 16"):
-        _llm(dirs, **kw)
+    llm = _llm(dirs, **kw)
+    try:
+        state = engines.find_state(llm)
+        assert state is not None and state.ctx.L == 4 and state.ctx.B == 16
+        assert engines.find_runner(llm).vllm_config.speculative_config.num_speculative_tokens == 16
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert len(out) == 8 and metrics.collect(llm)[0]["tree_steps"] > 0
+    finally:
+        engines.shutdown(llm)
 
 
 def test_non_dflash_method_fails_at_start(dirs):

@@ -224,3 +224,11 @@ class RunnerView(abc.ABC):
 
     @abc.abstractmethod
     def unwrap_drafter_logits(self) -> None: ...
+
+    def wrap_flat_drafts(self, fn) -> bool:
+        """Where vLLM's flat DFlash samples its drafts inside a CUDA graph (no Python reached there):
+        fn(drafts [R, L] on the device) rewrites them after each proposal. False where not needed."""
+        return False
+
+    def unwrap_flat_drafts(self) -> None:
+        return None

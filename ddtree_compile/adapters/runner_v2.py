@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .runner_v2_hooks import prompt_ids_of
 from .v1_runner import V1RunnerView, model_features_unsupported, patch_after, patch_before
 
 _SHARED = "_ddtree_v2"  # on the runner instance: what every view of that runner reads (_Shared)
@@ -274,6 +275,44 @@ class V2RunnerView(V1RunnerView):
 
     def unwrap_drafter_logits(self) -> None:
         self.speculator.model.__dict__.pop("compute_logits", None)
+
+    def wrap_flat_drafts(self, fn) -> bool:
+        """vLLM's own flat DFlash on V2 samples its drafts inside the drafter's FULL graph (0.26
+        `dflash/speculator.py` `_generate_draft`), where a wrapped compute_logits is never called:
+        after each proposal fn(drafts) rewrites them in place (benchmark oracles). The requests' prompts
+        are tracked for the views, as the round's hooks do. False where DDTree's round runs (it computes
+        the drafter's logits eagerly, so the logits hook reaches it)."""
+        from ..integration.engines import state_of
+
+        r, s = self.runner, self.speculator
+        if state_of(r) is not None or s is None:
+            return False
+        shared, propose, add, remove = self._shared, s.propose, r.add_requests, r._remove_request
+
+        def on_propose(input_batch, *args, **kw):
+            drafts = propose(input_batch, *args, **kw)
+            if not kw.get("dummy_run"):
+                shared.batch = input_batch
+                fn(drafts)
+            return drafts
+
+        def on_add(scheduler_output):
+            out = add(scheduler_output)
+            for new in scheduler_output.scheduled_new_reqs:
+                shared.requests[new.req_id] = (new.sampling_params, prompt_ids_of(new))
+            return out
+
+        def on_remove(req_id):
+            shared.requests.pop(req_id, None)
+            return remove(req_id)
+
+        s.propose, r.add_requests, r._remove_request = on_propose, on_add, on_remove
+        return True
+
+    def unwrap_flat_drafts(self) -> None:
+        self.speculator.__dict__.pop("propose", None)
+        for name in ("add_requests", "_remove_request"):
+            self.runner.__dict__.pop(name, None)
 
     # -- the round's hooks ---------------------------------------------------------------------------------
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:

@@ -58,7 +58,7 @@ class V2RoundHooks:
     def on_add_requests(self, scheduler_output):
         out = self.orig["add_requests"](scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
-            self.view._requests[new.req_id] = (new.sampling_params, _prompt_ids(new))
+            self.view._requests[new.req_id] = (new.sampling_params, prompt_ids_of(new))
         return out
 
     def on_remove_request(self, req_id):
@@ -202,7 +202,7 @@ def _with_positions_in(buf, run, kw: dict):
         buf[..., :n].copy_(saved)
 
 
-def _prompt_ids(new_req_data) -> list[int]:
+def prompt_ids_of(new_req_data) -> list[int]:
     """The prompt of a new request (0.26 sends prompt_token_ids; 0.32 prompt_len + prefill ids)."""
     ids = getattr(new_req_data, "prompt_token_ids", None)
     if ids is not None:

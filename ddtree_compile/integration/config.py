@@ -184,9 +184,9 @@ def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: flo
     `compilation_config` installs the tree pass for `platform` ("cpu", "cuda", "rocm"; default: "cuda"
     where torch sees a GPU): on GPUs it also keeps the graph whole for the pass
     (passes/entry.compilation_config). Async scheduling is left to vLLM (on for DFlash on GPUs: Model
-    Runner V2 runs the round in that loop; on the V1 runner the plugin turns it off, switch.py).
+    Runner V2 runs the round in that loop; on the V1 runner the plugin turns it off, adapters/engine_args.py).
     Merge it with your own with `merge_llm_kwargs`. Adding only the ddtree block to a flat DFlash
-    configuration does the same (switch.py). `auto`: auto_budget / probe_interval / cost_table with budget="auto".
+    configuration does the same (adapters/engine_args.py). `auto`: auto_budget / probe_interval / cost_table with budget="auto".
     """
     cfg = DDTreeConfig(budget=budget, top_k=top_k, temperature=temperature, chain_seed=chain_seed,
                        draft_len=_int("draft_len", num_speculative_tokens, 1), **auto)

@@ -39,12 +39,20 @@ class DrafterLogitsHook:
             raise ValueError(f"the {self.label} needs an engine with a DFlash drafter")
         self._view = view
         self._view.wrap_drafter_logits(self._compute_logits)
+        if self._flat_drafts is not None:  # flat DFlash drafting inside a CUDA graph (Model Runner V2)
+            self._view.wrap_flat_drafts(self._flat_drafts)
         return self
 
     def uninstall(self) -> None:
         if self._view is not None:
             self._view.unwrap_drafter_logits()
+            self._view.unwrap_flat_drafts()
             self._view = None
+
+    # Subclasses that also serve vLLM's flat DFlash where it samples its drafts inside a CUDA graph
+    # (Model Runner V2: no compute_logits call is reached there) set a method fn(drafts [R, L]) that
+    # rewrites the drafts in place with what their logits' top-1 would be.
+    _flat_drafts = None
 
     def _compute_logits(self, original, hidden_states):
         raise NotImplementedError

@@ -72,6 +72,7 @@ class DDTreeMetrics:
     def __init__(self, max_depth: int, device, log_interval: int = 0):
         self.max_depth = max_depth
         self.log_interval = log_interval
+        self._log_copy = None  # (event, accepted counts, histogram) on their way to the host (maybe_log)
         self._acc = torch.zeros(len(_COLS), dtype=torch.int64, device=device)
         self._hist = torch.zeros(max_depth + 1, dtype=torch.int64, device=device)  # accept depth histogram
         # budget "auto"'s inputs: tree rows, accepted, off-chain of the largest bucket's steps, then
@@ -142,9 +143,10 @@ class DDTreeMetrics:
         self.seconds[phase] += seconds
 
     # -- reading (host sync) -------------------------------------------------------------------
-    def snapshot(self) -> dict:
-        acc = dict(zip(_COLS, self._acc.tolist()))
-        hist = self._hist.tolist()
+    def snapshot(self, acc_hist: tuple | None = None) -> dict:
+        """The counters (a host sync), or with `acc_hist` the device counters as copied earlier."""
+        acc, hist = acc_hist or (self._acc, self._hist)
+        acc, hist = dict(zip(_COLS, acc.tolist())), hist.tolist()
         n = max(acc["tree_requests"], 1)
         return {
             **acc,
@@ -173,8 +175,22 @@ class DDTreeMetrics:
         }
 
     def maybe_log(self) -> None:
-        if self.log_interval and self.tree_steps % self.log_interval == 0:
+        """Every log_interval tree steps a line of the counters. On a GPU the device counters reach the
+        host by a copy started then and logged at the first tree step that finds it done: no host sync,
+        which under async scheduling would stall the loop the round overlaps."""
+        if self._log_copy is not None and self._log_copy[0].query():
+            _, acc, hist = self._log_copy
+            self._log_copy = None
+            logger.info("DDTree: %s", format_line(self.snapshot((acc, hist))))
+        if not self.log_interval or self.tree_steps % self.log_interval:
+            return
+        if self._acc.device.type != "cuda":
             logger.info("DDTree: %s", format_line(self.snapshot()))
+            return
+        acc, hist = self._acc.to("cpu", non_blocking=True), self._hist.to("cpu", non_blocking=True)  # pinned
+        event = torch.cuda.Event()
+        event.record()
+        self._log_copy = (event, acc, hist)
 
     def close(self) -> None:
         with _LOCK:

@@ -32,38 +32,13 @@ def register() -> None:
     except adapters.UnsupportedVLLM as e:
         refuse_once(str(e), "engines with DDTree switched on (additional_config['ddtree']) run as flat DFlash")
         return
-    _install_switch()
+    from ddtree_compile.adapters import engine_args
+
+    engine_args.install()  # the ddtree block added to a flat DFlash configuration is the switch
     adapter.install_model_load_hook(_on_model_load)
     adapter.install_memory_profile_hook(_on_memory_profile)
     adapter.install_kv_cache_spec_hook(_gdn_spec_blocks)
     adapter.install_kv_cache_hook(_on_kv_caches_ready)
-
-
-def _install_switch() -> None:
-    """vLLM builds its config (`EngineArgs.create_engine_config`, front end of `vllm serve` and
-    `vllm.LLM`): the ddtree block added to a flat DFlash configuration adjusts what the round needs
-    (switch.py), each change logged once."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    from ddtree_compile.integration import switch
-    from ddtree_compile.integration.metrics import logger
-
-    original = EngineArgs.create_engine_config
-    if getattr(original, "_ddtree_switch", False):
-        return
-    logged = set()
-
-    def create_engine_config(self, *args, **kwargs):
-        notes = switch.adjust_engine_args(self)
-        vllm_config = original(self, *args, **kwargs)
-        for note in notes + switch.adjust_vllm_config(vllm_config, self.async_scheduling):
-            if note not in logged:
-                logged.add(note)
-                logger.info("DDTree: %s", note)
-        return vllm_config
-
-    create_engine_config._ddtree_switch = True
-    EngineArgs.create_engine_config = create_engine_config
 
 
 def _on_model_load(runner) -> None:

@@ -11,7 +11,9 @@ Unlike testing/harness.py (tests; host-side Python per row), every per-round ope
 device op on [R, L] tensors (table gather, rank draw, scatter): no device-to-host copy, so the
 round's timings stay real. Host work per round: the request -> table row list and one small
 host-to-device copy of it. It wraps the DFlash drafter's `compute_logits` (the drafter's forward
-still runs and costs what it costs), so it serves DDTree and vLLM's flat DFlash alike.
+still runs and costs what it costs), so it serves DDTree and vLLM's flat DFlash alike; where flat
+DFlash samples its drafts inside the drafter's CUDA graph (Model Runner V2), its drafts are rewritten
+after each proposal with the same draws' top-1 (`_flat_drafts`).
 
 `simulate(profile, budget, top_k, draft_len)` gives the acceptance the same profile yields through
 the real tree build (core.build_tree) without an engine: the benchmark calibrates its profiles
@@ -153,16 +155,37 @@ class OracleDrafter(DrafterLogitsHook):
         L = self._view.drafter_draft_len()
         R, V = logits.shape[0] // L, logits.shape[-1]
         state = self._device_state(logits.device)
-        rows = torch.tensor(self._rows(R), dtype=torch.int64)
-        if logits.is_cuda:  # pinned + non_blocking: an async copy, the host does not wait for the GPU
-            rows = rows.pin_memory().to(logits.device, non_blocking=True)
-        return self.draft_logits(state, rows, self._view.drafter_root_positions(R), L, V
+        return self.draft_logits(state, self._rows_on(R, logits.device), self._view.drafter_root_positions(R), L, V
                                  ).view(R * L, V).to(logits.dtype)
+
+    def _flat_drafts(self, drafts: torch.Tensor) -> None:
+        """vLLM's flat DFlash on Model Runner V2 (drafts sampled inside its drafter's CUDA graph): the
+        drafts become the oracle logits' top-1, the rank-0 candidate, drawn as for DDTree; no [R, L, V]
+        logits are made, so flat DFlash pays no oracle cost beyond a few [R, L, k] ops."""
+        R, L = drafts.shape
+        V = self._view.runner.vllm_config.model_config.get_vocab_size()
+        state = self._device_state(drafts.device)
+        drafts.copy_(self.candidates(state, self._rows_on(R, drafts.device), self._view.drafter_root_positions(R),
+                                     L, V)[..., 0].to(drafts.dtype))
+
+    def _rows_on(self, R: int, device) -> torch.Tensor:
+        rows = torch.tensor(self._rows(R), dtype=torch.int64)
+        if device.type == "cuda":  # pinned + non_blocking: an async copy, the host does not wait for the GPU
+            rows = rows.pin_memory()
+        return rows.to(device, non_blocking=True)
 
     def draft_logits(self, state, rows, bonus_pos, L: int, V: int) -> torch.Tensor:
         """[R, L, V] oracle logits on the device of `state` (`_device_state`); no host sync (tests
         check that no op reads a device value on the host)."""
-        table, cand_logits, cdf, gen = state
+        cand = self.candidates(state, rows, bonus_pos, L, V)
+        R, k = rows.shape[0], self.profile.k
+        out = torch.full((R, L, V), LOW, dtype=torch.float32, device=cand.device)
+        out.scatter_(2, cand, state[1].expand(R, L, k))
+        return out
+
+    def candidates(self, state, rows, bonus_pos, L: int, V: int) -> torch.Tensor:
+        """[R, L, k] the candidate tokens by rank at each depth (the truth at its drawn rank)."""
+        table, _, cdf, gen = state
         dev, k = table.device, self.profile.k
         R = rows.shape[0]
         depth = torch.arange(1, L + 1, device=dev)
@@ -178,10 +201,7 @@ class OracleDrafter(DrafterLogitsHook):
         base = truth.clamp(min=0) + 1 + h
         cand = (base.unsqueeze(-1) + torch.arange(k, device=dev)) % (V - 1)  # [R, L, k]
         slot = torch.arange(k, device=dev)
-        cand = torch.where(slot == rank.unsqueeze(-1), truth.clamp(min=0).unsqueeze(-1), cand)
-        out = torch.full((R, L, V), LOW, dtype=torch.float32, device=dev)
-        out.scatter_(2, cand, cand_logits.expand(R, L, k))
-        return out
+        return torch.where(slot == rank.unsqueeze(-1), truth.clamp(min=0).unsqueeze(-1), cand)
 
 
 # -- calibration to published acceptance numbers --------------------------------------------------

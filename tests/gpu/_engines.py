@@ -28,15 +28,18 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def start(target, drafter=None, *, flat=False, hybrid=True, graphs=True, budget=BUDGET, top_k=TOP_K,
-          auto_menu=None, **kw):
-    """(llm, info) for one engine: no speculation (drafter None), vLLM's flat DFlash (flat) or DDTree."""
+          auto_menu=None, async_scheduling=False, **kw):
+    """(llm, info) for one engine: no speculation (drafter None), vLLM's flat DFlash (flat) or DDTree;
+    async_scheduling None: as vLLM resolves it (on for DFlash: the default loop)."""
     from vllm import LLM
 
     from ddtree_compile.integration import config, engines
     from ddtree_compile.passes.entry import compilation_config
     from ddtree_compile.testing import models
 
-    args = models.tiny_llm_kwargs(target, dtype="bfloat16", async_scheduling=False, **kw)
+    args = models.tiny_llm_kwargs(target, dtype="bfloat16", **kw)
+    if async_scheduling is not None:
+        args["async_scheduling"] = async_scheduling
     if hybrid:
         args.setdefault("mamba_ssm_cache_dtype", "float32")
     extra = {"gdn_prefill_backend": "triton"} if hybrid else {}  # the GPU bundle has no FlashInfer
@@ -62,6 +65,7 @@ def start(target, drafter=None, *, flat=False, hybrid=True, graphs=True, budget=
         vc = runner.vllm_config
         info.update(runner=f"{type(runner).__module__}.{type(runner).__name__}",
                     cudagraph_mode=str(vc.compilation_config.cudagraph_mode),
+                    async_scheduling=bool(vc.scheduler_config.async_scheduling),
                     uses_mrope=bool(vc.model_config.uses_mrope))
     return llm, info
 
@@ -210,3 +214,26 @@ def check_lossless(out: dict, kinds, graphs: bool = True, state_check: bool = Tr
         sc = out["state_check"]
         assert sc["paths"] > 0 and sc["sibling_paths"] > 0, sc
     assert out["seeded_repeat_equal"] and out["seeded_alone_equal"] and out["seeded_seeds_differ"], out
+
+
+def host_syncs(llm, prompts) -> dict:
+    """One greedy batch under torch's sync debug mode: the host syncs it reports, by the Python file
+    that made them ({"ddtree": ours, "other": vLLM's and torch's, "where": file:line counts})."""
+    import collections
+    import warnings
+
+    import torch
+
+    where = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            generate(llm, prompts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where[f"{w.filename.split('site-packages/')[-1]}:{w.lineno}"] += 1
+    ours = sum(n for f, n in where.items() if "ddtree_compile" in f)
+    return {"ddtree": ours, "other": sum(where.values()) - ours, "where": dict(where.most_common(12))}

@@ -14,6 +14,7 @@ file already holds, so that modules run in separate processes (or device command
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import os
 import pathlib
@@ -152,6 +153,13 @@ def _write() -> None:
     if _STATE["why_not"] or not _STATE["tests"]:
         return
     path = pathlib.Path(os.environ.get("DDTREE_GPU_RESULTS") or DEFAULT_RESULTS)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(pathlib.Path("/tmp") / f"{path.name}.lock", "w") as lock:  # modules may finish together (run_suite.py --gpus)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _merge_into(path)
+
+
+def _merge_into(path: pathlib.Path) -> None:
     doc = {}
     if path.exists():
         try:
@@ -168,7 +176,6 @@ def _write() -> None:
         tests[key] = {**entry, **machine, "finished": stamp, "numbers": _STATE["numbers"].get(nodeid, {})}
     doc = {"what": "tests/gpu: DDTree inside vLLM 0.26 on CUDA (make test-gpu); one entry per test",
            "updated": stamp, "tests": dict(sorted(tests.items()))}
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     tmp.replace(path)

@@ -1,6 +1,6 @@
 """`make test-gpu`: the GPU suite, one pytest process per module, one evidence JSON, one summary.
 
-    python3 tests/gpu/run_suite.py [MODULE ...] [--deadline-s S] [-- PYTEST ARGS]
+    python3 tests/gpu/run_suite.py [MODULE ...] [--deadline-s S] [--gpus N] [-- PYTEST ARGS]
 
 MODULE: names under tests/gpu without `test_` and `.py` (default: all, in ORDER). One process per
 module because vLLM 0.26 crashes on a second compiled Model Runner V2 engine in one process (its own
@@ -35,6 +35,7 @@ ROOT = HERE.parents[1]
 # cheapest and most basic first; tp2 needs two GPUs (it skips itself on one)
 ORDER = ("kernels", "e2e", "mrope", "v2", "align", "layer_diff", "fp8", "draftless", "serve", "tp2")
 MIN_START_S = 90  # an engine's start alone can take this long: no module starts with less left
+NEEDS_GPUS = {"tp2": 2}  # (with --gpus)
 
 
 def _load(path: pathlib.Path) -> dict:
@@ -119,6 +120,9 @@ def main(argv=None) -> int:
     ap.add_argument("modules", nargs="*", help=f"any of {' '.join(ORDER)} (default: all)")
     ap.add_argument("--deadline-s", type=float, default=float(os.environ.get("GPU_DEADLINE_S") or 0),
                     help="stop starting modules / stop the running one after this many seconds (0: none)")
+    ap.add_argument("--gpus", type=int, default=int(os.environ.get("GPU_PARALLEL") or 1),
+                    help="GPUs to spread the modules over, one module per GPU at a time (tp2 takes two): on a "
+                         "machine of several GPUs the suite takes about the time of its longest modules")
     args = ap.parse_args(argv)
     names = [m.removeprefix("test_").removesuffix(".py") for a in args.modules for m in a.replace(",", " ").split()]
     names = names or list(ORDER)
@@ -133,16 +137,35 @@ def main(argv=None) -> int:
            "DDTREE_COMMIT": commit()}
     since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     t_start = time.perf_counter()
-    with open(log_path, "a") as log:
-        for name in names:
-            left = None if not args.deadline_s else args.deadline_s - (time.perf_counter() - t_start)
-            if left is not None and left < MIN_START_S:
-                print(f"\n=== {name}: not started, {left:.0f} s left of --deadline-s {args.deadline_s:.0f}")
-                continue
-            rc, wall = _run_module(name, pytest_args, env, left, log)
-            print(f"=== {name}: rc {rc} in {wall:.0f} s", flush=True)
+    free = list(range(args.gpus))  # GPU indices not running a module (--gpus)
+    cond = threading.Condition()
+
+    def one(name, gpus, log):
+        left = None if not args.deadline_s else args.deadline_s - (time.perf_counter() - t_start)
+        if left is not None and left < MIN_START_S:
+            print(f"\n=== {name}: not started, {left:.0f} s left of --deadline-s {args.deadline_s:.0f}")
+        else:
+            visible = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if args.gpus > 1 else {}
+            rc, wall = _run_module(name, pytest_args, {**env, **visible}, left, log)
+            print(f"=== {name}: rc {rc} in {wall:.0f} s" + (f" on GPU {visible['CUDA_VISIBLE_DEVICES']}"
+                                                           if visible else ""), flush=True)
             if rc not in (0, 1, 5):  # 1: tests failed (their entries are written); 5: nothing selected
                 _note_module(results, name, rc, wall, since, log_path)
+        with cond:
+            free.extend(gpus)
+            cond.notify_all()
+
+    with open(log_path, "a") as log:
+        threads = []
+        for name in names:  # in ORDER; with --gpus N up to N at once, each on GPUs of its own
+            need = min(NEEDS_GPUS.get(name, 1), args.gpus)
+            with cond:
+                cond.wait_for(lambda: len(free) >= need)
+                gpus = [free.pop(0) for _ in range(need)]
+            threads.append(threading.Thread(target=one, args=(name, gpus, log)))
+            threads[-1].start()
+        for t in threads:
+            t.join()
     if out is not None and results.exists():
         shutil.copy(results, out / results.name)
     return _summary(results, names, since)

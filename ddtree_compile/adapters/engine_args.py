@@ -3,8 +3,8 @@
 A user who runs flat DFlash (`--speculative-config '{"method": "dflash", "model": ..., 
 "num_speculative_tokens": 15}'`, vLLM's own compilation and loop) adds only
 `--additional-config '{"ddtree": {"budget": 32}}'` (or `additional_config=` for `vllm.LLM`). The plugin
-(plugin.py) wraps `EngineArgs.create_engine_config`, in the process that builds vLLM's config, and
-adjusts what the round needs, logging each change once:
+(integration/plugin.py) wraps `EngineArgs.create_engine_config`, in the process that builds vLLM's config, and
+adjusts what the round needs (`install`), logging each change once:
 
 - `num_speculative_tokens`: the user's is the drafter's chain length L; vLLM's draft slots must hold
   the tree, so it becomes `draft_slots(budget, L)` and the ddtree block records L as `draft_len`.
@@ -20,7 +20,7 @@ What `config.vllm_kwargs` produces already has these values: adjusting it again 
 
 from __future__ import annotations
 
-from . import config as config_mod
+from ..integration import config as config_mod
 
 
 def adjust_engine_args(args) -> list[str]:
@@ -86,3 +86,28 @@ def adjust_vllm_config(vllm_config, user_async) -> list[str]:
         return ["async scheduling off: vLLM picked the V1 model runner, whose round runs in the synchronous "
                 "loop (Model Runner V2 serves it with async scheduling: VLLM_USE_V2_MODEL_RUNNER=1)"]
     return []
+
+
+def install() -> None:
+    """Wrap vLLM's `EngineArgs.create_engine_config` (the front end of `vllm serve` and `vllm.LLM`
+    build vLLM's config there, 0.26 and 0.32 alike) with the adjustments above; once per process."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ..integration.metrics import logger
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "_ddtree_switch", False):
+        return
+    logged = set()
+
+    def create_engine_config(self, *args, **kwargs):
+        notes = adjust_engine_args(self)
+        vllm_config = original(self, *args, **kwargs)
+        for note in notes + adjust_vllm_config(vllm_config, self.async_scheduling):
+            if note not in logged:
+                logged.add(note)
+                logger.info("DDTree: %s", note)
+        return vllm_config
+
+    create_engine_config._ddtree_switch = True
+    EngineArgs.create_engine_config = create_engine_config
