@@ -45,6 +45,7 @@ class _Shared:
         self.positions = None  # the positions tensor vLLM hands the target (model inputs)
         self.pw = False  # set while PIECEWISE graphs run the target (cudagraph_manager.run_pw_graph)
         self.in_forward = False  # set while the round's target forward runs (re-entry guard)
+        self.flat_wrapped = None  # what V2RunnerView.wrap_flat_drafts replaced, to put back
 
 
 def runner_v2_class():
@@ -307,12 +308,14 @@ class V2RunnerView(V1RunnerView):
             return remove(req_id)
 
         s.propose, r.add_requests, r._remove_request = on_propose, on_add, on_remove
+        shared.flat_wrapped = (propose, add, remove)
         return True
 
     def unwrap_flat_drafts(self) -> None:
-        self.speculator.__dict__.pop("propose", None)
-        for name in ("add_requests", "_remove_request"):
-            self.runner.__dict__.pop(name, None)
+        """Undo wrap_flat_drafts, and only that (the round's own hooks sit on the same attributes)."""
+        wrapped, self._shared.flat_wrapped = self._shared.flat_wrapped, None
+        if wrapped is not None:
+            self.speculator.propose, self.runner.add_requests, self.runner._remove_request = wrapped
 
     # -- the round's hooks ---------------------------------------------------------------------------------
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:

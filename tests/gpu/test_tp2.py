@@ -43,6 +43,8 @@ def tp2(gpu_env, tmp_path_factory):
         pytest.skip(f"tensor parallel {TP} needs {TP} GPUs, this machine has {torch.cuda.device_count()}")
     gpu_env.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     gpu_env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships the functions to the ranks
+    # this process has CUDA initialised (the evidence names the device): forked ranks could not use it
+    gpu_env.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from ddtree_compile.integration import metrics
     from ddtree_compile.testing import harness, models
 
