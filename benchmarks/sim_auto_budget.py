@@ -1,7 +1,7 @@
 """Budget "auto"'s policy offline: the real AutoBudget (integration/round/auto_budget.py) and
 DDTreeMetrics on the CPU, fed synthetic steps, to tell the policy's own losses from the GPU's.
 
-    python benchmarks/sim_auto_budget.py --costs benchmarks/results/e2e_h100x4_4b.json \
+    python benchmarks/sim_auto_budget.py --costs benchmarks/results/e2e_h200x2_4b.json \
         --out build/sim_auto_4b.json
 
 The cells run in the benchmark's order (each profile, then each concurrency), one policy over all of

@@ -1,6 +1,6 @@
 """Summarise a bench_e2e_gpu.py result: validity flags, ratios to flat DFlash, a markdown table, a plot.
 
-    python benchmarks/summarize_e2e.py benchmarks/results/e2e_h100x4_4b.json [--png out.png]
+    python benchmarks/summarize_e2e.py benchmarks/results/e2e_h200x2_4b.json [--png out.png]
 
 - A run whose outputs left the reference (reference_match < 0.95) is flagged `invalid`: its
   acceptance is not the profile's (the oracle drafts the reference), so its speed says nothing.
@@ -191,7 +191,10 @@ def plot(result: dict, png: pathlib.Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_title(p)
         ax.set_xlabel("concurrency")
-    (axes[0] if len(profiles) > 1 else axes).set_ylabel("tok/s over flat DFlash")
+    flat = next((r for r in result["runs"] if r.get("mode") == "flat" and "runner" in r), None)
+    loop = "" if flat is None else (" (V2, async)" if ".gpu.model_runner" in flat["runner"] and flat.get(
+        "async_scheduling") else f" ({flat['runner'].rsplit('.', 2)[-2]}, async {flat.get('async_scheduling')})")
+    (axes[0] if len(profiles) > 1 else axes).set_ylabel("tok/s over flat DFlash" + loop)
     (axes[-1] if len(profiles) > 1 else axes).legend(fontsize=8)
     tp = result.get("args", {}).get("tensor_parallel_size") or 1
     fig.suptitle(f"{result.get('args', {}).get('target', '')} on {result.get('device', '')}"

@@ -18,6 +18,7 @@ collects the GPU modules on CPU machines and skips them.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 
 BUDGET, TOP_K, DRAFT_LEN, MAX_TOKENS, TOL = 16, 4, 7, 96, 0.2
@@ -234,6 +235,12 @@ def host_syncs(llm, prompts) -> dict:
             torch.cuda.set_sync_debug_mode("default")
     for w in caught:
         if "synchroniz" in str(w.message):
-            where[f"{w.filename.split('site-packages/')[-1]}:{w.lineno}"] += 1
+            where[f"{_package_path(w.filename)}:{w.lineno}"] += 1
     ours = sum(n for f, n in where.items() if "ddtree_compile" in f)
     return {"ddtree": ours, "other": sum(where.values()) - ours, "where": dict(where.most_common(12))}
+
+
+def _package_path(filename: str) -> str:
+    """A source file as its package path (vllm/..., torch/..., ddtree_compile/...): no machine path."""
+    m = re.search(r"(?:^|/)((?:vllm|torch|ddtree_compile|triton)/.*)$", filename)
+    return m.group(1) if m else filename.rsplit("/", 1)[-1]
