@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import json
 import os
 import pathlib
@@ -56,7 +57,7 @@ def _run_module(name: str, pytest_args: list[str], env: dict, timeout: float | N
 
     def pump():
         for line in proc.stdout:
-            log.write(line)
+            log.write(f"[{name}] {line}" if "CUDA_VISIBLE_DEVICES" in env else line)  # (--gpus: modules interleave)
             if not line.startswith(("INFO", "WARNING", "DEBUG", "(")):  # vLLM's own log lines: in the log only
                 sys.stdout.write(line)
                 sys.stdout.flush()
@@ -77,9 +78,17 @@ def _run_module(name: str, pytest_args: list[str], env: dict, timeout: float | N
 def _note_module(path: pathlib.Path, name: str, rc, wall: float, since: str, log_path: pathlib.Path) -> None:
     """A module whose pytest crashed or was stopped: an entry of its own (its tests' entries are written
     as each test ends, so those that finished are there)."""
+    with open(pathlib.Path("/tmp") / f"{path.name}.lock", "w") as lock:  # (conftest._write's lock)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _note_locked(path, name, rc, wall, since, log_path)
+
+
+def _note_locked(path: pathlib.Path, name: str, rc, wall: float, since: str, log_path: pathlib.Path) -> None:
     doc = _load(path)
     tests = doc.setdefault("tests", {})
-    tail = log_path.read_text(errors="replace").splitlines()[-40:] if log_path.exists() else []
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    tagged = [ln for ln in lines if ln.startswith(f"[{name}] ")]  # its own lines where modules ran in parallel
+    tail = (tagged or lines)[-40:]
     tests[f"test_{name}.py"] = {"outcome": "timeout" if rc == "timeout" else f"crashed (rc {rc})",
                                 "duration_s": round(wall, 1), "commit": commit(),
                                 "finished": since, "log_tail": "\n".join(tail)[-3000:]}
@@ -138,6 +147,9 @@ def main(argv=None) -> int:
     since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     t_start = time.perf_counter()
     free = list(range(args.gpus))  # GPU indices not running a module (--gpus)
+    parent = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(args.gpus)))).split(",")
+    if len(parent) < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} names fewer")
     cond = threading.Condition()
 
     def one(name, gpus, log):
@@ -145,7 +157,7 @@ def main(argv=None) -> int:
         if left is not None and left < MIN_START_S:
             print(f"\n=== {name}: not started, {left:.0f} s left of --deadline-s {args.deadline_s:.0f}")
         else:
-            visible = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if args.gpus > 1 else {}
+            visible = {"CUDA_VISIBLE_DEVICES": ",".join(parent[g] for g in gpus)} if args.gpus > 1 else {}
             rc, wall = _run_module(name, pytest_args, {**env, **visible}, left, log)
             print(f"=== {name}: rc {rc} in {wall:.0f} s" + (f" on GPU {visible['CUDA_VISIBLE_DEVICES']}"
                                                            if visible else ""), flush=True)
