@@ -57,15 +57,7 @@ def _install_pass(args) -> str | None:
                                            config_mod.PASS_NAME)
     cc = args.compilation_config
     get = cc.get if isinstance(cc, dict) else lambda k, d=None: getattr(cc, k, d)
-    theirs = dict(get("inductor_passes") or {})
-    if theirs.get("post_grad_custom_post_pass") not in (None, config_mod.PASS_NAME):
-        raise ValueError(f"compilation_config.inductor_passes['post_grad_custom_post_pass'] is "
-                         f"{theirs['post_grad_custom_post_pass']!r}; DDTree needs {config_mod.PASS_NAME!r} there")
-    changes = {"inductor_passes": {**theirs, **wanted["inductor_passes"]}}
-    if "splitting_ops" in wanted:
-        ops = list(get("splitting_ops") or [])
-        changes["splitting_ops"] = ops + [op for op in wanted["splitting_ops"] if op not in ops]
-        changes["use_inductor_graph_partition"] = True
+    changes = config_mod.tree_pass_entries(get, wanted)
     if all(get(k) == v for k, v in changes.items()):
         return None
     for key, value in changes.items():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .runner_v2_hooks import prompt_ids_of
+from .runner_v2_hooks import track_requests
 from .v1_runner import V1RunnerView, model_features_unsupported, patch_after, patch_before
 
 _SHARED = "_ddtree_v2"  # on the runner instance: what every view of that runner reads (_Shared)
@@ -288,7 +288,7 @@ class V2RunnerView(V1RunnerView):
         r, s = self.runner, self.speculator
         if state_of(r) is not None or s is None:
             return False
-        shared, propose, add, remove = self._shared, s.propose, r.add_requests, r._remove_request
+        shared, propose = self._shared, s.propose
 
         def on_propose(input_batch, *args, **kw):
             drafts = propose(input_batch, *args, **kw)
@@ -297,17 +297,8 @@ class V2RunnerView(V1RunnerView):
                 fn(drafts)
             return drafts
 
-        def on_add(scheduler_output):
-            out = add(scheduler_output)
-            for new in scheduler_output.scheduled_new_reqs:
-                shared.requests[new.req_id] = (new.sampling_params, prompt_ids_of(new))
-            return out
-
-        def on_remove(req_id):
-            shared.requests.pop(req_id, None)
-            return remove(req_id)
-
-        s.propose, r.add_requests, r._remove_request = on_propose, on_add, on_remove
+        s.propose = on_propose
+        add, remove = track_requests(r, shared.requests)
         shared.flat_wrapped = (propose, add, remove)
         return True
 

@@ -24,7 +24,6 @@ class V2RoundHooks:
         self.manager = getattr(r, "cudagraph_manager", None)
         self.orig = {"propose": s.propose, "prepare_inputs": r.model_state.prepare_inputs,
                      "prepare_attn": r.model_state.prepare_attn, "forward": r.model.forward,
-                     "add_requests": r.add_requests, "remove_request": r._remove_request,
                      "postprocess_state": r.model_state.postprocess_state}
         if self.manager is not None:
             self.orig.update(dispatch=self.manager.dispatch, run_fullgraph=self.manager.run_fullgraph,
@@ -39,7 +38,7 @@ class V2RoundHooks:
 
     def install(self) -> dict:
         r, s = self.r, self.s
-        r.add_requests, r._remove_request = self.on_add_requests, self.on_remove_request
+        track_requests(r, self.view._requests)
         s.propose, s._generate_draft = self.on_propose, self.on_generate_draft
         r.model_state.prepare_attn = self.on_prepare_attn
         r.model_state.postprocess_state = self.on_postprocess_state
@@ -53,17 +52,6 @@ class V2RoundHooks:
                 "rejection_sampler": self.view.vllm_sampler(),
                 "update_states": lambda output_token_ids, scheduler_output: None,
                 "propose_draft_token_ids": lambda *args: None}
-
-    # -- requests: V2 keeps no SamplingParams or prompt on the host --------------------------------------
-    def on_add_requests(self, scheduler_output):
-        out = self.orig["add_requests"](scheduler_output)
-        for new in scheduler_output.scheduled_new_reqs:
-            self.view._requests[new.req_id] = (new.sampling_params, prompt_ids_of(new))
-        return out
-
-    def on_remove_request(self, req_id):
-        self.view._requests.pop(req_id, None)
-        return self.orig["remove_request"](req_id)
 
     # -- build (and, first, the commit of the step just verified) ----------------------------------------
     def on_propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
@@ -200,6 +188,26 @@ def _with_positions_in(buf, run, kw: dict):
         return run(**dict(kw, positions=buf))
     finally:
         buf[..., :n].copy_(saved)
+
+
+def track_requests(runner, requests: dict) -> tuple:
+    """Wrap the runner's `add_requests` / `_remove_request` (on the instance) so that `requests` maps
+    every live request id to (SamplingParams, prompt token ids): V2 keeps neither on the host. Returns
+    the wrapped originals (to put back)."""
+    add, remove = runner.add_requests, runner._remove_request
+
+    def on_add(scheduler_output):
+        out = add(scheduler_output)
+        for new in scheduler_output.scheduled_new_reqs:
+            requests[new.req_id] = (new.sampling_params, prompt_ids_of(new))
+        return out
+
+    def on_remove(req_id):
+        requests.pop(req_id, None)
+        return remove(req_id)
+
+    runner.add_requests, runner._remove_request = on_add, on_remove
+    return add, remove
 
 
 def prompt_ids_of(new_req_data) -> list[int]:

@@ -213,18 +213,31 @@ def _platform() -> str:
 
 def merge_llm_kwargs(user: dict, switch: dict) -> dict:
     """`vllm.LLM` kwargs of your own plus the DDTree switch (`vllm_kwargs`): the switch's speculative
-    config; additional_config and compilation_config merged key by key (yours win, except the tree
-    pass, which must stay: another post-grad pass in its place is an error)."""
+    config; additional_config and compilation_config merged key by key (yours win, except what the
+    tree pass needs: `tree_pass_entries`)."""
     out = {**user, "speculative_config": switch["speculative_config"]}
     out["additional_config"] = {**user.get("additional_config", {}), **switch["additional_config"]}
     cc_user = dict(user.get("compilation_config") or {})
-    passes = {**cc_user.get("inductor_passes", {})}
-    theirs = passes.get("post_grad_custom_post_pass")
-    if theirs not in (None, PASS_NAME):
-        raise ValueError(f"compilation_config.inductor_passes['post_grad_custom_post_pass'] is {theirs!r}; "
-                         f"DDTree needs {PASS_NAME!r} there")
-    passes["post_grad_custom_post_pass"] = PASS_NAME
-    out["compilation_config"] = {**switch["compilation_config"], **cc_user, "inductor_passes": passes}
+    out["compilation_config"] = {**switch["compilation_config"], **cc_user,
+                                 **tree_pass_entries(cc_user.get, switch["compilation_config"])}
+    return out
+
+
+def tree_pass_entries(get, wanted: dict) -> dict:
+    """The compilation_config entries that keep the tree-verify pass installed over a user's config
+    (`get(key)` reads theirs; `wanted`: `compilation_config(platform)`): their other inductor passes
+    kept, their post-grad pass ours or none (another one is an error), on GPUs their splitting ops kept
+    and ours added, with the graph partition on. Used by `merge_llm_kwargs` and by the plugin's switch
+    (adapters/engine_args.py)."""
+    theirs = dict(get("inductor_passes") or {})
+    if theirs.get("post_grad_custom_post_pass") not in (None, PASS_NAME):
+        raise ValueError(f"compilation_config.inductor_passes['post_grad_custom_post_pass'] is "
+                         f"{theirs['post_grad_custom_post_pass']!r}; DDTree needs {PASS_NAME!r} there")
+    out = {"inductor_passes": {**theirs, **wanted["inductor_passes"]}}
+    if "splitting_ops" in wanted:
+        ops = list(get("splitting_ops") or [])
+        out["splitting_ops"] = ops + [op for op in wanted["splitting_ops"] if op not in ops]
+        out["use_inductor_graph_partition"] = True
     return out
 
 
