@@ -49,14 +49,15 @@ test-serve: $(STAMP)
 # (/tmp/vllm-env.sh), and the project is reinstalled from this tree so the tests import this code.
 # GPU_TESTS picks modules (e.g. GPU_TESTS="kernels e2e"), PYTEST_ARGS goes to each pytest (e.g. -k kv),
 # GPU_DEADLINE_S stops in time for a device command's limit (0: none), GPU_PARALLEL=N spreads the
-# modules over N GPUs of the machine (one module per GPU at a time).
+# modules over N GPUs of the machine, GPU_PER_GPU=K runs K modules on each GPU at a time.
 GPU_TESTS ?=
 GPU_DEADLINE_S ?= 0
 GPU_PARALLEL ?= 1
+GPU_PER_GPU ?= 1
 test-gpu:
 	@set -e; if [ -f /tmp/vllm-env.sh ]; then . /tmp/vllm-env.sh; \
 	  python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null; fi; \
-	  GPU_DEADLINE_S=$(GPU_DEADLINE_S) GPU_PARALLEL=$(GPU_PARALLEL) python3 tests/gpu/run_suite.py $(GPU_TESTS) -- $(PYTEST_ARGS)
+	  GPU_DEADLINE_S=$(GPU_DEADLINE_S) GPU_PARALLEL=$(GPU_PARALLEL) GPU_PER_GPU=$(GPU_PER_GPU) python3 tests/gpu/run_suite.py $(GPU_TESTS) -- $(PYTEST_ARGS)
 
 bench-cpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_round.py --device cpu

@@ -9,6 +9,7 @@ No hub access: configs are built in code, prompts are token ids, no tokenizer is
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
 
@@ -172,6 +173,9 @@ def tiny_llm_kwargs(model_dir, **overrides) -> dict:
         enable_prefix_caching=False,  # hybrid spec decode on CPU crashes with it (align mode)
         seed=0,
     )
+    share = os.environ.get("DDTREE_GPU_MEMORY_UTILIZATION")  # GPU suite modules sharing a GPU (run_suite --per-gpu)
+    if share:
+        kwargs["gpu_memory_utilization"] = float(share)
     kwargs.update(overrides)
     return kwargs
 

@@ -28,6 +28,17 @@ MM = {"skip_tokenizer_init": False, "max_model_len": 1024, "limit_mm_per_prompt"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
+def memory_args() -> list[str]:
+    """`vllm serve` flags of the GPU-share the suite set (run_suite --per-gpu; models.tiny_llm_kwargs
+    reads the same variable for in-process engines): vLLM refuses to start when the free memory is
+    below gpu_memory_utilization x total (`v1/worker/utils.py:425-443`), which another module's
+    engines on the same GPU would make it; the KV caches here are fixed in bytes either way."""
+    import os
+
+    share = os.environ.get("DDTREE_GPU_MEMORY_UTILIZATION")
+    return ["--gpu-memory-utilization", share] if share else []
+
+
 def start(target, drafter=None, *, flat=False, hybrid=True, graphs=True, budget=BUDGET, top_k=TOP_K,
           auto_menu=None, async_scheduling=False, **kw):
     """(llm, info) for one engine: no speculation (drafter None), vLLM's flat DFlash (flat) or DDTree;

@@ -1,6 +1,6 @@
 """`make test-gpu`: the GPU suite, one pytest process per module, one evidence JSON, one summary.
 
-    python3 tests/gpu/run_suite.py [MODULE ...] [--deadline-s S] [--gpus N] [-- PYTEST ARGS]
+    python3 tests/gpu/run_suite.py [MODULE ...] [--deadline-s S] [--gpus N] [--per-gpu K] [-- PYTEST ARGS]
 
 MODULE: names under tests/gpu without `test_` and `.py` (default: all, in ORDER). One process per
 module because vLLM 0.26 crashes on a second compiled Model Runner V2 engine in one process (its own
@@ -11,7 +11,8 @@ benchmarks/results/gpu_suite.json, tests/gpu/conftest.py); a module that crashed
 an entry of its own here (the entries of its tests that finished are there). With --deadline-s (the
 device's 10-minute command limit), no module starts with less than MIN_START_S left and a running one
 is stopped at the deadline, so the JSON and the summary always come back; $OUT (the device tool's
-folder) receives a copy of the JSON and the whole log.
+folder) receives a copy of the JSON and the whole log. With --per-gpu K, K modules share each GPU
+(the tiny engines use a few GiB each; their start-up memory check is relaxed to match, MEMORY_SHARE).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from conftest import commit  # beside this file (sys.path[0]): the evidence's co
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-# cheapest and most basic first; tp2 needs two GPUs (it skips itself on one)
-ORDER = ("kernels", "e2e", "mrope", "v2", "align", "layer_diff", "fp8", "draftless", "serve", "tp2")
+# the kernels first (the most basic), then the longest: with several slots (--gpus, --per-gpu) the suite
+# then takes about its longest module; tp2 needs two GPUs (it skips itself on one)
+ORDER = ("kernels", "tp2", "fp8", "serve", "e2e", "v2", "draftless", "align", "mrope", "layer_diff")
 MIN_START_S = 90  # an engine's start alone can take this long: no module starts with less left
 NEEDS_GPUS = {"tp2": 2}  # (with --gpus)
+MEMORY_SHARE = "0.2"  # --per-gpu > 1: gpu_memory_utilization of every engine (tests/gpu/_engines.memory_args)
 
 
 def _load(path: pathlib.Path) -> dict:
@@ -132,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", type=int, default=int(os.environ.get("GPU_PARALLEL") or 1),
                     help="GPUs to spread the modules over, one module per GPU at a time (tp2 takes two): on a "
                          "machine of several GPUs the suite takes about the time of its longest modules")
+    ap.add_argument("--per-gpu", type=int, default=int(os.environ.get("GPU_PER_GPU") or 1),
+                    help="modules sharing one GPU at a time (the suite's engines are tiny)")
     args = ap.parse_args(argv)
     names = [m.removeprefix("test_").removesuffix(".py") for a in args.modules for m in a.replace(",", " ").split()]
     names = names or list(ORDER)
@@ -144,9 +149,11 @@ def main(argv=None) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1", "DDTREE_GPU_RESULTS": str(results.resolve()),
            "DDTREE_COMMIT": commit()}
+    if args.per_gpu > 1:
+        env["DDTREE_GPU_MEMORY_UTILIZATION"] = MEMORY_SHARE
     since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     t_start = time.perf_counter()
-    free = list(range(args.gpus))  # GPU indices not running a module (--gpus)
+    free = [g for _ in range(max(args.per_gpu, 1)) for g in range(args.gpus)]  # free slots, by GPU index
     parent = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(args.gpus)))).split(",")
     if len(parent) < args.gpus:
         raise SystemExit(f"--gpus {args.gpus}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} names fewer")
@@ -157,7 +164,8 @@ def main(argv=None) -> int:
         if left is not None and left < MIN_START_S:
             print(f"\n=== {name}: not started, {left:.0f} s left of --deadline-s {args.deadline_s:.0f}")
         else:
-            visible = {"CUDA_VISIBLE_DEVICES": ",".join(parent[g] for g in gpus)} if args.gpus > 1 else {}
+            tagged = args.gpus > 1 or args.per_gpu > 1  # (modules interleave in the log)
+            visible = {"CUDA_VISIBLE_DEVICES": ",".join(parent[g] for g in gpus)} if tagged else {}
             rc, wall = _run_module(name, pytest_args, {**env, **visible}, left, log)
             print(f"=== {name}: rc {rc} in {wall:.0f} s" + (f" on GPU {visible['CUDA_VISIBLE_DEVICES']}"
                                                            if visible else ""), flush=True)
@@ -172,8 +180,10 @@ def main(argv=None) -> int:
         for name in names:  # in ORDER; with --gpus N up to N at once, each on GPUs of its own
             need = min(NEEDS_GPUS.get(name, 1), args.gpus)
             with cond:
-                cond.wait_for(lambda: len(free) >= need)
-                gpus = [free.pop(0) for _ in range(need)]
+                cond.wait_for(lambda: len(set(free)) >= need)
+                gpus = sorted(set(free), key=lambda g: -free.count(g))[:need]  # distinct, the emptiest first
+                for g in gpus:
+                    free.remove(g)
             threads.append(threading.Thread(target=one, args=(name, gpus, log)))
             threads[-1].start()
         for t in threads:

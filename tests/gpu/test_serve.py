@@ -24,7 +24,7 @@ import pytest
 
 ARGS = ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "4096",
         "--kv-cache-memory-bytes", str(2 << 30), "--seed", "0", "--mamba-ssm-cache-dtype", "float32",
-        "--language-model-only", "--enable-prefix-caching"]  # text chat: no vision tower, no multimodal processor
+        "--language-model-only", "--enable-prefix-caching", *E.memory_args()]  # text chat: no vision tower, no multimodal processor
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "HF_HUB_OFFLINE": "1", "DDTREE_METRICS_INTERVAL": "0.25"}
 GDN_PREFILL = {"additional_config": {"gdn_prefill_backend": "triton"}}  # the GPU bundle has no FlashInfer
 NEEDS = ("openai", "uvicorn", "fastapi", "watchfiles", "uvloop", "model_hosting_container_standards")
