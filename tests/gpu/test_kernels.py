@@ -127,3 +127,30 @@ def test_tree_build_compiles_nothing_after_its_warm_up(gpu_env, record):
         knobs.runtime.jit_post_compile_hook = old
     record(warm_batches=sizes, warm_compiles=warm, sweep_compiles=len(compiles) - warm)
     assert len(compiles) == warm, compiles[warm:]
+
+
+def test_gdn_resume_against_its_reference(gpu_env, record):
+    """templates/gdn_resume.py compiled on CUDA against gdn_resume_ref at the 4B GDN shape (bf16 conv
+    lines [lines, 8192, W - 1 + 15] stored (state_len, dim), fp32 SSM lines [lines, 32, 128, 128]), three
+    layers, rows whose states sit at columns 1, 2, 15 (and 0: nothing moves): equal bit for bit."""
+    import torch
+
+    from ddtree_compile.templates.gdn_resume import gdn_resume_triton
+    from ddtree_compile.templates.gdn_resume_ref import gdn_resume_ref
+
+    g, dev, W, NS, lines = torch.Generator(device="cuda").manual_seed(0), "cuda", 4, 16, 70
+    conv = [torch.randn(lines, W - 1 + 15, 8192, generator=g, device=dev).to(torch.bfloat16).transpose(1, 2)
+            for _ in range(3)]
+    ssm = [torch.randn(lines, 32, 128, 128, generator=g, device=dev) for _ in range(3)]
+    si = (1 + torch.randperm(lines - 1, generator=g, device=dev)[: 4 * NS]).view(4, NS).to(torch.int32)
+    nacc = torch.tensor([2, 3, 16, 1], dtype=torch.int32, device=dev)
+    rows = torch.arange(4, dtype=torch.int32, device=dev)
+    ref_c, ref_s = [c.clone() for c in conv], [s.clone() for s in ssm]  # (clone keeps the strides)
+    before = conv[0].clone()
+    gdn_resume_ref(ref_c, ref_s, si, nacc, rows, W)
+    gdn_resume_triton(conv, ssm, si, nacc, rows, W)
+    torch.cuda.synchronize()
+    diff = [int((a != b).sum()) for a, b in zip(conv + ssm, ref_c + ref_s)]
+    moved = int((conv[0] != before).sum())
+    record(elements_differing=sum(diff), conv_elements_moved_layer0=moved)
+    assert moved > 0 and sum(diff) == 0, diff
