@@ -40,7 +40,11 @@ def install(gdn_attn) -> bool:
     cls = gdn_attn.GDNAttentionMetadataBuilder
     if getattr(cls.build, "_ddtree_resume", False):
         return False
-    build = cls.build
+    build, init = cls.build, cls.__init__
+
+    def init_named(self, *args, **kwargs):  # 0.26's GDN builder does not keep its layers' names
+        init(self, *args, **kwargs)
+        self._ddtree_layer_names = list(kwargs.get("layer_names", args[1] if len(args) > 1 else ()))
 
     def build_resumed(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
                       num_decode_draft_tokens_cpu=None, fast_build=False):
@@ -54,10 +58,15 @@ def install(gdn_attn) -> bool:
                      num_decode_draft_tokens_cpu=num_decode_draft_tokens_cpu, fast_build=fast_build)
 
     build_resumed._ddtree_resume = True
-    build_resumed.__wrapped__ = build
-    build_resumed.__doc__ = build.__doc__
-    cls.build = build_resumed
+    build_resumed.__wrapped__, init_named.__wrapped__ = build, init
+    build_resumed.__doc__, init_named.__doc__ = build.__doc__, init.__doc__
+    cls.build, cls.__init__ = build_resumed, init_named
     return True
+
+
+def layer_names(builder) -> list[str]:
+    """The GDN layers a builder builds for (0.32 keeps them; on 0.26 `install` records them)."""
+    return getattr(builder, "layer_names", None) or builder._ddtree_layer_names
 
 
 _COUNTS = "_ddtree_num_accepted"  # a V1 runner's accepted counts, on its GDN builders
@@ -97,7 +106,7 @@ def _resume(builder, block_table: torch.Tensor, num_accepted: torch.Tensor, rows
         from . import current
 
         layers = builder.vllm_config.compilation_config.static_forward_context
-        got = [current().gdn_state_views(layers[n]) for n in builder.layer_names]
+        got = [current().gdn_state_views(layers[n]) for n in layer_names(builder)]
         views = builder._ddtree_state_views = ([c for c, _, _ in got], [s for _, s, _ in got], got[0][2].shape[-1])
     convs, ssms, width = views
     ns = 1 + builder.kv_cache_spec.num_speculative_blocks
