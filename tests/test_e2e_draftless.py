@@ -64,7 +64,11 @@ class DraftlessStep:
         # the V1 runner's accepted counts: its builders get them only on steps where a row has drafts
         self.counts = getattr(getattr(runner, "num_accepted_tokens", None), "gpu", None)
         self.groups = sum(_is_mamba(g.kv_cache_spec) for g in runner.kv_cache_config.kv_cache_groups)
-        self.updates, self.drops, self.dropped = 0, 0, []
+        self.updates, self.drops, self.dropped, self.pending = 0, 0, [], False
+        self.moved: set = set()  # DDTree: the requests whose last tree commit accepted a draft
+        state = engines.state_of(runner)
+        if state is not None:
+            state.commit_hooks.append(self.on_commit)
         self.checked: list = []  # per (dropped request, group): n, where read, where left, same state
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # in-process engine core
         update = scheduler.update_draft_token_ids
@@ -86,14 +90,23 @@ class DraftlessStep:
     def close(self) -> None:
         self.cls.build = self.build
 
+    def on_commit(self, ctx, info) -> None:
+        acc = info["num_accepted"].tolist()
+        self.moved |= {q for q, n in zip(ctx.view.req_ids(info["step"].R), acc) if n > 1}
+
     def drop(self, draft_token_ids):
+        """Every request's drafts ("all"), or one request's ("one": one whose last tree commit accepted
+        a draft, the next update that has one when none has)."""
         self.updates += 1
-        self.dropped = []
+        moved, self.moved, self.dropped = self.moved, set(), []
         k = self.updates - FIRST_DROP
         ids = draft_token_ids.req_ids
-        if k >= 0 and k % EVERY == 0 and self.drops < DROPS and len(ids) > 1:
-            self.dropped = list(ids) if self.variant == "all" else [ids[self.drops % len(ids)]]
-            self.drops += 1
+        if k >= 0 and (k % EVERY == 0 or self.pending) and self.drops < DROPS and len(ids) > 1:
+            cands = [q for q in ids if q in moved]
+            one = [cands[self.drops % len(cands)]] if cands else []
+            self.dropped = list(ids) if self.variant == "all" else one
+            self.pending = not self.dropped
+            self.drops += bool(self.dropped)
             draft_token_ids.draft_token_ids = [[] if q in self.dropped else list(d)
                                                for q, d in zip(ids, draft_token_ids.draft_token_ids)]
         return draft_token_ids
