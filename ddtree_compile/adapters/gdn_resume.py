@@ -49,8 +49,8 @@ def install(gdn_attn) -> bool:
     def build_resumed(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
                       num_decode_draft_tokens_cpu=None, fast_build=False):
         counts = num_accepted_tokens if num_accepted_tokens is not None else getattr(self, _COUNTS, None)
-        if counts is not None and _serves(self):
-            m = common_attn_metadata
+        m = common_attn_metadata
+        if counts is not None and _serves(self) and not _capturing(m.block_table_tensor):
             rows = nonspec_rows(m.query_start_loc_cpu, num_decode_draft_tokens_cpu, m.num_reqs)
             if rows:
                 _resume(self, m.block_table_tensor, counts, rows)
@@ -85,6 +85,11 @@ def bind_accepted_counts(runner) -> None:
             for builder in group.metadata_builders:
                 if counts is not None and isinstance(builder, GDNAttentionMetadataBuilder):
                     setattr(builder, _COUNTS, counts)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph being captured: its batch is a dummy (and a replay must not move states)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _serves(builder) -> bool:
