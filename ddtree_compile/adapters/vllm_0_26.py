@@ -81,7 +81,7 @@ def install_kv_cache_spec_hook(gdn_spec_blocks) -> bool:
     the last verify committed (gdn_resume.py). False if already installed."""
     from vllm.v1.attention.backends import gdn_attn
 
-    gdn_resume.install(gdn_attn)
+    gdn_resume.install(gdn_attn, LINE)
     return gdn_slots.install_kv_cache_spec_hook(gdn_spec_blocks)
 
 

