@@ -34,7 +34,7 @@ from conftest import commit  # beside this file (sys.path[0]): the evidence's co
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # cheapest and most basic first; tp2 needs two GPUs (it skips itself on one)
-ORDER = ("kernels", "e2e", "mrope", "v2", "align", "layer_diff", "fp8", "draftless", "serve", "tp2")
+ORDER = ("kernels", "e2e", "mrope", "v2", "align", "layer_diff", "fp8", "draftless", "serve", "load", "tp2")
 MIN_START_S = 90  # an engine's start alone can take this long: no module starts with less left
 NEEDS_GPUS = {"tp2": 2}  # (with --gpus)
 
