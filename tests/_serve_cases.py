@@ -27,6 +27,10 @@ BASE_ARGS = [
     # first step: mamba_utils.preprocess_mamba -> precopy_mamba_align_fused_kernel[grid]: TypeError:
     # 'function' object is not subscriptable (a Triton kernel; Triton is absent on CPU). See case 9.
     "--no-enable-prefix-caching",
+    # Compact JSON (no free whitespace between tokens): random weights fill a JSON's optional whitespace
+    # until max_tokens (a 128-token run of it under the load of tests/_serve_load.py), so a JSON-schema
+    # request could end unclosed; without it every such output closes within its schema's bounds.
+    "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
     "--enforce-eager",  # ~30 s start instead of 60-90 s of Inductor per server on 2 cores
 ]
 # Engines in their own processes as in production (conftest runs in-process engines for the rest).
@@ -55,6 +59,12 @@ def write_harness_ref(ref_file, pairs) -> None:
     tmp = pathlib.Path(str(ref_file) + ".tmp")
     tmp.write_text(json.dumps(old + [[list(p), list(p) + list(c)] for p, c in pairs]))
     os.replace(tmp, ref_file)
+
+
+def flat_args(drafter) -> list[str]:
+    """vLLM's own flat DFlash (the control) with as many drafts as DDTree schedules (max(B, L) = BUDGET)."""
+    return ["--speculative-config", json.dumps({"method": "dflash", "model": str(drafter),
+                                                "num_speculative_tokens": BUDGET})]
 
 
 def start(target, drafter, ddtree: bool, log_dir, extra=(), name=None, env=None):

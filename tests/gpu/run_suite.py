@@ -36,7 +36,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # the kernels first (the most basic), then the longest: with several slots (--gpus, --per-gpu) the suite
 # then takes about its longest module; tp2 needs two GPUs (it skips itself on one)
-ORDER = ("kernels", "tp2", "fp8", "serve", "e2e", "v2", "draftless", "align", "mrope", "layer_diff")
+ORDER = ("kernels", "load", "tp2", "fp8", "serve", "e2e", "v2", "draftless", "align", "mrope", "layer_diff")
 MIN_START_S = 90  # an engine's start alone can take this long: no module starts with less left
 NEEDS_GPUS = {"tp2": 2}  # (with --gpus)
 MEMORY_SHARE = "0.2"  # --per-gpu > 1: gpu_memory_utilization of every engine (tests/gpu/_engines.memory_args)
