@@ -39,6 +39,7 @@ ROOT = HERE.parents[1]
 ORDER = ("kernels", "load", "tp2", "fp8", "serve", "e2e", "v2", "draftless", "align", "mrope", "layer_diff")
 MIN_START_S = 90  # an engine's start alone can take this long: no module starts with less left
 NEEDS_GPUS = {"tp2": 2}  # (with --gpus)
+EXCLUSIVE = {"load"}  # (with --per-gpu) a GPU of its own: it reads the GPU's memory in use over two loads
 MEMORY_SHARE = "0.2"  # --per-gpu > 1: gpu_memory_utilization of every engine (tests/gpu/_engines.memory_args)
 
 
@@ -172,18 +173,20 @@ def main(argv=None) -> int:
             if rc not in (0, 1, 5):  # 1: tests failed (their entries are written); 5: nothing selected
                 _note_module(results, name, rc, wall, since, log_path)
         with cond:
-            free.extend(gpus)
+            free.extend(g for g in gpus for _ in range(args.per_gpu if name in EXCLUSIVE else 1))
             cond.notify_all()
 
     with open(log_path, "a") as log:
         threads = []
         for name in names:  # in ORDER; with --gpus N up to N at once, each on GPUs of its own
             need = min(NEEDS_GPUS.get(name, 1), args.gpus)
+            slots = args.per_gpu if name in EXCLUSIVE else 1  # slots it takes on each of its GPUs
             with cond:
-                cond.wait_for(lambda: len(set(free)) >= need)
-                gpus = sorted(set(free), key=lambda g: -free.count(g))[:need]  # distinct, the emptiest first
+                cond.wait_for(lambda: sum(free.count(g) >= slots for g in set(free)) >= need)
+                gpus = sorted({g for g in free if free.count(g) >= slots}, key=lambda g: -free.count(g))[:need]
                 for g in gpus:
-                    free.remove(g)
+                    for _ in range(slots):
+                        free.remove(g)
             threads.append(threading.Thread(target=one, args=(name, gpus, log)))
             threads[-1].start()
         for t in threads:

@@ -40,7 +40,7 @@ ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "32"
         "--enable-prefix-caching", "--async-scheduling", "--enable-prompt-tokens-details",
         "--limit-mm-per-prompt", '{"image": 1}', "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder",
         "--enable-auto-tool-choice",  # (tests/_serve_cases.py: the parsers, compact JSON and why)
-        "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+        "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}', *E.memory_args()]
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "HF_HUB_OFFLINE": "1", "DDTREE_METRICS_INTERVAL": "0.25",
        "VLLM_USE_V2_MODEL_RUNNER": "1"}
 GDN_PREFILL = {"additional_config": {"gdn_prefill_backend": "triton"}}  # the GPU bundle has no FlashInfer
@@ -129,11 +129,12 @@ def loads(servers, sl, size):
 
 
 def test_servers_asked_for_v2_with_async_scheduling(servers, loads, record):
-    """What each server was started with (its log's non-default args; V2 by the environment variable);
-    tests/gpu/test_v2.py checks in-process that DDTree runs on V2 with async scheduling on."""
+    """What each server was started with (its log's non-default args; V2 by the environment variable),
+    and the DDTree server's own start-up line: the tree round on Model Runner V2 with async scheduling."""
     record(start_s=servers["start_s"])
     logs = loads["logs"]
     assert "DDTree on: budget 16" in logs["ddtree"], logs["ddtree"][-3000:]
+    assert "; Model Runner V2, async scheduling" in logs["ddtree"], logs["ddtree"][-3000:]
     for name, log in logs.items():
         assert "'async_scheduling': True" in log, (name, log[-3000:])
 
