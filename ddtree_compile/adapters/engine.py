@@ -18,7 +18,8 @@ def engine_settings(vllm_config) -> EngineSettings:
                 post_grad_pass=(cc.inductor_passes or {}).get("post_grad_custom_post_pass"),
                 additional_config=dict(vllm_config.additional_config or {}), seed=mc.seed or 0, model=str(mc.model),
                 max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
-                served_model_name=str(mc.served_model_name))
+                served_model_name=str(mc.served_model_name),
+                async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
     if sc is None:
         return EngineSettings(spec_method=None, **base)
     draft = sc.draft_model_config

@@ -33,6 +33,7 @@ class EngineSettings:
     draft_model: str = ""
     max_num_seqs: int = 1
     served_model_name: str = ""
+    async_scheduling: bool = False  # as vLLM resolved it (for the start-up line: the loop DDTree runs in)
     # hybrid prefix caching ("align"): the block size at whose boundaries vLLM caches GDN states, else None
     mamba_align_block_size: int | None = None
 

@@ -124,7 +124,7 @@ class DDTreeRound:
 
             redirect_ops_for_eager(load_rules())
         loop = "Model Runner V2" if adapters.current().is_runner_v2(runner) else "the V1 runner"
-        loop += ", async scheduling" if runner.vllm_config.scheduler_config.async_scheduling else ", synchronous"
+        loop += ", async scheduling" if view.settings.async_scheduling else ", synchronous"
         logger.info("DDTree on: budget %d (requested %s), top_k %d, draft length %d, %s target, KV layout %s%s; %s",
                     ctx.B, f"auto: {'/'.join(map(str, ctx.menu))} or the chain" if cfg.auto else cfg.budget,
                     cfg.top_k, ctx.L, "hybrid" if ctx.hybrid else "attention-only",
