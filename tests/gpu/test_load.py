@@ -92,7 +92,7 @@ def servers(gpu_env, tmp_path_factory):
     switch = config.vllm_kwargs(drafter, budget=E.BUDGET, top_k=E.TOP_K, num_speculative_tokens=E.DRAFT_LEN)
     flat = {"speculative_config": {"method": "dflash", "model": str(drafter), "num_speculative_tokens": E.DRAFT_LEN}}
     flags = {"ddtree": config.merge_llm_kwargs(GDN_PREFILL, switch), "plain": GDN_PREFILL,
-             "flat": config.merge_llm_kwargs(GDN_PREFILL, flat)}
+             "flat": {**GDN_PREFILL, **flat}}  # (merge_llm_kwargs takes DDTree's switch, not a flat config)
     srv = {name: server.Server(target, ARGS + config.cli_flags(kw), root / f"{name}.log", env=ENV, name=name)
            for name, kw in flags.items()}
     t0 = time.perf_counter()
