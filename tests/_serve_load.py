@@ -200,7 +200,9 @@ def reference(plain, req: dict):
     body = {"model": plain.model, "temperature": 0, "logprobs": True, "top_logprobs": TOP_LOGPROBS,
             "return_token_ids": True, "return_tokens_as_token_ids": True, **req}
     r = httpx.post(plain.url + "/v1/chat/completions", json=body, timeout=600)
-    r.raise_for_status()
+    if r.status_code != 200:  # the server's own words: its answer and its log's tail (tmp files are gone after)
+        raise RuntimeError(f"reference request ({sorted(req)}) -> {r.status_code}: {r.text[:2000]}\n"
+                           f"server log tail:\n{plain.log()[-6000:]}")
     ch = r.json()["choices"][0]
     lps = [{int(t["token"].split(":")[1]): t["logprob"] for t in pos["top_logprobs"]} for pos in ch["logprobs"]["content"]]
     return list(ch["token_ids"]), lps

