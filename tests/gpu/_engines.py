@@ -28,6 +28,21 @@ MM = {"skip_tokenizer_init": False, "max_model_len": 1024, "limit_mm_per_prompt"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
+SERVE_NEEDS = ("openai", "httpx", "uvicorn", "fastapi", "watchfiles", "uvloop", "model_hosting_container_standards")
+
+
+def require_server_modules() -> None:
+    """Skips the calling test where vLLM's OpenAI server cannot start: modules the default GPU bundle
+    lacks (docs/serve.md, "On the GPU": the bundle's extras)."""
+    import importlib.util
+
+    import pytest
+
+    missing = [m for m in SERVE_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"vLLM's OpenAI server needs {missing} (docs/serve.md, 'On the GPU': the bundle's extras)")
+
+
 def memory_args() -> list[str]:
     """`vllm serve` flags of the GPU-share the suite set (run_suite --per-gpu; models.tiny_llm_kwargs
     reads the same variable for in-process engines): vLLM refuses to start when the free memory is

@@ -20,7 +20,6 @@ OpenAI server's modules (docs/serve.md, "On the GPU"): skipped without them.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -30,7 +29,6 @@ import time
 import _engines as E
 import pytest
 
-NEEDS = ("openai", "httpx", "uvicorn", "fastapi", "watchfiles", "uvloop", "model_hosting_container_standards")
 # 600 system words: a conversation's turn 1 spans whole align blocks of the hybrid's prefix cache. 48 tokens
 # of room: a cap request's trees run until its drafts are cut (on CPU 16: tests/_serve_load.Size).
 SIZE = dict(requests=64, cancel=16, cap=2, max_tokens=64, images=True, prefix_cache=True, system_words=600,
@@ -78,9 +76,7 @@ def gpu_memory(srv) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def servers(gpu_env, tmp_path_factory):
-    missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"vLLM's OpenAI server needs {missing} (docs/serve.md, 'On the GPU': the bundle's extras)")
+    E.require_server_modules()
     from concurrent.futures import ThreadPoolExecutor
 
     from ddtree_compile.integration import config

@@ -16,7 +16,6 @@ default GPU bundle lacks (docs/serve.md, "On the GPU"): skipped without them.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import _engines as E
@@ -27,7 +26,6 @@ ARGS = ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "8",
         "--language-model-only", "--enable-prefix-caching", *E.memory_args()]  # text chat: no vision tower, no multimodal processor
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "HF_HUB_OFFLINE": "1", "DDTREE_METRICS_INTERVAL": "0.25"}
 GDN_PREFILL = {"additional_config": {"gdn_prefill_backend": "triton"}}  # the GPU bundle has no FlashInfer
-NEEDS = ("openai", "uvicorn", "fastapi", "watchfiles", "uvloop", "model_hosting_container_standards")
 TOPICS = ("the weather in paris and tokyo", "rivers of europe")
 
 
@@ -63,9 +61,7 @@ def _gate(ref, got) -> dict:
 
 @pytest.fixture(scope="module")
 def case9(gpu_env, tmp_path_factory):
-    missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"vLLM's OpenAI server needs {missing} (docs/serve.md, 'On the GPU': the bundle's extras)")
+    E.require_server_modules()
     from concurrent.futures import ThreadPoolExecutor
 
     from ddtree_compile.integration import config
