@@ -47,8 +47,9 @@ def _bad_server(dirs):
 def servers(dirs):
     """The server pair, vLLM's flat DFlash (the load test's control) and the malformed server of the
     last test, started side by side: a start is three Python processes importing vLLM one after the
-    other (API server, engine core, worker), single-threaded, so starts overlap on 2 cores. The malformed one fails before its model loads; its
-    outcome waits for its test (the pair is up and serving by then)."""
+    other (API server, engine core, worker), single-threaded, so starts overlap on 2 cores. The
+    malformed one fails before its model loads; its outcome waits for its test (the pair is up and
+    serving by then)."""
     from concurrent.futures import ThreadPoolExecutor
 
     bad = _bad_server(dirs)
