@@ -98,3 +98,15 @@ def test_the_rows_vllm_cpu_cannot_roll():
     counts = torch.tensor([3, 3, 1, 9, 5], dtype=torch.int32)
     assert short_rows(qsl, counts, 5) == [0]
     assert short_rows(qsl, torch.tensor([2, 4, 2, 10, 1], dtype=torch.int32), 5) == [0, 1, 2, 3]
+
+
+def test_a_steps_gdn_groups_share_one_rows_tensor():
+    """adapters/gdn_resume._rows_on: the rows go to the device once for all GDN groups of a step (same
+    rows: the same tensor), and new rows make a new one."""
+    from ddtree_compile.adapters.gdn_resume import _rows_on
+
+    cpu = torch.device("cpu")
+    a = _rows_on([0, 2], cpu)
+    assert a.tolist() == [0, 2] and a.dtype == torch.int32 and _rows_on([0, 2], cpu) is a
+    b = _rows_on([1], cpu)
+    assert b.tolist() == [1] and b is not a

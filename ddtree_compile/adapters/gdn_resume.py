@@ -140,8 +140,20 @@ def _resume(builder, block_table: torch.Tensor, num_accepted: torch.Tensor, rows
         views = builder._ddtree_state_views = ([c for c, _, _ in got], [s for _, s, _ in got], got[0][2].shape[-1])
     convs, ssms, width = views
     ns = 1 + builder.kv_cache_spec.num_speculative_blocks
-    idx = torch.tensor(rows, dtype=torch.int32)
-    if block_table.is_cuda:  # pinned and non-blocking: a pageable copy would wait for the stream
-        idx = idx.pin_memory().to(block_table.device, non_blocking=True)
     counts = num_accepted[: block_table.shape[0]].to(torch.int32)
-    gdn_resume(convs, ssms, block_table[:, :ns].to(torch.int32), counts, idx, width)
+    gdn_resume(convs, ssms, block_table[:, :ns].to(torch.int32), counts, _rows_on(rows, block_table.device), width)
+
+
+_ROWS: dict = {}  # device -> (rows, their int32 tensor there): every GDN group of a step builds with the same rows
+
+
+def _rows_on(rows: list[int], device) -> torch.Tensor:
+    """`rows` as an int32 tensor on `device`, copied once for all the step's GDN groups (the kernel
+    only reads it). On CUDA pinned and non-blocking: a pageable copy would wait for the stream."""
+    hit = _ROWS.get(device)
+    if hit is None or hit[0] != rows:
+        idx = torch.tensor(rows, dtype=torch.int32)
+        if device.type == "cuda":
+            idx = idx.pin_memory().to(device, non_blocking=True)
+        hit = _ROWS[device] = (list(rows), idx)
+    return hit[1]
