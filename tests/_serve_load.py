@@ -134,21 +134,29 @@ def jobs(srv, size: Size) -> list[dict]:
 
 
 def stream(srv, req: dict, cancel: bool) -> dict:
-    """One streaming chat request; with `cancel`, the client hangs up after CANCEL_AFTER token chunks."""
+    """One streaming chat request; with `cancel`, the client hangs up after CANCEL_AFTER token chunks.
+    With "top_logprobs" in `req`: "lps", each token's top log-probs by token id (every chunk carries
+    its tokens' log-probs: with return_token_ids vLLM sends a chunk even where a parser holds the text)."""
     body = {"model": srv.model, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True, **req}
-    out = {"ids": [], "content": "", "reasoning": "", "tool": "", "args": "", "chunks": 0, "finish": None,
+    out = {"ids": [], "lps": [], "content": "", "reasoning": "", "tool": "", "args": "", "chunks": 0, "finish": None,
            "usage": None, "cancelled": False}
     with httpx.Client(timeout=600) as h, h.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            r.read()
+            _failed(srv, req, f"{r.status_code}: {r.text[:2000]}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             c = json.loads(line[6:])
+            if "error" in c:  # a failure after the stream began comes as a chunk
+                _failed(srv, req, json.dumps(c["error"])[:2000])
             out["usage"] = c.get("usage") or out["usage"]
             for ch in c.get("choices", []):
                 d, ids = ch.get("delta", {}), ch.get("token_ids") or []
                 out["ids"] += ids
+                out["lps"] += [{int(t["token"].split(":")[1]): t["logprob"] for t in pos["top_logprobs"]}
+                               for pos in (ch.get("logprobs") or {}).get("content") or []]
                 out["chunks"] += bool(ids)
                 out["content"] += d.get("content") or ""
                 out["reasoning"] += d.get("reasoning") or ""
@@ -195,17 +203,19 @@ def settle(srv, idle: float, timeout: float = 120) -> dict:
         time.sleep(0.5)
 
 
+def _failed(srv, req: dict, answer: str):
+    """A request the server did not serve: its answer and its log's tail (tmp files are gone after)."""
+    raise RuntimeError(f"{srv.name}: request ({sorted(req)}) -> {answer}\nserver log tail:\n{srv.log()[-6000:]}")
+
+
 def reference(plain, req: dict):
-    """The same request alone on the no-speculation server, greedy, with log-probs (not streamed)."""
-    body = {"model": plain.model, "temperature": 0, "logprobs": True, "top_logprobs": TOP_LOGPROBS,
-            "return_token_ids": True, "return_tokens_as_token_ids": True, **req}
-    r = httpx.post(plain.url + "/v1/chat/completions", json=body, timeout=600)
-    if r.status_code != 200:  # the server's own words: its answer and its log's tail (tmp files are gone after)
-        raise RuntimeError(f"reference request ({sorted(req)}) -> {r.status_code}: {r.text[:2000]}\n"
-                           f"server log tail:\n{plain.log()[-6000:]}")
-    ch = r.json()["choices"][0]
-    lps = [{int(t["token"].split(":")[1]): t["logprob"] for t in pos["top_logprobs"]} for pos in ch["logprobs"]["content"]]
-    return list(ch["token_ids"]), lps
+    """The same request alone on the no-speculation server, greedy, with log-probs. Streamed, as the
+    load's requests: vLLM 0.26 answered the same forced tool call not streamed (with log-probs) with an
+    empty 500 (H200, Model Runner V2)."""
+    got = stream(plain, {**req, "logprobs": True, "top_logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True},
+                 cancel=False)
+    assert len(got["lps"]) == len(got["ids"]) > 0, (plain.name, sorted(req), len(got["lps"]), len(got["ids"]))
+    return got["ids"], got["lps"]
 
 
 def _valid(srv, kind: str, got: dict) -> bool:
