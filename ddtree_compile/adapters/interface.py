@@ -68,6 +68,21 @@ class RunnerView(abc.ABC):
         """Why budget "auto" cannot verify a chain step here (the round then verifies the tree every
         step, logged once, counted), or None."""
 
+    def schedules_draft_counts(self) -> bool:
+        """The scheduler gives each step budget "auto"'s draft count: the tree's or the chain's, no
+        smaller bucket (draft_schedule.py)."""
+        return False
+
+    def next_draft_count(self) -> int | None:
+        """Drafts per request the scheduler already gave the next step, where it decides them (budget
+        "auto" on Model Runner V2: draft_schedule.py), else None: the drafts the round proposes."""
+        return None
+
+    def choose_draft_count(self, R: int, chain: bool) -> bool:
+        """Budget "auto"'s choice for batches of R's bucket, handed to a scheduler that decides the draft
+        count (next_draft_count); False where there is none to hand it to."""
+        return False
+
     @abc.abstractmethod
     def has_drafter(self) -> bool:
         """The engine runs a DFlash drafter whose logits the round (and the test harnesses) can read."""

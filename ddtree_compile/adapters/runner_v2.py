@@ -14,8 +14,9 @@ through V2's own rejection sampler with one-hot drafts
 GatedDeltaNet hybrids, M-RoPE, eager engines and torch.compile with PIECEWISE / FULL_AND_PIECEWISE
 graphs (tree verifies replay FULL graphs captured through V2's graph manager; the drafter's graphs are
 captured for L queries). Refused at attach (unsupported_features): pure FULL graphs, V2's breakable
-graphs, custom logits processors, hybrid prefix caching other than "align"; budget "auto" verifies the tree
-every step.
+graphs, custom logits processors, hybrid prefix caching other than "align", a dynamic draft schedule of
+the user's. Budget "auto" (with async scheduling) chooses between the tree and the chain through vLLM's
+own per-batch-size draft counts (draft_schedule.py); in the synchronous loop it verifies the tree every step.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class _Shared:
         self.full_desc = None  # set while a FULL graph replays (cudagraph_manager.run_fullgraph)
         self.positions = None  # the positions tensor vLLM hands the target (model inputs)
         self.pw = False  # set while PIECEWISE graphs run the target (cudagraph_manager.run_pw_graph)
+        self.next_drafts: int | None = None  # drafts per request the scheduler gave the next step (auto)
+        self.capture_reqs: int | None = None  # requests of the graph V2 is capturing (prepare_dummy_inputs)
+        self.schedule = None  # budget "auto": the scheduler's draft counts (draft_schedule.DraftSchedule)
         self.in_forward = False  # set while the round's target forward runs (re-entry guard)
         self.flat_wrapped = None  # what V2RunnerView.wrap_flat_drafts replaced, to put back
 
@@ -115,11 +119,42 @@ class V2RunnerView(V1RunnerView):
             return "breakable CUDA graphs of Model Runner V2 (the round hooks vLLM's compiled piecewise graphs)"
         if type(self.speculator).__name__ != "DFlashSpeculator":
             return f"a {type(self.speculator).__name__} speculator (DDTree needs V2's DFlash speculator)"
+        spec = vc.speculative_config
+        if getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None and not self._auto_schedule():
+            return "a dynamic draft schedule (num_speculative_tokens_per_batch_size) other than budget \"auto\"'s"
         return model_features_unsupported(mc, cc)
 
     def budget_auto_unsupported(self) -> str | None:
-        return ("budget 'auto' on Model Runner V2: its scheduler schedules num_speculative_tokens drafts every "
-                "step, so a chain step cannot take fewer")
+        hybrid = super().budget_auto_unsupported()  # (vLLM-cpu's GDN verify cannot take the chain's fewer drafts)
+        if hybrid or self._auto_schedule():
+            return hybrid
+        return ("budget 'auto' on Model Runner V2 without async scheduling, with data parallelism or with workers "
+                "of their own (vLLM's per-batch-size draft counts carry the choice, written where the scheduler "
+                "runs: draft_schedule.py)")
+
+    def _auto_schedule(self) -> bool:
+        """vLLM runs DDTree's auto schedule (engine_args.adjust_vllm_config) in the async loop."""
+        from ..integration import config as config_mod
+        from .draft_schedule import is_auto_schedule
+
+        vc, cfg = self.runner.vllm_config, config_mod.parse(self.settings.additional_config)
+        sc = vc.speculative_config
+        return (cfg is not None and self.settings.async_scheduling and sc is not None
+                and is_auto_schedule(sc, sc.num_speculative_tokens, cfg.draft_len or 0, self.max_num_reqs))
+
+    def schedules_draft_counts(self) -> bool:
+        return self._auto_schedule()
+
+    def next_draft_count(self) -> int | None:
+        return self._shared.next_drafts if self._auto_schedule() else None
+
+    def choose_draft_count(self, R: int, chain: bool) -> bool:
+        shared = self._shared
+        if shared.schedule is None:
+            from .draft_schedule import DraftSchedule
+
+            shared.schedule = DraftSchedule(self.settings.num_speculative_tokens, self.drafter_draft_len())
+        return shared.schedule.choose(R, chain)
 
     def has_drafter(self) -> bool:
         return self.speculator is not None
@@ -298,7 +333,7 @@ class V2RunnerView(V1RunnerView):
             return drafts
 
         s.propose = on_propose
-        add, remove = track_requests(r, shared.requests)
+        add, remove = track_requests(r, shared)
         shared.flat_wrapped = (propose, add, remove)
         return True
 
@@ -314,20 +349,34 @@ class V2RunnerView(V1RunnerView):
         440-565`): each FULL descriptor's warm-up and capture call `model(**inputs)` with attention
         metadata and runtime mode NONE (PIECEWISE warm-ups build none), the capture inside
         `torch.cuda.graph`. The model handed to it is wrapped so those calls run inside
-        `capture(num_tokens, num_reqs, capturing)`'s tree context, entered outside the graph. Only
-        V2's own uniform length gets FULL graphs here (`query_lens` are not added)."""
+        `capture(num_tokens, num_reqs, capturing)`'s tree context, entered outside the graph; the
+        descriptor's request count is the one V2 hands `model_state.prepare_dummy_inputs` for it. V2's
+        own uniform lengths get FULL graphs here: 1 + K, and with budget "auto"'s schedule the chain's
+        1 + L (`query_lens` are not added)."""
         manager = getattr(self.runner, "cudagraph_manager", None)
         mode = self.runner.vllm_config.compilation_config.cudagraph_mode
         if manager is None or mode is None or not mode.has_full_cudagraphs():
             return set()
-        original = manager.capture
-        q = self._query_len()
+        original, shared, model_state = manager.capture, self._shared, self.runner.model_state
+        dummy = model_state.prepare_dummy_inputs
+
+        def prepare_dummy_inputs(num_reqs, num_tokens):
+            shared.capture_reqs = num_reqs
+            return dummy(num_reqs, num_tokens)
 
         def capture_with_trees(model, *args, **kw):
-            return original(_CaptureModel(model, capture, q), *args, **kw)
+            model_state.prepare_dummy_inputs = prepare_dummy_inputs
+            try:
+                return original(_CaptureModel(model, capture, shared, self._query_len()), *args, **kw)
+            finally:
+                model_state.__dict__.pop("prepare_dummy_inputs", None)
+                shared.capture_reqs = None
 
         manager.capture = capture_with_trees
-        return {q}
+        lens = {self._query_len()}
+        if self._auto_schedule():
+            lens.add(1 + self.drafter_draft_len())
+        return lens
 
     def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
         from .runner_v2_hooks import V2RoundHooks
@@ -339,8 +388,8 @@ class _CaptureModel:
     """The model as V2's graph capture calls it: a FULL descriptor's warm-up and capture forwards
     (attention metadata set, runtime mode NONE) run inside the round's tree context of that size."""
 
-    def __init__(self, model, capture, query_len: int):
-        self._model, self._capture, self._q = model, capture, query_len
+    def __init__(self, model, capture, shared: _Shared, query_len: int):
+        self._model, self._capture, self._shared, self._q = model, capture, shared, query_len
 
     def __call__(self, **inputs):
         from vllm.forward_context import get_forward_context
@@ -350,7 +399,8 @@ class _CaptureModel:
         if fc.attn_metadata is not None and fc.cudagraph_runtime_mode.name == "NONE":
             ids = inputs.get("input_ids")
             tokens = ids.shape[0] if ids is not None else inputs["positions"].shape[-1]
-            cm = self._capture(tokens, max(tokens // self._q, 1), torch.cuda.is_current_stream_capturing())
+            reqs = self._shared.capture_reqs or max(tokens // self._q, 1)  # (V2's own length, as before 0.26)
+            cm = self._capture(tokens, reqs, torch.cuda.is_current_stream_capturing())
         if cm is None:
             return self._model(**inputs)
         with cm:

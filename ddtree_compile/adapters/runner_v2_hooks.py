@@ -38,7 +38,7 @@ class V2RoundHooks:
 
     def install(self) -> dict:
         r, s = self.r, self.s
-        track_requests(r, self.view._requests)
+        track_requests(r, self.shared)
         s.propose, s._generate_draft = self.on_propose, self.on_generate_draft
         r.model_state.prepare_attn = self.on_prepare_attn
         r.model_state.postprocess_state = self.on_postprocess_state
@@ -190,16 +190,18 @@ def _with_positions_in(buf, run, kw: dict):
         buf[..., :n].copy_(saved)
 
 
-def track_requests(runner, requests: dict) -> tuple:
-    """Wrap the runner's `add_requests` / `_remove_request` (on the instance) so that `requests` maps
-    every live request id to (SamplingParams, prompt token ids): V2 keeps neither on the host. Returns
-    the wrapped originals (to put back)."""
-    add, remove = runner.add_requests, runner._remove_request
+def track_requests(runner, shared) -> tuple:
+    """Wrap the runner's `add_requests` / `_remove_request` (on the instance, called at every step) so
+    that `shared.requests` maps every live request id to (SamplingParams, prompt token ids): V2 keeps
+    neither on the host; and `shared.next_drafts` holds the drafts per request the scheduler gave the
+    step after this one (budget "auto": draft_schedule.py). Returns the wrapped originals (to put back)."""
+    add, remove, requests = runner.add_requests, runner._remove_request, shared.requests
 
     def on_add(scheduler_output):
         out = add(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             requests[new.req_id] = (new.sampling_params, prompt_ids_of(new))
+        shared.next_drafts = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         return out
 
     def on_remove(req_id):

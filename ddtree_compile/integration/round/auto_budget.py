@@ -341,11 +341,15 @@ class AutoBudget:
                                for (k, o, b), r in sorted(self._pairs.items()) if k < o}}
 
 
-def serveable_menu(menu: tuple, hybrid: bool) -> tuple[tuple, str | None]:
+def serveable_menu(menu: tuple, hybrid: bool, scheduled: bool = False) -> tuple[tuple, str | None]:
     """The buckets this engine's round serves, and why the others are refused (None: all served).
     On hybrid targets a smaller bucket's verify has fewer slots than vLLM's conv and state lines
     (sized for num_speculative_tokens = the largest bucket), which the tree conv and GDN templates
-    do not read yet (seen on the H100: the tree conv refused the lines' length)."""
+    do not read yet (seen on the H100: the tree conv refused the lines' length). Where the scheduler
+    gives each step its draft count (`scheduled`: Model Runner V2), it gives the tree's or the chain's."""
+    if scheduled and len(menu) > 1:
+        return menu[-1:], (f"budget menu {'/'.join(map(str, menu))}: buckets below the largest on Model Runner V2 "
+                           "(its scheduler gives each step the largest tree's draft count or the chain's)")
     if hybrid and len(menu) > 1:
         return menu[-1:], (f"budget menu {'/'.join(map(str, menu))}: buckets below the largest on a hybrid "
                            "target (the tree conv / GDN templates read state lines sized for the largest)")

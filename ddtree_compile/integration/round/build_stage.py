@@ -40,6 +40,7 @@ class BuildStage:
         if ctx.auto is not None:
             ctx.auto.step_ended(t0)
             kind = ctx.auto.choose(R)
+            kind = self._scheduled(kind, R)
         self._captured = None
         original_propose(num_speculative_tokens=ctx.L, **kw)
         (logits, top1), self._captured = self._captured, None
@@ -64,6 +65,18 @@ class BuildStage:
             tree.tokens[:, 1:] = drafts
         self._done(kind, R, t0)
         return drafts, Pending(req_ids, tree, top1, chain)
+
+    def _scheduled(self, kind: str, R: int) -> str:
+        """Where the scheduler decides the next step's draft count (Model Runner V2 under async
+        scheduling, adapters/draft_schedule.py), the choice goes to its schedule for the steps after
+        and this proposal follows what it already gave the next step: L drafts the chain, else the tree."""
+        ctx, k = self.ctx, self.ctx.view.next_draft_count()
+        if k is None:
+            return kind
+        if not ctx.view.choose_draft_count(R, kind == CHAIN):
+            ctx.log_once("auto:schedule", "DDTree: budget \"auto\" found no scheduler in this process (its workers "
+                         "run apart: tensor parallel); every step verifies what vLLM schedules (logged once)")
+        return CHAIN if k == ctx.L else TREE
 
     def _warm_up(self, logits: torch.Tensor) -> None:
         """Once, at the first proposal on CUDA: the top-k kernel's variants of every batch size

@@ -88,7 +88,7 @@ class DDTreeRound:
             logger.warning("DDTree: %s; verifying the tree of auto_budget=%d nodes every step.", reason, spec.budget)
             ctx.menu = ctx.menu[-1:]  # every step the largest bucket: no smaller bucket to estimate
         elif cfg.auto:
-            ctx.menu, reason = serveable_menu(ctx.menu, ctx.hybrid)
+            ctx.menu, reason = serveable_menu(ctx.menu, ctx.hybrid, view.schedules_draft_counts())
             if reason is not None:
                 PROCESS_STARTUP_FALLBACKS[reason] += 1
                 logger.warning("DDTree: %s; budget \"auto\" chooses between the tree of %d nodes and the chain.",
