@@ -33,7 +33,15 @@ class V2RoundHooks:
         # K = B draft slots. Its forward (a graph or eager) leaves the hidden states of the L sampled
         # positions in `hidden`; the logits are computed after it, eagerly, for the tree build.
         s.num_speculative_steps, s.num_query_per_req = draft_len, 1 + draft_len
-        s.init_cudagraph_manager(r.vllm_config.compilation_config.cudagraph_mode)
+        # The drafter drafts L positions at every step, tree or chain: its graph manager must not take
+        # budget "auto"'s per-batch-size draft counts (draft_schedule.py) as its query lengths (0.26
+        # `cudagraph_utils.py:196-218` derives them from K, here 1 + L - K < 0: a capture of -30 requests).
+        spec = r.vllm_config.speculative_config
+        schedule, spec.num_speculative_tokens_per_batch_size = spec.num_speculative_tokens_per_batch_size, None
+        try:
+            s.init_cudagraph_manager(r.vllm_config.compilation_config.cudagraph_mode)
+        finally:
+            spec.num_speculative_tokens_per_batch_size = schedule
         self.hidden = torch.empty(r.max_num_reqs * draft_len, s.hidden_size, dtype=s.dtype, device=s.device)
 
     def install(self) -> dict:
