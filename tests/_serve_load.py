@@ -117,7 +117,7 @@ def jobs(srv, size: Size) -> list[dict]:
         elif kind == "think":
             del req["chat_template_kwargs"]
         elif kind == "tool":
-            req.update(max_tokens=size.max_tokens // 2,
+            req.update(max_tokens=128, ignore_eos=False,  # room to close the call (valid JSON), as "json"
                        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
         elif kind == "json":  # stops where the grammar ends
             req.update(max_tokens=128, ignore_eos=False, response_format={
