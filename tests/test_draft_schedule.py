@@ -32,9 +32,11 @@ def test_budget_auto_gets_vllms_draft_schedule_where_v2_runs_it_in_the_async_loo
         assert other.speculative_config.num_speculative_tokens_per_batch_size is None
     v1 = vc(v2=False)
     switch.adjust_vllm_config(v1, None)  # the V1 runner: async off, no schedule
-    assert v1.scheduler_config.async_scheduling is False and v1.speculative_config.num_speculative_tokens_per_batch_size is None
+    assert v1.scheduler_config.async_scheduling is False
+    assert v1.speculative_config.num_speculative_tokens_per_batch_size is None
     mine = vc(schedule=[(1, 16, 4)])
-    assert switch.adjust_vllm_config(mine, None) == [] and mine.speculative_config.num_speculative_tokens_per_batch_size == [(1, 16, 4)]
+    assert switch.adjust_vllm_config(mine, None) == []
+    assert mine.speculative_config.num_speculative_tokens_per_batch_size == [(1, 16, 4)]
 
 
 def test_a_choice_rewrites_the_batch_sizes_of_its_bucket():

@@ -148,7 +148,8 @@ with tempfile.TemporaryDirectory() as tmp:
         out["auto_v2"] = {"attached": state is not None, "equal": [g[1] for g in got] == [x[1] for x in ref],
                           "served": [len(g[1]) for g in got], "counters": counters,
                           "schedule": runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size,
-                          "written": schedule.written, "lookup": schedule.lookup()[1:], "policy": state.metrics.auto.snapshot()}
+                          "written": schedule.written, "lookup": schedule.lookup()[1:],
+                          "policy": state.metrics.auto.snapshot()}
     finally:
         engines.shutdown(llm)
 

@@ -32,7 +32,7 @@ import pytest
 # 600 system words: a conversation's turn 1 spans whole align blocks of the hybrid's prefix cache. 48 tokens
 # of room: a cap request's trees run until its drafts are cut (on CPU 16: tests/_serve_load.Size).
 SIZE = dict(requests=64, cancel=16, cap=2, max_tokens=64, images=True, prefix_cache=True, system_words=600,
-            cap_room=48)
+            cap_room=48, tool_tokens=128)
 ARGS = ["--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "32", "--max-num-batched-tokens", "4096",
         "--kv-cache-memory-bytes", str(2 << 30), "--seed", "0", "--mamba-ssm-cache-dtype", "float32",
         "--enable-prefix-caching", "--async-scheduling", "--enable-prompt-tokens-details",
