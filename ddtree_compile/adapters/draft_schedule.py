@@ -67,16 +67,19 @@ class DraftSchedule:
     """The scheduler's lookup of this process, as the round writes it (found at first use: the
     scheduler is built after the workers)."""
 
-    def __init__(self, budget: int, draft_len: int):
-        self.B, self.L = budget, draft_len
+    def __init__(self, budget: int, draft_len: int, vllm_config=None):
+        self.B, self.L, self.vllm_config = budget, draft_len, vllm_config
         self._lookup: list[int] | None = None
         self.written = {budget: 0, draft_len: 0}  # choices written, by draft count (tests, the snapshot)
 
     def lookup(self) -> list[int] | None:
+        """The lookup of the scheduler built from this engine's config (the engine core hands the worker
+        and the scheduler the same object), else of the newest one in this process."""
         if self._lookup is None:
             live = [s for s in (r() for r in _SCHEDULERS) if s is not None]
-            if live:
-                self._lookup = live[-1].dynamic_sd_lookup
+            mine = [s for s in live if getattr(s, "vllm_config", None) is self.vllm_config] or live
+            if mine:
+                self._lookup = mine[-1].dynamic_sd_lookup
         return self._lookup
 
     def choose(self, R: int, chain: bool) -> bool:

@@ -120,8 +120,8 @@ class V2RunnerView(V1RunnerView):
             return "breakable CUDA graphs of Model Runner V2 (the round hooks vLLM's compiled piecewise graphs)"
         if type(self.speculator).__name__ != "DFlashSpeculator":
             return f"a {type(self.speculator).__name__} speculator (DDTree needs V2's DFlash speculator)"
-        spec = vc.speculative_config
-        if getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None and not self.schedules_draft_counts():
+        schedule = getattr(vc.speculative_config, "num_speculative_tokens_per_batch_size", None)
+        if schedule and not self.schedules_draft_counts():
             return "a dynamic draft schedule (num_speculative_tokens_per_batch_size) other than budget \"auto\"'s"
         return model_features_unsupported(mc, cc)
 
@@ -143,10 +143,9 @@ class V2RunnerView(V1RunnerView):
         return self._shared.next_drafts if self.schedules_draft_counts() else None
 
     def choose_draft_count(self, R: int, chain: bool) -> bool:
-        shared = self._shared
-        if shared.schedule is None:
-            shared.schedule = DraftSchedule(self.settings.num_speculative_tokens, self.drafter_draft_len())
-        return shared.schedule.choose(R, chain)
+        s, K, L = self._shared, self.settings.num_speculative_tokens, self.drafter_draft_len()
+        s.schedule = s.schedule or DraftSchedule(K, L, self.runner.vllm_config)
+        return s.schedule.choose(R, chain)
 
     def has_drafter(self) -> bool:
         return self.speculator is not None
