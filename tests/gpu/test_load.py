@@ -9,8 +9,8 @@ checked there, except images, prefix caching and GPU memory.
 Three servers on one GPU, started together (as tests/gpu/test_serve.py; a fixed KV cache each), all on
 Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) with async scheduling, the tiny multimodal Qwen3.5 hybrid
 with prefix caching: DDTree (`config.cli_args`, the MIXED sliding/full drafter, a fixed budget of 16:
-budget "auto" is not served on V2 in this project yet), no speculation (the gates' reference, each
-request alone), and vLLM's own flat DFlash with the same drafter (the control). Checks: _serve_load.check
+its GPU pass was taken so; budget "auto" on V2 under this load is still to run), no speculation (the
+gates' reference, each request alone), and vLLM's own flat DFlash with the same drafter (the control). Checks: _serve_load.check
 on DDTree (server up and answering, nothing running, KV-cache usage back at idle, DDTree's counters
 add up, every completed greedy request within the gate, or no further from the reference than the
 same request under the same load on the control), the control's own gates recorded, and the DDTree
