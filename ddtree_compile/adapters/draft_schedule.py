@@ -90,7 +90,7 @@ class DraftSchedule:
             return False
         lo = 1 << (max(R, 1).bit_length() - 1)
         k = self.L if chain else self.B
-        for size in range(lo, min(2 * lo, len(lookup))):
-            lookup[size] = k
         self.written[k] += 1
+        if lo < len(lookup) and lookup[lo] != k:  # (the bucket is written whole: one entry tells)
+            lookup[lo:min(2 * lo, len(lookup))] = [k] * (min(2 * lo, len(lookup)) - lo)
         return True

@@ -388,7 +388,8 @@ class _CaptureModel:
         if fc.attn_metadata is not None and fc.cudagraph_runtime_mode.name == "NONE":
             ids = inputs.get("input_ids")
             tokens = ids.shape[0] if ids is not None else inputs["positions"].shape[-1]
-            reqs = self._shared.capture_reqs or max(tokens // self._q, 1)  # (V2's own length, as before 0.26)
+            # the descriptor's requests (prepare_dummy_inputs); a capture that passed none: V2's own length
+            reqs = self._shared.capture_reqs or max(tokens // self._q, 1)
             cm = self._capture(tokens, reqs, torch.cuda.is_current_stream_capturing())
         if cm is None:
             return self._model(**inputs)
