@@ -37,7 +37,8 @@ def test_bench_e2e_smoke(bench, tmp_path):
             assert r["tokens_per_round"] > 1.5 and r["rounds"] > 0, r  # the oracle's drafts were accepted
     for c in (1, 2):
         d, f = runs[("ddtree8", c)], runs[("flat", c)]
-        assert d["tree_steps"] > 0 and d["fallback_total"] == 0 and set(d["round_split_s"]) >= {"build", "verify"}
+        assert d["tree_steps"] > 0 and d["fallback_total"] == 0
+        assert set(d["round_split_s"]) >= {"draft", "build", "verify"}
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
         assert math.isclose(d["break_even_gain"], (f["rounds"] / f["wall_s_total"]) / (d["rounds"] / d["wall_s_total"]))
     for c in (1, 2):  # budget "auto": both kinds of steps were possible, its choices are reported

@@ -320,7 +320,7 @@ def test_prometheus_series_after_traffic(plain, ddtree):
     assert v["nodes_wasted"] == v["nodes_verified"] - v["nodes_accepted"]
     assert sc.total(m, "vllm:ddtree_accept_depth_count") == v["rounds"]
     assert sc.total(m, "vllm:ddtree_accept_depth_sum") == v["nodes_accepted"]
-    for phase in ("build", "verify", "walk", "commit"):
+    for phase in ("draft", "build", "verify", "walk", "commit"):
         assert sc.total(m, "vllm:ddtree_phase_seconds_total", phase=phase) > 0, phase
     assert sc.total(m, "vllm:ddtree_fallbacks_total", reason="structured output") > 0
     assert all(dict(ls).get("model_name") == ddtree.model for n, ls in m if n.startswith("vllm:ddtree_"))

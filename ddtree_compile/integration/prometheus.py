@@ -30,6 +30,7 @@ import tempfile
 import threading
 
 import ddtree_compile.adapters as adapters
+from ddtree_compile.integration.metrics import ROUND_PHASES
 
 ENV, OWNER = "DDTREE_METRICS_DIR", "DDTREE_METRICS_OWNER"
 EXPORT_INTERVAL = float(os.environ.get("DDTREE_METRICS_INTERVAL", "1.0"))
@@ -157,7 +158,7 @@ def families(snaps: list[dict]):
         for s in group:
             for phase, sec in s.get("seconds", {}).items():
                 phases[phase] = phases.get(phase, 0.0) + sec
-        for phase in ("build", "verify", "walk", "commit"):
+        for phase in ROUND_PHASES:
             seconds.add_metric([model, phase], phases.get(phase, 0.0))
         depth = max((len(s.get("accept_depth_histogram", [])) for s in group), default=0)
         counts = [sum(s["accept_depth_histogram"][d] for s in group if d < len(s.get("accept_depth_histogram", [])))

@@ -21,6 +21,7 @@ class BuildStage:
         self.ctx = ctx
         self._captured: tuple | None = None  # (drafter logits [R*L, V], their argmax [R*L])
         self._warmed = False
+        self._draft_s = 0.0  # host time of this proposal's drafter forward (_done)
 
     def sample_draft_tokens(self, hidden_states, sampling_metadata):
         """Stands in for the drafter's own sampling: keep the logits, hand back the argmax."""
@@ -42,7 +43,9 @@ class BuildStage:
             kind = ctx.auto.choose(R)
             kind = self._scheduled(kind, R)
         self._captured = None
+        t_draft = time.perf_counter()
         original_propose(num_speculative_tokens=ctx.L, **kw)
+        self._draft_s = time.perf_counter() - t_draft  # vLLM's drafter, flat DFlash's work too: not "build"
         (logits, top1), self._captured = self._captured, None
         logits, top1 = logits.view(R, ctx.L, -1), top1.view(R, ctx.L)
         if not self._warmed:
@@ -106,7 +109,10 @@ class BuildStage:
                     f"; not {skipped} (dummy logits over {_WARM_BYTES >> 20} MiB)" if skipped else "")
 
     def _done(self, kind: str, R: int, t0: float) -> None:
+        """The proposal's host time in two phases: "draft" (the drafter's forward and its logits, as vLLM
+        runs them) and "build" (DDTree's own: the policy, the top-k, the tree)."""
         t1 = time.perf_counter()
-        self.ctx.metrics.add_time("build", t1 - t0)
+        self.ctx.metrics.add_time("draft", self._draft_s)
+        self.ctx.metrics.add_time("build", t1 - t0 - self._draft_s)
         if self.ctx.auto is not None:
             self.ctx.auto.proposed(kind, R, t0, t1)
