@@ -6,6 +6,8 @@ its drafter and the scheduler (about a microsecond each), so flat DFlash's phase
 way as DDTree's. A phase that grows with DDTree while the host work in it does not is a wait on the
 GPU: vLLM syncs on the sampled tokens in `_bookkeeping_sync` and on the drafts in
 `take_draft_token_ids` (the engine's post_step). Times are inclusive (nested phases overlap).
+On Model Runner V2 (methods of its own, `vllm/v1/worker/gpu/`) the runner's `prepare_inputs`, `sample` and
+`postprocess_sampled` and the speculator's `propose` are timed; a method an engine lacks is skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ PHASES = [
     ("bookkeeping_sync", "runner", "_bookkeeping_sync"),
     ("update_from_output", "scheduler", "update_from_output"),
     ("take_draft_token_ids", "runner", "take_draft_token_ids"),
+    # Model Runner V2: DDTree's round hooks sit inside these (its propose wraps the speculator's)
+    ("v2.prepare_inputs", "runner", "prepare_inputs"),
+    ("v2.sample", "runner", "sample"),
+    ("v2.postprocess_sampled", "runner", "postprocess_sampled"),
+    ("speculator.propose", "speculator", "propose"),
 ]
 
 _TIMERS: dict[int, dict] = {}  # id(llm) -> label -> seconds
@@ -44,6 +51,7 @@ def install(llm) -> dict:
 
     runner = engines.find_runner(llm)
     owners = {"runner": runner, "drafter": getattr(runner, "drafter", None),
+              "speculator": getattr(runner, "speculator", None),
               "scheduler": llm.llm_engine.engine_core.engine_core.scheduler}
     totals = _TIMERS.setdefault(id(llm), defaultdict(float))
     for label, owner, name in PHASES:
