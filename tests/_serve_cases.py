@@ -116,23 +116,12 @@ def gate(ref_resp, got_ids, label=""):
     return g
 
 
-_SAMPLE = re.compile(r'^(vllm:[a-z_:]+?)(?:\{(.*)\})? ([-+0-9.eE]+|NaN|[+-]Inf)$')
-
-
 def scrape(srv) -> dict:
     """/metrics as {(name, frozenset(labels)): value}."""
-    out = {}
-    for line in srv.metrics().splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            out[(m.group(1), labels)] = float(m.group(3))
-    return out
+    return server.parse_metrics(srv.metrics())
 
 
-def total(samples: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+total = server.metric_total
 
 
 # ---------------------------------------------------------------- what test_serve_hybrid.py checks with

@@ -101,7 +101,8 @@ def _export_loop(m, folder: str) -> None:
     while os.path.isdir(folder):
         # Host-side counters move on every step; the device ones are only read when they did
         # (on CUDA `snapshot()` copies a few ints to the host, once per interval at most).
-        sig = (m.tree_steps, m.chain_steps, sum(m.fallback_steps.values()), sum(m.fallback_requests.values()))
+        sig = (m.tree_steps, m.chain_steps, m.auto_chain_steps, sum(m.fallback_steps.values()),
+               sum(m.fallback_requests.values()))
         if sig != last:
             snap = {"model_name": _MODEL.get(id(m), ""), **m.snapshot()}
             tmp = path + ".tmp"

@@ -190,9 +190,7 @@ class OracleDrafter(DrafterLogitsHook):
         R = rows.shape[0]
         depth = torch.arange(1, L + 1, device=dev)
         pos = bonus_pos.to(torch.int64).unsqueeze(1) + depth  # [R, L] index of the true next token
-        known = (rows >= 0).unsqueeze(1) & (pos < table.shape[1])
-        truth = table[rows.clamp(min=0).unsqueeze(1), pos.clamp(max=table.shape[1] - 1)]
-        known &= truth >= 0
+        truth, known = self._truth(table, rows, pos)
         rank = _draw_ranks(cdf, (R, L), gen)
         rank = torch.where(known, rank, k)  # past the reference: every candidate is a distractor
         # k distinct distractors != truth, none the DFlash mask id (V - 1): truth + 1 + h + j (mod V - 1)
@@ -202,6 +200,41 @@ class OracleDrafter(DrafterLogitsHook):
         cand = (base.unsqueeze(-1) + torch.arange(k, device=dev)) % (V - 1)  # [R, L, k]
         slot = torch.arange(k, device=dev)
         return torch.where(slot == rank.unsqueeze(-1), truth.clamp(min=0).unsqueeze(-1), cand)
+
+    def _truth(self, table, rows, pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the true token at each position [R, L], whether it is known): the request's reference row."""
+        known = (rows >= 0).unsqueeze(1) & (pos < table.shape[1])
+        truth = table[rows.clamp(min=0).unsqueeze(1), pos.clamp(max=table.shape[1] - 1)]
+        return truth, known & (truth >= 0)
+
+
+class PromptRepeatOracle(OracleDrafter):
+    """The oracle of a target whose greedy continuation repeats the prompt's last token (the benchmarks'
+    sharpened dummy weights, benchmarks/_e2e_engine.sharpen): the truth of every request follows from its
+    prompt, so no reference is computed beforehand and any prompt works (`vllm serve` under `vllm bench
+    serve`'s random prompts, benchmarks/bench_serve.py). A request's table row is its last prompt token."""
+
+    label = "prompt-repeat oracle"
+
+    def __init__(self, profile: Profile, seed: int = 0):
+        super().__init__({(): [-1]}, profile, seed)
+
+    def _rows(self, R: int) -> list[int]:
+        view, out = self._view, []
+        if len(self._row_of) > 4096:  # a server's requests come and go: keep the live ones
+            live = view.live_req_ids()
+            self._row_of = {q: r for q, r in self._row_of.items() if q in live}
+        for req_id in view.req_ids(R):
+            row = self._row_of.get(req_id)
+            if row is None:
+                prompt = view.prompt_token_ids(req_id)
+                row = self._row_of[req_id] = int(prompt[-1]) if len(prompt) else -1
+            out.append(row)
+        return out
+
+    def _truth(self, table, rows, pos) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = rows.unsqueeze(1).expand_as(pos)
+        return rows, rows >= 0
 
 
 # -- calibration to published acceptance numbers --------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,26 @@ import sys
 import time
 import urllib.error
 import urllib.request
+
+_SAMPLE = re.compile(r'^(vllm:[a-z_:]+?)(?:\{(.*)\})? ([-+0-9.eE]+|NaN|[+-]Inf)$')
+
+
+def parse_metrics(text: str) -> dict:
+    """Prometheus text (a server's /metrics) as {(vllm:name, frozenset(labels)): value}."""
+    out = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def metric_total(samples: dict, name: str, **labels) -> float:
+    """The sum of a parse_metrics series over the samples whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
 
 PARSER_ARGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder", "--enable-auto-tool-choice"]
 

