@@ -19,7 +19,8 @@ def _snap(**kw):
     base = {"model_name": "m", "tree_steps": 3, "chain_steps": 1, "tree_requests": 4, "nodes_verified": 40,
             "nodes_accepted": 6, "nodes_wasted": 34, "sibling_rounds": 1, "sibling_nodes": 1, "full_accepts": 0,
             "zero_accepts": 1, "accept_depth_histogram": [1, 2, 0, 1], "fallback_steps": {"mixed batch": 1},
-            "fallback_requests": {"logprobs": 2}, "seconds": {"build": 0.5, "verify": 1.0, "walk": 0.25, "commit": 0.125}}
+            "fallback_requests": {"logprobs": 2}, "seconds": {"draft": 0.75, "build": 0.5, "verify": 1.0, "walk": 0.25,
+                                                                        "commit": 0.125}}
     return {**base, **kw}
 
 
@@ -39,6 +40,7 @@ def test_worker_files_become_vllm_style_series(tmp_path):
     assert 'vllm:ddtree_fallbacks_total{model_name="m",reason="penalties",scope="request"} 1.0' in text
     assert 'vllm:ddtree_fallbacks_total{model_name="m",reason="mixed batch",scope="step"} 2.0' in text
     assert 'vllm:ddtree_phase_seconds_total{model_name="m",phase="verify"} 2.0' in text
+    assert 'vllm:ddtree_phase_seconds_total{model_name="m",phase="draft"} 1.5' in text  # the drafter, apart
     # depth counts [1, 3, 0, 1] -> cumulative buckets; count = rounds in it, sum = their depths
     assert "# TYPE vllm:ddtree_accept_depth histogram" in text
     for le, v in (("0.0", 1), ("1.0", 4), ("2.0", 4), ("3.0", 5), ("+Inf", 5)):
@@ -51,3 +53,36 @@ def test_no_series_before_any_worker(tmp_path):
     reg = CollectorRegistry()
     reg.register(prometheus.DDTreeCollector(str(tmp_path / "absent")))
     assert "ddtree" not in generate_latest(reg).decode()
+
+
+def test_worker_exports_when_only_auto_chain_steps_move(tmp_path, monkeypatch):
+    """Budget "auto" can run chain steps only for a long while (the chain wins): the worker's file must
+    follow them, or /metrics would hold the counters of the last tree step."""
+    import threading
+    import time
+
+    monkeypatch.setattr(prometheus, "EXPORT_INTERVAL", 0.01)
+    m = metrics.DDTreeMetrics(max_depth=4, device="cpu")
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    t = threading.Thread(target=prometheus._export_loop, args=(m, str(folder)), daemon=True)
+    t.start()
+
+    def exported():
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            files = list(folder.glob("worker-*.json"))
+            if files:
+                snap = json.loads(files[0].read_text())
+                if snap["auto_chain_steps"] == m.auto_chain_steps:
+                    return snap
+            time.sleep(0.01)
+        raise AssertionError(f"no export with auto_chain_steps={m.auto_chain_steps}")
+
+    exported()
+    m.auto_chain_steps += 3  # nothing else moves
+    assert exported()["tree_steps"] == 0
+    for f in folder.iterdir():
+        f.unlink()
+    folder.rmdir()  # ends the loop
+    t.join(5)
