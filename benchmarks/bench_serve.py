@@ -62,6 +62,17 @@ def budget_of(mode: str):
     raise ValueError(f"--modes: {mode!r} is not a mode; allowed values: flat, auto, ddtree<B> (e.g. ddtree32)")
 
 
+def modes_of(args) -> list[str]:
+    return args.modes.split(",")
+
+
+def deepest_verify(args) -> int:
+    """The most drafts any mode of the run verifies per request (every server gets room for it: one
+    max_model_len for all, as one user's command would have)."""
+    budgets = [budget_of(m) for m in modes_of(args)]
+    return max([args.flat_len] + [args.auto_budget if b == "auto" else b for b in budgets if b is not None])
+
+
 def write_models(args) -> tuple[pathlib.Path, pathlib.Path]:
     """(target, drafter) folders, each target with a tokenizer beside it (the server and the client load it)."""
     from ddtree_compile.testing import models, tokenizer
@@ -81,8 +92,7 @@ def write_models(args) -> tuple[pathlib.Path, pathlib.Path]:
 def server_args(args, mode: str, drafter, cuda: bool, share: int) -> list[str]:
     """The server's flags: the shared engine flags, the user's flat DFlash, and for DDTree the ddtree block."""
     budget = budget_of(mode)
-    deepest = max([args.flat_len] + ([args.auto_budget] if budget == "auto" else [budget or 0]))
-    out = ["--max-model-len", str(args.input_len + args.output_len + 2 * deepest + 64),
+    out = ["--max-model-len", str(args.input_len + args.output_len + 2 * deepest_verify(args) + 64),
            "--max-num-seqs", str(max(args.conc)), "--seed", "0"]
     extra: dict = {}
     if cuda:
@@ -226,17 +236,18 @@ def start_servers(args, target, drafter, cuda: bool, log_dir: pathlib.Path, repo
     """Every mode's server, started together (each start waits for /health); a failed start stops them all."""
     from ddtree_compile.testing.server import Server
 
+    modes = modes_of(args)
     devices = args.devices.split(",") if args.devices else []
-    if devices and len(devices) != len(args.modes):
-        raise ValueError(f"--devices {args.devices!r}: one entry per mode ({', '.join(args.modes)}), e.g. 0,1")
+    if devices and len(devices) != len(modes):
+        raise ValueError(f"--devices {args.devices!r}: one entry per mode ({', '.join(modes)}), e.g. 0,1")
     servers, errors = {}, {}
-    for i, mode in enumerate(args.modes):
+    for i, mode in enumerate(modes):
         dev = devices[i] if devices else None
-        share = sum(1 for d in devices if d == dev) if dev is not None else len(args.modes)
+        share = sum(1 for d in devices if d == dev) if dev is not None else len(modes)
+        path = [str(HERE / "serve_hooks")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        oracle = {"profile": profile_json, "seed": 1, "report": str(report_dir / mode)}
         env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "DDTREE_METRICS_INTERVAL": str(EXPORT_S),
-               "PYTHONPATH": os.pathsep.join(p for p in (str(HERE / "serve_hooks"), os.environ.get("PYTHONPATH", ""))
-                                             if p),
-               "DDTREE_BENCH_ORACLE": json.dumps({"profile": profile_json, "seed": 1, "report": str(report_dir / mode)})}
+               "PYTHONPATH": os.pathsep.join(path), "DDTREE_BENCH_ORACLE": json.dumps(oracle)}
         if cuda:
             env["VLLM_USE_V2_MODEL_RUNNER"] = args.v2  # the users' pair runs on Model Runner V2 (its mixed drafter)
             if dev is not None:
@@ -250,7 +261,7 @@ def start_servers(args, target, drafter, cuda: bool, log_dir: pathlib.Path, repo
         except Exception as e:  # noqa: BLE001 (reported below, with the others stopped)
             errors[mode] = e
 
-    threads = [threading.Thread(target=up, args=(m,)) for m in args.modes]
+    threads = [threading.Thread(target=up, args=(m,)) for m in modes]
     for t in threads:
         t.start()
     for t in threads:
@@ -269,9 +280,8 @@ def run(args) -> dict:
 
     cuda = torch.cuda.is_available()
     args.conc = [int(c) for c in args.concurrency.split(",")]
-    args.modes = args.modes.split(",")
-    for m in args.modes:
-        budget_of(m)
+    modes = modes_of(args)
+    deepest_verify(args)  # (a bad mode name fails here, before any model is written)
     profiles = {p["name"]: p for p in json.loads((ROOT / args.profiles).read_text())["profiles"]}
     if args.profile not in profiles:
         raise ValueError(f"--profile {args.profile!r}: allowed values: {', '.join(profiles)}")
@@ -284,24 +294,24 @@ def run(args) -> dict:
               "profile": profiles[args.profile], "starts_s": None, "runs": [], "rows": []}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    expect = {m: expected_tokens_per_round(args, profile, m) for m in args.modes}
+    expect = {m: expected_tokens_per_round(args, profile, m) for m in modes}
 
     def save():  # after every run: a command cut off by its time limit keeps what it measured
-        result["rows"] = aggregate(result["runs"], args.modes, args.conc, expect, result.get("engines", {}))
+        result["rows"] = aggregate(result["runs"], modes, args.conc, expect, result.get("engines", {}))
         out.write_text(json.dumps(result, indent=1, default=str))
 
     t0 = time.perf_counter()
     servers = start_servers(args, target, drafter, cuda, log_dir, work, profiles[args.profile])
     try:
         result["starts_s"] = time.perf_counter() - t0
-        result["engines"] = {m: engine_reports(work, m) for m in args.modes}
+        result["engines"] = {m: engine_reports(work, m) for m in modes}
         for c in args.conc if args.warmup else ():  # first-call compiles and captures, outside the timings
-            for m in args.modes:
+            for m in modes:
                 client(args, servers[m], c, 10_000 + c, work / f"warm_{m}_{c}.json")
         for rep in range(args.repeats):
             for c in args.conc:
-                k = rep % len(args.modes)
-                for m in args.modes[k:] + args.modes[:k]:  # the order rotates between repeats
+                k = rep % len(modes)
+                for m in modes[k:] + modes[:k]:  # the order rotates between repeats
                     result["runs"].append(run_row(args, m, servers[m], c, rep, work))
                     save()
     finally:
@@ -323,7 +333,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="qwen35_4b", choices=["tiny", "qwen35_4b", "qwen36_27b"])
     ap.add_argument("--tiny-kind", default="qwen3", help="models.KINDS kind for --target tiny")
@@ -350,8 +360,11 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout", type=float, default=1200)
     ap.add_argument("--client-timeout", type=float, default=900)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    result = run(args)
+    return ap
+
+
+def main(argv=None) -> int:
+    result = run(parser().parse_args(argv))
     print(table(result))
     return 0
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 
 from ddtree_compile.integration import config
 from ddtree_compile.testing import harness, server, tokenizer

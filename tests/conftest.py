@@ -31,6 +31,7 @@ LONGEST_FIRST = (
     "test_e2e_hybrid.py",  # 239
     "test_e2e_tp.py",  # 313
     "test_e2e_attention.py",  # 388
+    "test_bench_serve.py",  # 105 (alone)
     "test_e2e_compiled.py",  # 99
     "test_dump.py",  # 86
     "test_tree_attention.py",  # 55
