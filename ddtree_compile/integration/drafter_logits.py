@@ -38,9 +38,12 @@ class DrafterLogitsHook:
         if not view.has_drafter():
             raise ValueError(f"the {self.label} needs an engine with a DFlash drafter")
         self._view = view
-        self._view.wrap_drafter_logits(self._compute_logits)
-        if self._flat_drafts is not None:  # flat DFlash drafting inside a CUDA graph (Model Runner V2)
-            self._view.wrap_flat_drafts(self._flat_drafts)
+        # flat DFlash drafting inside a CUDA graph (Model Runner V2): its drafts are rewritten after each
+        # proposal, and its logits are left alone; an eager drafter step (no graph: CPU, a batch past the
+        # capture sizes) calls compute_logits before V2's propose has handed the view its batch
+        if self._flat_drafts is not None and view.wrap_flat_drafts(self._flat_drafts):
+            return self
+        view.wrap_drafter_logits(self._compute_logits)
         return self
 
     def uninstall(self) -> None:
