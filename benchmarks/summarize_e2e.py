@@ -164,6 +164,15 @@ def table(result: dict) -> str:
                 f"{cell[(m, p, c)].get('vs_flat_agg', cell[(m, p, c)]['vs_flat']) / ratio[(p, c)]:.2f}x"
                 if (m, p, c) in cell and "vs_flat" in cell[(m, p, c)] and (p, c) in ratio else "-"
                 for p in profiles for c in conc) + " |")
+    own = [m for m in modes if any("own_host_share" in r for r in runs if r["mode"] == m)]
+    if own:  # the goal line: DDTree's own host work <= 5% of a step on Model Runner V2
+        lines.append("\nDDTree's own host work per step (round timers but the drafter's forward; share of the step):\n")
+        lines += [head, lines[1]]
+        for m in own:
+            lines.append(f"| {m} | " + " | ".join(
+                f"{r['own_host_ms_per_step']:.2f} ms ({100 * r['own_host_share']:.0f}%)"
+                if (r := cell.get((m, p, c))) is not None and "own_host_share" in r else "-"
+                for p in profiles for c in conc) + " |")
     nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
     if nospec:
         lines.append("| no speculation tok/s | " + " | ".join(

@@ -39,6 +39,8 @@ def test_bench_e2e_smoke(bench, tmp_path):
         d, f = runs[("ddtree8", c)], runs[("flat", c)]
         assert d["tree_steps"] > 0 and d["fallback_total"] == 0
         assert set(d["round_split_s"]) >= {"draft", "build", "verify"}
+        assert d["own_host_ms_per_step"] > 0 and 0 < d["own_host_share"] < 1  # DDTree's own host work, no drafter
+        assert math.isclose(d["own_host_share"], d["own_host_ms_per_step"] / d["ms_per_step"])
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
         assert math.isclose(d["break_even_gain"], (f["rounds"] / f["wall_s_total"]) / (d["rounds"] / d["wall_s_total"]))
     for c in (1, 2):  # budget "auto": both kinds of steps were possible, its choices are reported
@@ -107,7 +109,7 @@ def test_summary_table_ratios_and_no_speculation_row(bench):
     runs.append(dict(cell, mode="flat", profile="c", tok_s=10.0, tokens_per_round=1.0, rounds=100, wall_s=1.0,
                      reference_match=0.01))
     runs.append(dict(cell, mode="ddtree32", budget=32, profile="a", tok_s=150.0, tokens_per_round=6.0, rounds=80,
-                     wall_s=0.5, wall_s_total=1.0))
+                     wall_s=0.5, wall_s_total=1.0, own_host_ms_per_step=0.5, own_host_share=0.05))
     runs.append({"mode": "nospec", "concurrency": 1, "tok_s": 40.0})
     res = summ.summarize({"runs": runs})
     d = runs[3]
@@ -115,6 +117,7 @@ def test_summary_table_ratios_and_no_speculation_row(bench):
     assert math.isclose(d["gain"], 6.0 / 5.0) and math.isclose(d["break_even"], (100 / 2.0) / (80 / 1.0))
     lines = summ.table(res).splitlines()
     assert lines[2].startswith("| ddtree32 | 1.25x (1.20) |") and lines[-1].startswith("| no speculation tok/s | 40 |")
+    assert "| ddtree32 | 0.50 ms (5%) |" in lines  # DDTree's own host work per step, the goal line's number
     for r in runs:  # --side-by-side: each cell's own flat run is the baseline (no mean over profiles)
         r.pop("vs_flat", None)
     res = summ.summarize({"args": {"side_by_side": True}, "runs": runs})
