@@ -21,7 +21,6 @@ class BuildStage:
         self.ctx = ctx
         self._captured: tuple | None = None  # (drafter logits [R*L, V], their argmax [R*L])
         self._warmed = False
-        self._draft_s = 0.0  # host time of this proposal's drafter forward (_done)
 
     def sample_draft_tokens(self, hidden_states, sampling_metadata):
         """Stands in for the drafter's own sampling: keep the logits, hand back the argmax."""
@@ -45,14 +44,14 @@ class BuildStage:
         self._captured = None
         t_draft = time.perf_counter()
         original_propose(num_speculative_tokens=ctx.L, **kw)
-        self._draft_s = time.perf_counter() - t_draft  # vLLM's drafter, flat DFlash's work too: not "build"
+        draft_s = time.perf_counter() - t_draft  # vLLM's drafter, flat DFlash's work too: not "build"
         (logits, top1), self._captured = self._captured, None
         logits, top1 = logits.view(R, ctx.L, -1), top1.view(R, ctx.L)
         if not self._warmed:
             self._warm_up(logits)
         req_ids = ctx.view.req_ids(R)
         if kind == CHAIN:  # flat DFlash's drafts, verified by vLLM: no tree built, flat's own work
-            self._done(kind, R, t0)
+            self._done(kind, R, t0, draft_s)
             return top1, Pending(req_ids, None, top1, [None] * R, auto_chain=True)
         chain = [ctx.chain_reason(r) for r in req_ids]
         tree = build_tree(logits, ctx.spec).with_root(kw["next_token_ids"])
@@ -66,7 +65,7 @@ class BuildStage:
             chained = torch.cat([top1, drafts], dim=1)[:, :budget]
             drafts = torch.where(rows.unsqueeze(1), chained, drafts)
             tree.tokens[:, 1:] = drafts
-        self._done(kind, R, t0)
+        self._done(kind, R, t0, draft_s)
         return drafts, Pending(req_ids, tree, top1, chain)
 
     def _scheduled(self, kind: str, R: int) -> str:
@@ -108,11 +107,11 @@ class BuildStage:
                     sizes, time.perf_counter() - t0,
                     f"; not {skipped} (dummy logits over {_WARM_BYTES >> 20} MiB)" if skipped else "")
 
-    def _done(self, kind: str, R: int, t0: float) -> None:
+    def _done(self, kind: str, R: int, t0: float, draft_s: float) -> None:
         """The proposal's host time in two phases: "draft" (the drafter's forward and its logits, as vLLM
         runs them) and "build" (DDTree's own: the policy, the top-k, the tree)."""
         t1 = time.perf_counter()
-        self.ctx.metrics.add_time("draft", self._draft_s)
-        self.ctx.metrics.add_time("build", t1 - t0 - self._draft_s)
+        self.ctx.metrics.add_time("draft", draft_s)
+        self.ctx.metrics.add_time("build", t1 - t0 - draft_s)
         if self.ctx.auto is not None:
             self.ctx.auto.proposed(kind, R, t0, t1)
