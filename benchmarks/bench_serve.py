@@ -295,7 +295,7 @@ def run(args) -> dict:
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench_serve_run_"))
     log_dir = pathlib.Path(args.log_dir) if args.log_dir else work
     log_dir.mkdir(parents=True, exist_ok=True)
-    result = {"args": {k: v for k, v in vars(args).items()}, "device": torch.cuda.get_device_name() if cuda else "cpu",
+    result = {"args": dict(vars(args)), "device": torch.cuda.get_device_name() if cuda else "cpu",
               "profile": profiles[args.profile], "starts_s": None, "runs": [], "rows": []}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
