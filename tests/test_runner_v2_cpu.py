@@ -378,9 +378,11 @@ def test_hybrid_prefix_caching_serves_prefill_chunks_next_to_trees(run):
     """AVX512-BF16 CPUs' choices (every CPU's here, unless DDTREE_TEST_CPU_KIND picks the other): the
     256-token align block chunks turn 1's prefill next to tree rows, a counted whole-step fallback."""
     r = run["align"]
-    if r["kind"] == "avx512_bf16":
-        assert r["block"] == 256 and r["chunked"], r
-        assert r["fallback_steps"].get("mixed batch (prefill or partial drafts next to trees)", 0) > 0, r
+    if r["kind"] != "avx512_bf16":
+        pytest.skip(f"the {r['kind']} CPU kind's bf16 GDN state gives a {r['block']}-token align block: turn 1's "
+                    f"prefill ({3 * r['block'] - 40} tokens) fits one batch, no chunk runs next to trees")
+    assert r["block"] == 256 and r["chunked"], r
+    assert r["fallback_steps"].get("mixed batch (prefill or partial drafts next to trees)", 0) > 0, r
 
 
 def test_hybrid_prefix_caching_commits_the_block_boundary_state(run):

@@ -175,10 +175,34 @@ def _merge_into(path: pathlib.Path) -> None:
         key = nodeid.split("tests/gpu/", 1)[-1]  # the same id whatever directory pytest ran from
         tests[key] = {**entry, **machine, "finished": stamp, "numbers": _STATE["numbers"].get(nodeid, {})}
     doc = {"what": "tests/gpu: DDTree inside vLLM 0.26 on CUDA (make test-gpu); one entry per test",
-           "updated": stamp, "tests": dict(sorted(tests.items()))}
+           "updated": stamp, "tests": dict(sorted(prune(tests).items()))}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     tmp.replace(path)
+
+
+def prune(tests: dict) -> dict:
+    """The evidence without superseded records: a module's own entry (a crash or a setup error of the
+    whole module, run_suite.py) once any of its tests has a later entry, and entries of tests that no
+    longer exist in the module's source."""
+    import ast
+
+    defined: dict[str, set] = {}
+    for mod in {k.split("::", 1)[0] for k in tests}:
+        src = HERE / mod
+        defined[mod] = ({n.name for n in ast.walk(ast.parse(src.read_text()))
+                         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))} if src.exists() else set())
+    out = {}
+    for key, entry in tests.items():
+        mod, _, name = key.partition("::")
+        if not name:  # a module-level entry: superseded by any later entry of one of its tests
+            later = [v for k, v in tests.items() if k.startswith(mod + "::") and v.get("finished", "") > entry.get("finished", "")]
+            if later or not (HERE / mod).exists():
+                continue
+        elif name.split("[", 1)[0] not in defined[mod]:
+            continue
+        out[key] = entry
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ def test_auto_on_v2_is_lossless(auto, record):
            state_check=auto["state_check"], seeded_repeat_equal=auto["seeded_repeat_equal"])
     assert all(g["ok"] for g in gates), [g for g in gates if not g["ok"]]
     assert auto["state_check"]["paths"] > 0, auto["state_check"]
-    # Seeded sampling: another seed, other outputs. The same seed twice gives the same outputs only where
-    # both runs verified the same kinds at the same steps, which the policy picks from measured step
-    # times (README, Known gaps): recorded (the same at a32a657, not at e8f4187 on an H200), not asserted.
-    assert auto["seeded_seeds_differ"], auto
+    # Seeded sampling, what users are promised: the same seed and requests give the same tokens again,
+    # and another seed other tokens. (On an H200 the same seed twice gave other tokens once, while the
+    # policy's kinds followed measured step times: README Known gaps, the budget-per-batch-size work.)
+    assert auto["seeded_repeat_equal"] and auto["seeded_seeds_differ"], auto
