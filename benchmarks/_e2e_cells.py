@@ -54,9 +54,9 @@ def summary(r, ref, max_tokens) -> dict:
 def counters(llm, budget) -> dict:
     """vLLM's spec-decode counters, and DDTree's for a DDTree engine."""
     from ddtree_compile.integration import metrics
-    from ddtree_compile.testing import harness
+    from ddtree_compile.testing import e2e
 
-    return {"vllm": harness.spec_counters(llm), "ddtree": metrics.collect(llm)[0] if budget else None,
+    return {"vllm": e2e.spec_counters(llm), "ddtree": metrics.collect(llm)[0] if budget else None,
             "phases": _phase_timers.snapshot(llm)}
 
 

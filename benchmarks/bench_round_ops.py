@@ -81,7 +81,7 @@ def _counting(obj, name: str, label: str, counts: dict, calls: collections.Count
 
 def run(kind: str, triton: bool, tokens: int) -> dict:
     from ddtree_compile.integration import config, engines, plugin
-    from ddtree_compile.testing import harness, models
+    from ddtree_compile.testing import e2e, models
 
     if triton:  # the build and walk as on CUDA (auto picks torch on CPU)
         import ddtree_compile.integration.round.build_stage as bs
@@ -118,10 +118,10 @@ def run(kind: str, triton: bool, tokens: int) -> dict:
                                  (state.walk, "sample", "walk"), (state.commit, "commit", "commit"),
                                  (state.commit, "reorder_drafter_inputs", "reorder")):
             _counting(obj, name, label, counts, calls)
-        harness.generate(llm, models.token_prompts(4, 16, models.VOCAB, seed=2), tokens)
+        e2e.generate(llm, models.token_prompts(4, 16, models.VOCAB, seed=2), tokens)
         tree_steps = state.metrics.tree_steps
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
 
     stages = {}
     for label in counts:

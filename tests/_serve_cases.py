@@ -12,7 +12,7 @@ import os
 import pathlib
 
 from ddtree_compile.integration import config
-from ddtree_compile.testing import harness, server, tokenizer
+from ddtree_compile.testing import e2e, server, tokenizer
 
 BUDGET, DRAFT_LEN, TOP_K, TOL = 16, 8, 4, 0.2  # as tests/test_e2e_hybrid.py
 
@@ -107,7 +107,7 @@ def reference(resp):
 
 
 def gate(ref_resp, got_ids, label=""):
-    g = harness.regret_gate(reference(ref_resp), got_ids, TOL)
+    g = e2e.regret_gate(reference(ref_resp), got_ids, TOL)
     print(f"\n{label}: " + ("identical" if g["divergence"] is None else
                             f"diverges at {g['divergence']} (top-2 gap {g['gap']:.3f}, rank {g['rank']}, "
                             f"regret {g['regret']:.3f})"))
@@ -182,7 +182,7 @@ def structured_gate(ref, got, label):
     DDTree) diverges at token 4 with a 2.83-nat regret, exactly as DDTree does, and flat DFlash
     itself gives another output when the same request asks for logprobs. The grammar's validity and
     DDTree's counted chain fallback are what these cases assert."""
-    g = harness.regret_gate(reference(ref), token_ids(got), TOL)
+    g = e2e.regret_gate(reference(ref), token_ids(got), TOL)
     print(f"\n{label} (vs no speculation, reported): {g}")
     return g
 

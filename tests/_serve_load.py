@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from ddtree_compile.testing import harness, tokenizer
+from ddtree_compile.testing import e2e, tokenizer
 
 import _serve_cases as sc
 
@@ -258,11 +258,11 @@ def gates(plain, js: list[dict], results: list[dict], refs: dict) -> list[dict]:
             key = json.dumps(got["request"], sort_keys=True)
             if key not in refs:
                 refs[key] = reference(plain, got["request"])
-            g = harness.regret_gate(refs[key], got["ids"], LOAD_TOL)
+            g = e2e.regret_gate(refs[key], got["ids"], LOAD_TOL)
             out.append({"i": job["i"], "kind": job["kind"], "turn": turn, "tokens": len(got["ids"]),
                         "same_length": len(got["ids"]) == len(refs[key][0]), "divergence": g["divergence"],
                         "rank": g["rank"], "regret": round(g["regret"], 3), "ok": g["ok"],
-                        "ok_tight": harness.regret_gate(refs[key], got["ids"], sc.TOL)["ok"],
+                        "ok_tight": e2e.regret_gate(refs[key], got["ids"], sc.TOL)["ok"],
                         "valid": _valid(plain, job["kind"], got) if job["kind"] in STRUCTURED else None})
             if job["kind"] in STRUCTURED:  # what a failed validity check is about
                 out[-1].update(finish=got["finish"], tool=got["tool"], args=got["args"][:120],

@@ -112,7 +112,7 @@ def tiny_fp32_reference(tmp_path_factory, request):
     drafts from and that lossless runs must equal token for token."""
     from vllm import LLM
 
-    from ddtree_compile.testing import harness, models
+    from ddtree_compile.testing import e2e, harness, models
 
     prompts, max_tokens = request.module.PROMPTS, request.module.MAX_TOKENS
     root = tmp_path_factory.mktemp("tiny_fp32")
@@ -124,9 +124,9 @@ def tiny_fp32_reference(tmp_path_factory, request):
 
     ref_llm = llm()
     try:
-        outs = harness.generate(ref_llm, prompts, max_tokens)
+        outs = e2e.generate(ref_llm, prompts, max_tokens)
     finally:
-        harness.shutdown(ref_llm)
+        e2e.shutdown(ref_llm)
     return {"root": root, "target": target, "drafter": drafter, "llm": llm, "ref": outs,
             "reference": harness.reference_from_outputs(prompts, outs)}
 

@@ -10,7 +10,7 @@ from _auto_budget_common import BUDGET, L, MAX_TOKENS, PROMPTS, TOP_K, rates as 
 from ddtree_compile.cli import precompile
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.integration.round import auto_budget as ab
-from ddtree_compile.testing import harness, models, oracle
+from ddtree_compile.testing import e2e, models, oracle
 
 
 # -- real engines ----------------------------------------------------------------------------------
@@ -38,11 +38,11 @@ def _auto_run(tiny, builds=None, **auto):
     try:
         od = oracle.OracleDrafter(tiny["reference"], oracle.Profile.geometric("g", 0.75, 0.8, k=TOP_K), seed=1)
         od.install(llm)
-        out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         return out, metrics.collect(llm)[0], engines.find_state(llm).ctx.auto
     finally:
         build_stage.build_tree = build
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
 
 
 def test_auto_is_lossless_and_runs_both_kinds_of_steps(tiny):
@@ -116,7 +116,7 @@ def test_auto_reads_the_precompile_table_at_its_default_path(tiny, tmp_path, mon
         want = ab.table_priors(table, BUDGET, L)
         assert want and all(policy.costs[k] == v for k, v in want.items())
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
 
 
 def test_auto_on_a_cpu_hybrid_is_refused_counted_and_runs_the_tree(tmp_path):
@@ -135,10 +135,10 @@ def test_auto_on_a_cpu_hybrid_is_refused_counted_and_runs_the_tree(tmp_path):
         state = engines.find_state(llm)
         assert state is not None and state.ctx.auto is None and state.ctx.B == BUDGET
         assert state.ctx.menu == (BUDGET,)
-        harness.generate(llm, PROMPTS[:2], 16)
+        e2e.generate(llm, PROMPTS[:2], 16)
         c = metrics.collect(llm)[0]
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     after = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
     assert after == before + 1
     assert c["tree_steps"] > 0 and c["auto_chain_steps"] == 0 and c["auto"] is None, c

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddtree_compile.integration import config, engines, metrics, plugin
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, harness, models
 
 DRAFT_LEN, TOP_K, MAX_TOKENS = 7, 4, 200
 BUDGETS = (1, 8, 22, 40)
@@ -42,9 +42,9 @@ def _llm(dirs, **kw):
 def reference(dirs):
     llm = _llm(dirs)
     try:
-        return {"b4": harness.generate(llm, PROMPTS, MAX_TOKENS), "b1": harness.generate(llm, PROMPTS[:1], MAX_TOKENS)}
+        return {"b4": e2e.generate(llm, PROMPTS, MAX_TOKENS), "b1": e2e.generate(llm, PROMPTS[:1], MAX_TOKENS)}
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
 
 
 def test_reference_outputs_vary(reference):
@@ -62,23 +62,23 @@ def budget_run(request, dirs, reference):
                                           num_speculative_tokens=DRAFT_LEN))
     try:
         out = {"budget": budget}
-        out["random"] = {"b4": harness.generate(llm, PROMPTS, MAX_TOKENS),
-                         "b1": harness.generate(llm, PROMPTS[:1], MAX_TOKENS)}
+        out["random"] = {"b4": e2e.generate(llm, PROMPTS, MAX_TOKENS),
+                         "b1": e2e.generate(llm, PROMPTS[:1], MAX_TOKENS)}
         out["staggered"] = _staggered(llm)
         out["random_counters"] = metrics.collect(llm)[0]
         ref = harness.reference_from_outputs(PROMPTS, reference["b4"])
         h = harness.DraftHarness(ref).install(llm)
-        out["harness"] = {"b4": harness.generate(llm, PROMPTS, MAX_TOKENS),
-                          "b1": harness.generate(llm, PROMPTS[:1], MAX_TOKENS)}
+        out["harness"] = {"b4": e2e.generate(llm, PROMPTS, MAX_TOKENS),
+                          "b1": e2e.generate(llm, PROMPTS[:1], MAX_TOKENS)}
         h.uninstall()
-        out["harness_counters"] = harness.counters_delta(metrics.collect(llm)[0], out["random_counters"])
+        out["harness_counters"] = e2e.counters_delta(metrics.collect(llm)[0], out["random_counters"])
         for name in ("random_counters", "harness_counters"):
             c = out[name]
             print(f"\nbudget {budget}, {name.split('_')[0]} drafter: {metrics.format_line(c)}; "
                   f"accept depth histogram {c['accept_depth_histogram']}")
         return out
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
 
 
 def _staggered(llm):
@@ -182,11 +182,11 @@ def test_round_with_the_triton_walk_equals_no_speculation(dirs, reference, monke
     try:
         _checking_reorder(engines.find_state(llm).commit, seen)
         h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, reference["b4"])).install(llm)
-        assert harness.generate(llm, PROMPTS, MAX_TOKENS) == reference["b4"]
+        assert e2e.generate(llm, PROMPTS, MAX_TOKENS) == reference["b4"]
         h.uninstall()
         c = metrics.collect(llm)[0]
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     assert c["tree_steps"] > 0 and len(calls) == c["tree_steps"] and c["sibling_rounds"] > 0, (len(calls), c)
     assert seen["rows"] == c["tree_requests"] and seen["moved"] > 0 and seen["aux"] > 0, seen
 
@@ -200,17 +200,17 @@ def test_flat_dflash_parity_with_budget_equal_draft_len_top_k_1(dirs, reference)
                                                    num_speculative_tokens=DRAFT_LEN))):
         llm = _llm(dirs, disable_log_stats=False, **kw)
         try:
-            random_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
-            random_counts = harness.spec_counters(llm)
+            random_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
+            random_counts = e2e.spec_counters(llm)
             h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, reference["b4"])).install(llm)
-            harness_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+            harness_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
             h.uninstall()
-            counters[name] = (random_counts, harness.spec_counters(llm))
+            counters[name] = (random_counts, e2e.spec_counters(llm))
             assert random_out == reference["b4"] and harness_out == reference["b4"]
             if name == "ddtree":
                 assert metrics.collect(llm)[0]["tree_steps"] > 0
         finally:
-            harness.shutdown(llm)
+            e2e.shutdown(llm)
     print(f"\nflat DFlash vs DDTree(budget={DRAFT_LEN}, top_k=1), random then +harness: {counters}")
     assert counters["ddtree"] == counters["flat"]
     harness_counts = counters["flat"][1]

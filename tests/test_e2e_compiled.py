@@ -9,7 +9,7 @@ import pytest
 import ddtree_compile
 from ddtree_compile.integration import config, metrics, plugin
 from ddtree_compile.passes.entry import tree_verify_pass
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, harness, models
 
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=4)
 MAX_TOKENS = 96
@@ -42,15 +42,15 @@ def test_compiled_ddtree_matches_compiled_reference(tmp_path, kind, dtype):
     for name, extra in (("reference", ref_kw), ("ddtree", kw)):
         llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **extra))
         try:
-            outs[name] = harness.generate(llm, PROMPTS, MAX_TOKENS)
+            outs[name] = e2e.generate(llm, PROMPTS, MAX_TOKENS)
             if name == "ddtree":
                 h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, outs["reference"])).install(llm)
-                outs["harness"] = harness.generate(llm, PROMPTS, MAX_TOKENS)
+                outs["harness"] = e2e.generate(llm, PROMPTS, MAX_TOKENS)
                 h.uninstall()
                 c = metrics.collect(llm)[0]
                 assert c["tree_steps"] > 0 and c["sibling_rounds"] > 0 and c["max_accept_depth"] == draft_len
                 assert tree_verify_pass.reports and any(r.changed for r in tree_verify_pass.reports)
         finally:
-            harness.shutdown(llm)
+            e2e.shutdown(llm)
     assert outs["ddtree"] == outs["reference"]
     assert outs["harness"] == outs["reference"]

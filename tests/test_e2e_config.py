@@ -13,7 +13,7 @@ from ddtree_compile import adapters
 from ddtree_compile.adapters.interface import EngineSettings
 from ddtree_compile.integration import config, engines, kv_layouts, metrics, plugin
 from ddtree_compile.integration import round as runner
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, models
 
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=1)
 MAX_TOKENS = 48
@@ -274,11 +274,11 @@ def _tokens(outs):
 def reference(dirs):
     llm = _llm(dirs)
     try:
-        return {"greedy": harness.generate(llm, PROMPTS, MAX_TOKENS),
+        return {"greedy": e2e.generate(llm, PROMPTS, MAX_TOKENS),
                 "mixed": _tokens(llm.generate(PROMPTS, _mixed_params(), use_tqdm=False)),
                 "staggered": _tokens(llm.generate(PROMPTS, _staggered_params(), use_tqdm=False))}
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
 
 
 def test_unsupported_attention_backend_starts_as_flat_dflash(dirs, reference, monkeypatch, caplog):
@@ -288,9 +288,9 @@ def test_unsupported_attention_backend_starts_as_flat_dflash(dirs, reference, mo
         llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4, num_speculative_tokens=7))
     try:
         assert metrics.collect(llm) == []  # no DDTree runner: vLLM's flat DFlash
-        assert harness.generate(llm, PROMPTS, MAX_TOKENS) == reference["greedy"]
+        assert e2e.generate(llm, PROMPTS, MAX_TOKENS) == reference["greedy"]
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     new = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if v != before.get(k, 0)}
     assert len(new) == 1 and "attention backend CPU_ATTN" in next(iter(new))
     msgs = [r.getMessage() for r in caplog.records if "cannot run here" in r.getMessage()]
@@ -319,10 +319,10 @@ def test_fp8_kv_cache_starts_as_flat_dflash(dirs, caplog):
                                                                 num_speculative_tokens=7)))
     try:
         assert metrics.collect(llm) == []  # no DDTree runner: vLLM's flat DFlash
-        outs = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        outs = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         assert [len(o) for o in outs] == [MAX_TOKENS] * len(PROMPTS)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     new = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if v != before.get(k, 0)}
     assert len(new) == 1 and "quantized KV cache 'fp8'" in next(iter(new)), new
     msgs = [r.getMessage() for r in caplog.records if "cannot run here" in r.getMessage()]
@@ -348,7 +348,7 @@ def test_hybrid_with_prefix_caching_attaches(tmp_path, caplog):
         assert runner.vllm_config.cache_config.mamba_cache_mode == "align"
         assert engines.find_state(llm) is not None and len(metrics.collect(llm)) == 1  # DDTree's round
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     assert metrics.PROCESS_STARTUP_FALLBACKS == before
     assert not [r for r in caplog.records if "cannot run here" in r.getMessage()]
 
@@ -360,7 +360,7 @@ def test_per_request_features_fall_back_to_the_chain(dirs, reference, caplog):
             outs = llm.generate(PROMPTS, _mixed_params(), use_tqdm=False)
             c = metrics.collect(llm)[0]
         finally:
-            harness.shutdown(llm)
+            e2e.shutdown(llm)
     assert _tokens(outs) == reference["mixed"]
     assert all(len(o.outputs[0].logprobs or []) == MAX_TOKENS for o in outs[1:2])  # logprobs still served
     assert set(c["fallback_requests"]) == {"logprobs", "penalties"}
@@ -382,7 +382,7 @@ def test_mixed_batches_verify_as_chain_and_are_counted(dirs, reference):
         outs = _tokens(llm.generate(PROMPTS, _staggered_params(), use_tqdm=False))
         c = metrics.collect(llm)[0]
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     # ... and gives vLLM's ops back at shutdown (later engines and compiles of the process see them).
     assert torch.ops.vllm.unified_attention_with_output is vllm_attention
     assert outs == reference["staggered"]

@@ -31,7 +31,7 @@ import pytest
 from ddtree_compile import adapters
 from ddtree_compile.adapters.gdn_resume import layer_names
 from ddtree_compile.integration import config, engines, metrics, plugin
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, harness, models
 
 BUDGET, DRAFT_LEN, TOP_K, MAX_TOKENS, TOL = 16, 8, 4, 96, 0.2
 PROMPTS = models.token_prompts(3, 16, models.VOCAB, seed=4)
@@ -175,9 +175,9 @@ def tiny(tmp_path_factory):
     target = models.write_tiny_model(KIND, root / "target")
     llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=1024, **_platform_kwargs()))
     try:
-        ref = harness.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+        ref = e2e.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     return {"target": target, "drafter": models.write_tiny_dflash_drafter(target, root / "dflash"), "ref": ref}
 
 
@@ -198,12 +198,12 @@ def run(tiny, variant: str, engine: str = "ddtree", **engine_kw) -> dict:
         try:
             ref = harness.reference_from_outputs(PROMPTS, [ids for ids, _ in tiny["ref"]])
             harness.DraftHarness(ref).install(llm)  # deep accepts
-            out["got"] = harness.generate(llm, PROMPTS, MAX_TOKENS)
+            out["got"] = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         finally:
             step.close()
         out["tree_steps"] = metrics.collect(llm)[0]["tree_steps"] if engine == "ddtree" else None
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     out["checked"], out["drops"] = step.checked, step.drops
     print(f"\n{engine} {variant}: drops {step.drops}, checked " +
           str([(c["n"], c["read"], c["left"], c["same"]) for c in step.checked]))
@@ -221,7 +221,7 @@ def check(tiny, out: dict) -> list:
     assert not bad, f"a draft-less forward reads another GDN state than the verify left: {bad}"
     if not _cuda():
         return []
-    gates = [harness.regret_gate(ref, got, TOL) for ref, got in zip(tiny["ref"], out["got"])]
+    gates = [e2e.regret_gate(ref, got, TOL) for ref, got in zip(tiny["ref"], out["got"])]
     assert all(g["ok"] for g in gates), gates
     return gates
 

@@ -26,7 +26,7 @@ from ddtree_compile import adapters
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.integration.round import workspace
 from ddtree_compile.templates import tree_attention
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, harness, models
 
 MAX_TOKENS = 96
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=5)
@@ -111,9 +111,9 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
     base = dict(enforce_eager=True, dtype=dtype, max_model_len=1024)
     llm = LLM(**models.tiny_llm_kwargs(target, **base))
     try:
-        ref = harness.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+        ref = e2e.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     # the attention-only target runs budget "auto" over a menu: the bucket of L = 8 nodes shares the
     # chain's verify length, so the chain's steps there run as chain-shaped Steps through its graph
     menu = dict(budget=16) if hybrid else dict(budget="auto", auto_budget=[8, 16])
@@ -127,9 +127,9 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
             state.debug_gdn_records = True
             check = harness.GdnStateCheck()
             state.commit_hooks.append(check)
-        out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, [t for t, _ in ref])).install(llm)
-        out_harness = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        out_harness = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         h.uninstall()
         m = metrics.collect(llm)[0]
         _check_workspace(llm, state, scratch_seen)
@@ -138,7 +138,7 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
         del ws
         scratch_seen.clear()
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     assert freed and all(f() is None for f in freed)  # shut down: nothing holds the engine's workspace
     print(f"\n{kind}: buckets filled {sorted(set(filled))}, {m['tree_steps']} tree steps, {m['chain_steps']} "
           f"chain steps ({m['fallback_steps']}), accepted {m['nodes_accepted']}, state check {check and check.paths}")
@@ -150,7 +150,7 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
     assert m["sibling_rounds"] > 0 and m["graph_steps"] == 0  # no graph on CPU: the ops' Python ran
     if hybrid:
         assert check.paths > 0 and check.sibling_paths > 0
-        gates = [harness.regret_gate(r, o) for r, o in zip(ref * 2, out + out_harness)]
+        gates = [e2e.regret_gate(r, o) for r, o in zip(ref * 2, out + out_harness)]
         assert all(g["ok"] for g in gates), gates
     else:
         assert out == [t for t, _ in ref] and out_harness == [t for t, _ in ref]

@@ -28,7 +28,7 @@ GDN op runs only in bf16).
 import pytest
 
 from ddtree_compile.integration import config, engines, metrics, plugin
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, harness, models
 
 BUDGET, DRAFT_LEN, TOP_K, MAX_TOKENS, TOL = 16, 8, 4, 500, 0.2
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=2)
@@ -78,9 +78,9 @@ def runs(request, dirs):
     out = {}
     llm = _ddtree(dirs, top_k=1, gdn_state=gdn_state)
     try:
-        out["chain"] = harness.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+        out["chain"] = e2e.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     llm = _ddtree(dirs, top_k=TOP_K, gdn_state=gdn_state)
     try:
         out["gdn_state"] = gdn_state  # and the GDN state slots vLLM allotted (tests/test_gdn_slots.py)
@@ -91,20 +91,20 @@ def runs(request, dirs):
         state.debug_gdn_records = True
         check = harness.GdnStateCheck()
         state.commit_hooks.append(check)
-        out["random"] = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        out["random"] = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         before = metrics.collect(llm)[0]
         h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, [t for t, _ in out["chain"]])).install(llm)
-        out["harness"] = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        out["harness"] = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         h.uninstall()
-        out["harness_counters"] = harness.counters_delta(metrics.collect(llm)[0], before)
+        out["harness_counters"] = e2e.counters_delta(metrics.collect(llm)[0], before)
         out["check"] = check
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     return out
 
 
 def _gate(reference, outputs, label, strict=True):
-    report = [harness.regret_gate(ref, got, TOL) for ref, got in zip(reference, outputs)]
+    report = [e2e.regret_gate(ref, got, TOL) for ref, got in zip(reference, outputs)]
     print(f"\n{label}: " + "; ".join(
         "identical" if g["divergence"] is None else f"diverges at {g['divergence']} (top-2 gap {g['gap']:.3f}, "
         f"ours: rank {g['rank']}, regret {g['regret']:.3f})" for g in report))
@@ -148,9 +148,9 @@ def vllm_references(dirs):
                                                              "num_speculative_tokens": DRAFT_LEN}})):
         llm = _llm(dirs, **kw)
         try:
-            refs[name] = harness.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+            refs[name] = e2e.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
         finally:
-            harness.shutdown(llm)
+            e2e.shutdown(llm)
     return refs
 
 
@@ -189,10 +189,10 @@ def test_every_divergence_against_flat_dflash(dirs, gdn_state):
         h = harness.DraftHarness({(0,): [0]}).install(tree)
         report = {"DDTree vs flat DFlash": [], "control: no speculation vs flat DFlash": []}
         for prompt in PROMPTS[:2]:
-            report["DDTree vs flat DFlash"] += harness.regret_segments(flat, tree, prompt, MAX_TOKENS,
+            report["DDTree vs flat DFlash"] += e2e.regret_segments(flat, tree, prompt, MAX_TOKENS,
                                                                        tol=SEGMENT_TOL, draft_harness=h)
             if plain is not None:
-                report["control: no speculation vs flat DFlash"] += harness.regret_segments(
+                report["control: no speculation vs flat DFlash"] += e2e.regret_segments(
                     flat, plain, prompt, MAX_TOKENS, tol=SEGMENT_TOL)
         for label, gaps in report.items():
             if gaps:
@@ -204,7 +204,7 @@ def test_every_divergence_against_flat_dflash(dirs, gdn_state):
             bad = [g for g in report["DDTree vs flat DFlash"] if not g["ok"]]
             assert not bad, bad
     finally:
-        harness.shutdown(tree)
-        harness.shutdown(flat)
+        e2e.shutdown(tree)
+        e2e.shutdown(flat)
         if plain is not None:
-            harness.shutdown(plain)
+            e2e.shutdown(plain)

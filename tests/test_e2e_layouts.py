@@ -13,7 +13,7 @@ import os
 import pytest
 
 from ddtree_compile.integration import config, metrics, plugin
-from ddtree_compile.testing import cpu_choices, harness, models
+from ddtree_compile.testing import cpu_choices, e2e, harness, models
 
 DRAFT_LEN, TOP_K, BUDGET, MAX_TOKENS = 7, 4, 16, 120
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=1)
@@ -45,17 +45,17 @@ def runs(tmp_path_factory):
 def _run(llm, drafter):
     ref_llm = llm()
     try:
-        ref = harness.generate(ref_llm, PROMPTS, MAX_TOKENS)
+        ref = e2e.generate(ref_llm, PROMPTS, MAX_TOKENS)
     finally:
-        harness.shutdown(ref_llm)
+        e2e.shutdown(ref_llm)
     tree_llm = llm(**config.vllm_kwargs(drafter, budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN))
     try:
         h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, ref)).install(tree_llm)
-        out = harness.generate(tree_llm, PROMPTS, MAX_TOKENS)
+        out = e2e.generate(tree_llm, PROMPTS, MAX_TOKENS)
         h.uninstall()
         counters = metrics.collect(tree_llm)
     finally:
-        harness.shutdown(tree_llm)
+        e2e.shutdown(tree_llm)
     return ref, out, counters
 
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from ddtree_compile.integration import config, engines, metrics, plugin
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, harness, models
 
 BUDGET, DRAFT_LEN, TOP_K, MAX_TOKENS, TOL = 16, 8, 4, 64, 0.2
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -111,7 +111,7 @@ def reference(dirs):
     try:
         return {kind: _generate(llm, p, MAX_TOKENS, logprobs=5) for kind, p in PROMPTS.items()}
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def control(dirs):
     try:
         return {kind: _generate(llm, p, MAX_TOKENS, logprobs=5) for kind, p in PROMPTS.items()}
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def runs(dirs, reference):
                                for p, sp in zip(prompts, params)]
         out["seeded_counters"] = metrics.counters_delta(metrics.collect(llm)[0], before)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     return out
 
 
@@ -183,7 +183,7 @@ def test_greedy_matches_no_speculation(runs, reference, control, kind, drafter):
     for (p_ref, ref, lps), (_, ctl, ctl_lps), (p_got, got, _) in zip(reference[kind], control[kind],
                                                                      runs[kind][drafter]):
         assert p_ref == p_got
-        gates.append(harness.controlled_gate((ref, lps), (ctl, ctl_lps), got, TOL))
+        gates.append(e2e.controlled_gate((ref, lps), (ctl, ctl_lps), got, TOL))
     print(f"\n{kind}, {drafter} drafter vs no speculation / flat DFlash: " + "; ".join(
         f"{_said(g['reference'])} / {_said(g['control'])}" for g in gates))
     assert all(g["ok"] for g in gates), gates

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ddtree_compile.integration import config, metrics, plugin
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, harness, models
 
 DRAFT_LEN, TOP_K = 6, 4
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)
@@ -61,9 +61,9 @@ def test_seeded_sampling_is_reproducible_across_repeats_budgets_and_drafters(dir
             before = metrics.collect(llm)[0]
             with_harness = _sample(llm, PROMPTS, n, seeds)
             h.uninstall()
-            c = harness.counters_delta(metrics.collect(llm)[0], before)
+            c = e2e.counters_delta(metrics.collect(llm)[0], before)
         finally:
-            harness.shutdown(llm)
+            e2e.shutdown(llm)
         assert first == again and with_harness == first
         assert all(a != b for a, b in zip(first, other))
         assert c["tree_requests"] > 0 and c["max_accept_depth"] == DRAFT_LEN and c["fallback_total"] == 0
@@ -129,7 +129,7 @@ def test_small_vocab_distribution_matches_no_speculation(tmp_path):
                 assert c["tree_requests"] > N_SAMPLES // 2 and c["nodes_accepted"] > 0 and c["sibling_rounds"] > 0
                 assert c["chain_steps"] > 0  # batches that mix prefills in: chain-shaped sample-and-walk
         finally:
-            harness.shutdown(llm)
+            e2e.shutdown(llm)
     # Per position and jointly (each tree round commits several tokens at once).
     for pos in range(N_TOKENS):
         a = [(s[pos],) for s in samples["plain"]]

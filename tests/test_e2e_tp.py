@@ -27,7 +27,7 @@ import os
 import pytest
 
 from ddtree_compile.integration import config, metrics, plugin
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, harness, models
 
 BUDGET, TOP_K, DRAFT_LEN, MAX_TOKENS = 16, 4, 8, 96
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)
@@ -82,34 +82,34 @@ def test_tp2_attention_only_lossless(qwen3, monkeypatch):
     for name, tp, kw in (("tp1", 1, {}), ("tp2", 2, {})):
         llm = _llm(target, tp, monkeypatch, **fp32, **kw)
         try:
-            runs[name] = harness.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+            runs[name] = e2e.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
         finally:
-            harness.shutdown(llm)
+            e2e.shutdown(llm)
     ref2 = [t for t, _ in runs["tp2"]]
     auto_kw = dict(budget="auto", auto_budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
     llm = _llm(target, 2, monkeypatch, **fp32, **config.vllm_kwargs(drafter, **auto_kw))
     try:
         harness.force_auto_on_workers(llm, ["tree", "chain"])
-        random_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        random_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         c_random = _ranks_agree(metrics.collect(llm), 2)
         harness.install_on_workers(llm, harness.reference_from_outputs(PROMPTS, ref2))
-        harness_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+        harness_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         harness.uninstall_on_workers(llm)
         c_all = _ranks_agree(metrics.collect(llm), 2)
-        seeded_tp2 = harness.generate(llm, PROMPTS, MAX_TOKENS, temperature=1.0, seed=11)
+        seeded_tp2 = e2e.generate(llm, PROMPTS, MAX_TOKENS, temperature=1.0, seed=11)
         c_tree = _ranks_agree(metrics.collect(llm), 2)  # the seeded sample-and-walk too: same paths on both ranks
         harness.force_auto_on_workers(llm, ["chain", "tree"])
-        chain_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
-        c_chain = harness.counters_delta(_ranks_agree(metrics.collect(llm), 2), c_tree)
+        chain_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
+        c_chain = e2e.counters_delta(_ranks_agree(metrics.collect(llm), 2), c_tree)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     llm = _llm(target, 1, monkeypatch, **fp32, **_ddtree_kw(drafter))
     try:
-        seeded_tp1 = harness.generate(llm, PROMPTS, MAX_TOKENS, temperature=1.0, seed=11)
+        seeded_tp1 = e2e.generate(llm, PROMPTS, MAX_TOKENS, temperature=1.0, seed=11)
     finally:
-        harness.shutdown(llm)
-    c_harness = harness.counters_delta(c_all, c_random)
-    gates = [harness.regret_gate(r, o) for r, o in zip(runs["tp1"], random_out)]
+        e2e.shutdown(llm)
+    c_harness = e2e.counters_delta(c_all, c_random)
+    gates = [e2e.regret_gate(r, o) for r, o in zip(runs["tp1"], random_out)]
     print(f"\nTP=2 qwen3: random {c_random['tree_steps']} tree steps, harness accepted "
           f"{c_harness['nodes_accepted']} (sibling rounds {c_harness['sibling_rounds']}); vs TP=1: {gates}")
     assert c_random["tree_steps"] > 0 and c_harness["sibling_rounds"] > 0 and c_harness["nodes_accepted"] > 0
@@ -133,9 +133,9 @@ def test_tp2_hybrid_tree_equals_its_chain(tmp_path, monkeypatch):
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
     llm = _llm(target, 2, monkeypatch)
     try:
-        ref = harness.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+        ref = e2e.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     outs, counters, reference = {}, {}, None
     for name, kw in (("chain", config.vllm_kwargs(drafter, budget=DRAFT_LEN, top_k=1, num_speculative_tokens=DRAFT_LEN)),
                      ("tree", _ddtree_kw(drafter))):
@@ -143,17 +143,17 @@ def test_tp2_hybrid_tree_equals_its_chain(tmp_path, monkeypatch):
         try:
             if name == "tree":
                 harness.install_state_check_on_workers(llm)
-            random_out = harness.generate(llm, PROMPTS, MAX_TOKENS)
+            random_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
             # The harness drafts the chain's own continuation (no speculation's leaves it at token 7)
             reference = reference or harness.reference_from_outputs(PROMPTS, random_out)
             harness.install_on_workers(llm, reference)
-            outs[name] = (random_out, harness.generate(llm, PROMPTS, MAX_TOKENS))
+            outs[name] = (random_out, e2e.generate(llm, PROMPTS, MAX_TOKENS))
             harness.uninstall_on_workers(llm)
             counters[name] = _ranks_agree(metrics.collect(llm), 2)
             checks = harness.state_checks(llm) if name == "tree" else None
         finally:
-            harness.shutdown(llm)
-    gates = [harness.regret_gate(r, o) for r, o in zip(ref * 2, outs["tree"][0] + outs["tree"][1])]
+            e2e.shutdown(llm)
+    gates = [e2e.regret_gate(r, o) for r, o in zip(ref * 2, outs["tree"][0] + outs["tree"][1])]
     c = counters["tree"]
     print(f"\nTP=2 qwen3_5: {c['tree_steps']} tree steps, accepted {c['nodes_accepted']}, sibling rounds "
           f"{c['sibling_rounds']}, state checks {checks}; vs no speculation (divergence, regret): "

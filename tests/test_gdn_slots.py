@@ -29,7 +29,7 @@ from ddtree_compile.core.tree import WalkResult
 from ddtree_compile.integration import config, engines, kv_layouts, metrics, plugin
 from ddtree_compile.integration.round import checks
 from ddtree_compile.integration.round.state import DDTreeRound
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, harness, models
 
 BUDGET, DRAFT_LEN, TOP_K, MAX_TOKENS, TOL = 16, 8, 4, 64, 0.2
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=2)
@@ -148,9 +148,9 @@ def _llm(dirs, ddtree=True, **kw):
 def reference(dirs):
     llm = _llm(dirs, ddtree=False)
     try:
-        return harness.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+        return e2e.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
 
 
 def _staggered(llm, logprobs_request=2):
@@ -235,7 +235,7 @@ def replay(dirs, reference):
         out["fallbacks"] = metrics.collect(llm)[0]
         out["held"], out["check"] = held, check
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     return out
 
 
@@ -251,7 +251,7 @@ def test_replay_engine_allots_the_chains_gdn_slots(replay):
 
 
 def test_replay_engine_output_within_the_gate_of_no_speculation(replay, reference):
-    gates = [harness.regret_gate(ref, got, TOL) for ref, got in zip(reference, replay["staggered"])]
+    gates = [e2e.regret_gate(ref, got, TOL) for ref, got in zip(reference, replay["staggered"])]
     assert all(g["ok"] for g in gates), gates
     c, snap = replay["counters"], replay["fallbacks"]
     assert c["tree_steps"] > 20 and c["chain_steps"] > 0  # trees, and prefills joining them (vLLM's GDN kernel)
@@ -269,10 +269,10 @@ def test_refused_engine_keeps_flat_dflash_within_the_slots(dirs, reference, monk
         assert engines.find_state(llm) is None  # vLLM's flat DFlash
         assert {g.kv_cache_spec.num_speculative_blocks for g in _mamba_groups(runner.kv_cache_config)} == {DRAFT_LEN}
         assert isinstance(runner.rejection_sampler, gdn_state.LimitedSampler)
-        outs = harness.generate(llm, PROMPTS, MAX_TOKENS // 2)
+        outs = e2e.generate(llm, PROMPTS, MAX_TOKENS // 2)
     finally:
-        harness.shutdown(llm)
-    gates = [harness.regret_gate((t[: MAX_TOKENS // 2], lp[: MAX_TOKENS // 2]), got, TOL)
+        e2e.shutdown(llm)
+    gates = [e2e.regret_gate((t[: MAX_TOKENS // 2], lp[: MAX_TOKENS // 2]), got, TOL)
              for (t, lp), got in zip(reference, outs)]
     assert all(g["ok"] for g in gates), gates
     msgs = [r.getMessage() for r in caplog.records if "cannot run here" in r.getMessage()]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddtree_compile.integration import engines
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read by huggingface_hub at import time
 
@@ -217,7 +217,7 @@ def test_flat_dflash_matches_no_speculation_on_qwen3(qwen3_plain, qwen3_dflash):
     m = qwen3_dflash["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0
     assert m["vllm:spec_decode_num_draft_tokens"] == NUM_SPEC * m["vllm:spec_decode_num_drafts"]
-    gates = [harness.regret_gate((ref, lps), got)
+    gates = [e2e.regret_gate((ref, lps), got)
              for ref, lps, got in zip(qwen3_plain["outputs"], qwen3_plain["logprobs"], qwen3_dflash["outputs"])]
     assert all(g["ok"] for g in gates), gates
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddtree_compile.integration import config, metrics, plugin
-from ddtree_compile.testing import harness, models, oracle
+from ddtree_compile.testing import e2e, models, oracle
 
 L, TOP_K, BUDGET, MAX_TOKENS = 7, 4, 16, 64
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=3)
@@ -99,7 +99,7 @@ def engines(tiny_fp32_reference):
 def _run(llm, reference, profile):
     od = oracle.OracleDrafter(reference, profile, seed=1).install(llm)
     try:
-        return harness.generate(llm, PROMPTS, MAX_TOKENS)
+        return e2e.generate(llm, PROMPTS, MAX_TOKENS)
     finally:
         od.uninstall()
 
@@ -112,7 +112,7 @@ def test_ddtree_with_the_oracle_accepts_what_the_simulation_says(engines, p0):
         out = _run(llm, engines["reference"], profile)
         c = metrics.collect(llm)[0]
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     assert out == engines["ref"]  # float32: lossless token for token
     assert c["tree_steps"] > 0 and c["fallback_total"] == 0, c
     measured = 1 + c["nodes_accepted"] / c["tree_requests"]
@@ -129,9 +129,9 @@ def test_flat_dflash_with_the_oracle_accepts_the_chain(engines):
                                              "num_speculative_tokens": L})
     try:
         out = _run(llm, engines["reference"], profile)
-        c = harness.spec_counters(llm)
+        c = e2e.spec_counters(llm)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     assert out == engines["ref"]
     measured = 1 + c["vllm:spec_decode_num_accepted_tokens"] / c["vllm:spec_decode_num_drafts"]
     want = profile.chain_acceptance(L)

@@ -31,7 +31,7 @@ if RUNNER == "v2":
     runner_v2_cpu.enable()
 from vllm import LLM
 from ddtree_compile.integration import config, engines, metrics, plugin
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, models
 
 plugin.register()
 N = 24
@@ -50,7 +50,7 @@ with tempfile.TemporaryDirectory() as tmp:
     for name, extra in (("none", {}), ("flat", flat)):
         llm = LLM(**models.tiny_llm_kwargs(target, **kw, **extra))
         try:
-            out[name] = harness.generate_with_logprobs(llm, prompts, N)
+            out[name] = e2e.generate_with_logprobs(llm, prompts, N)
         finally:
             engines.shutdown(llm)
     llm = LLM(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, budget=8, top_k=3,
@@ -59,7 +59,7 @@ with tempfile.TemporaryDirectory() as tmp:
         state = engines.find_state(llm)
         out["runner"] = type(engines.find_runner(llm)).__module__
         before = metrics.collect(llm)[0]
-        out["ddtree"] = harness.generate(llm, prompts, N)
+        out["ddtree"] = e2e.generate(llm, prompts, N)
         out["counters"] = metrics.counters_delta(metrics.collect(llm)[0], before)
         out["fallback_steps"] = dict(state.metrics.fallback_steps)
     finally:
@@ -91,11 +91,11 @@ def test_partial_drafts_next_to_trees_are_served_and_counted(runs, runner):
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_partial_drafts_greedy_within_the_regret_gate(runs, runner):
-    from ddtree_compile.testing import harness
+    from ddtree_compile.testing import e2e
 
     r = runs[runner]
     ref, ctl = _logprobs(r["none"]), _logprobs(r["flat"])
-    gates = [harness.controlled_gate(a, b, got) for a, b, got in zip(ref, ctl, r["ddtree"])]
+    gates = [e2e.controlled_gate(a, b, got) for a, b, got in zip(ref, ctl, r["ddtree"])]
     print(json.dumps(gates))
     assert all(g["ok"] for g in gates), gates
 

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddtree_compile.integration import config, engines, plugin
 from ddtree_compile.integration.round import step as round_step
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, models
 
 
 class _HostData(TorchDispatchMode):
@@ -90,11 +90,11 @@ def test_round_makes_no_host_tensors_but_through_h2d(tmp_path, kind, budget):
                                  (state.commit, "reorder_drafter_inputs", "reorder")):
             _watch(obj, name, label, made, current)
         round_step.RoundContext.h2d = counted_h2d
-        harness.generate(llm, models.token_prompts(2, 16, models.VOCAB, seed=5), 24)
+        e2e.generate(llm, models.token_prompts(2, 16, models.VOCAB, seed=5), 24)
         tree_steps = state.metrics.tree_steps
     finally:
         round_step.RoundContext.h2d = h2d
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     assert tree_steps > 0  # the tree path ran
     made.pop("vllm", None)
     assert {k: v for k, v in made.items() if v} == {}, (made, staged)

@@ -37,7 +37,7 @@ runner_v2_cpu.enable()
 import torch
 from vllm import LLM, SamplingParams
 from ddtree_compile.integration import config, engines, metrics, plugin
-from ddtree_compile.testing import harness, models
+from ddtree_compile.testing import e2e, harness, models
 
 plugin.register()
 MIXED = ["sliding_attention", "full_attention"]
@@ -179,7 +179,7 @@ with tempfile.TemporaryDirectory() as tmp:
         state.round_hooks.append(rotary)
         for name, run in (("random", lambda f: counted(llm, f)), ("harness", lambda f: guided(llm, ref, f))):
             got, r[name + "_counters"] = run(lambda: greedy(llm, prompts, 32))
-            r[name + "_gates"] = [harness.regret_gate((x[1], x[2]), g[1]) for x, g in zip(ref, got)]
+            r[name + "_gates"] = [e2e.regret_gate((x[1], x[2]), g[1]) for x, g in zip(ref, got)]
         r["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths, "max_err": check.max_err}
         r["rotary_checked"] = rotary.checked
     finally:
@@ -265,7 +265,7 @@ with tempfile.TemporaryDirectory() as tmp:
             refs[name] = greedy(llm, turns["1"], 48, logprobs=5) + greedy(llm, turns["2"], 16, logprobs=5)
         finally:
             engines.shutdown(llm)
-    out["align"]["gates"] = [harness.controlled_gate((x[1], x[2]), (c[1], c[2]), g)
+    out["align"]["gates"] = [e2e.controlled_gate((x[1], x[2]), (c[1], c[2]), g)
                              for x, c, g in zip(refs["none"], refs["flat"], out["align"]["outputs"])]
 print("RESULT " + json.dumps(out, default=str))
 """

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from ddtree_compile.testing import harness, models, tokenizer
+from ddtree_compile.testing import e2e, models, tokenizer
 
 import _serve_cases as sc
 
@@ -73,7 +73,7 @@ def test_5_vision_input(plain, ddtree):
     got = sc.chat(ddtree, msgs, 48)
     assert _image_tokens(ref) == _image_tokens(got) == 4  # 64x64 px: 16 patches, 2x2 merge
     assert len(sc.token_ids(got)) == 48 and got.choices[0].message.reasoning
-    print(f"\nvision, DDTree vs no speculation: {harness.regret_gate(sc.reference(ref), sc.token_ids(got))}")
+    print(f"\nvision, DDTree vs no speculation: {e2e.regret_gate(sc.reference(ref), sc.token_ids(got))}")
     m = sc.scrape(ddtree)
     assert sc.total(m, "vllm:ddtree_tree_steps_total") > before  # trees verified on the image request
     assert sc.total(m, "vllm:spec_decode_num_draft_tokens_total") > 0

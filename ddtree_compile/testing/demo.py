@@ -68,7 +68,7 @@ def run_demo(kind: str = "qwen3_5", budget: int = 16, top_k: int = 4, draft_len:
     _env()
     from ddtree_compile.integration import config, metrics, plugin
     from ddtree_compile.integration.engines import find_state
-    from ddtree_compile.testing import harness, models
+    from ddtree_compile.testing import e2e, harness, models
 
     plugin.register()  # what the installed `vllm.general_plugins` entry point does
     from vllm import LLM
@@ -90,9 +90,9 @@ def run_demo(kind: str = "qwen3_5", budget: int = 16, top_k: int = 4, draft_len:
     t0 = time.perf_counter()
     llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, **STATE))
     try:
-        reference = harness.generate_with_logprobs(llm, prompts, max_tokens)
+        reference = e2e.generate_with_logprobs(llm, prompts, max_tokens)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     t_ref = time.perf_counter() - t0
 
     llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, **STATE, **switch))
@@ -101,7 +101,7 @@ def run_demo(kind: str = "qwen3_5", budget: int = 16, top_k: int = 4, draft_len:
         if state is None:
             raise RuntimeError("DDTree did not attach to the engine (see the log for the reason)")
         t0 = time.perf_counter()
-        random_out = harness.generate(llm, prompts, max_tokens)
+        random_out = e2e.generate(llm, prompts, max_tokens)
         t_random = time.perf_counter() - t0
         counters_random = metrics.collect(llm)[0]
         printer = _RoundPrinter(rounds_to_print)
@@ -109,16 +109,16 @@ def run_demo(kind: str = "qwen3_5", budget: int = 16, top_k: int = 4, draft_len:
         h = harness.DraftHarness(harness.reference_from_outputs(prompts, random_out)).install(llm)
         print(f"\nharness drafter rounds (first {rounds_to_print}):")
         t0 = time.perf_counter()
-        harness_out = harness.generate(llm, prompts, max_tokens)
+        harness_out = e2e.generate(llm, prompts, max_tokens)
         t_harness = time.perf_counter() - t0
         h.uninstall()
         counters_harness = metrics.counters_delta(metrics.collect(llm)[0], counters_random)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
         if tmp is not None:
             tmp.cleanup()
 
-    gates = [harness.regret_gate(ref, got) for ref, got in zip(reference, random_out)]
+    gates = [e2e.regret_gate(ref, got) for ref, got in zip(reference, random_out)]
     same = harness_out == random_out
     print("\nDDTree counters:")
     for name, c in (("random drafter", counters_random), ("harness drafter", counters_harness)):

@@ -123,9 +123,9 @@ def generate(llm, prompts, logprobs=None, max_tokens=MAX_TOKENS, **sampling) -> 
 
 def gates(ref: list[dict], got: list[dict]) -> list[dict]:
     """The regret gate of each output against the reference's (generate(..., logprobs=5))."""
-    from ddtree_compile.testing import harness
+    from ddtree_compile.testing import e2e
 
-    return [harness.regret_gate((r["tokens"], r["lps"]), g["tokens"], TOL) for r, g in zip(ref, got)]
+    return [e2e.regret_gate((r["tokens"], r["lps"]), g["tokens"], TOL) for r, g in zip(ref, got)]
 
 
 def reference(target, prompts: dict, **kw) -> tuple[dict, dict]:

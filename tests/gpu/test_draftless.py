@@ -24,15 +24,15 @@ def draftless(gpu_env, tmp_path_factory):
     import test_e2e_draftless as d  # tests/ is on sys.path (tests/conftest.py's directory)
     from vllm import LLM
 
-    from ddtree_compile.testing import harness, models
+    from ddtree_compile.testing import e2e, models
 
     root = tmp_path_factory.mktemp("draftless")
     target = models.write_tiny_model(d.KIND, root / "target")
     llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=1024, **d._platform_kwargs()))
     try:
-        ref = harness.generate_with_logprobs(llm, d.PROMPTS, d.MAX_TOKENS)
+        ref = e2e.generate_with_logprobs(llm, d.PROMPTS, d.MAX_TOKENS)
     finally:
-        harness.shutdown(llm)
+        e2e.shutdown(llm)
     tiny = {"target": target, "drafter": models.write_tiny_dflash_drafter(target, root / "dflash"), "ref": ref}
     return d, tiny
 
@@ -61,9 +61,9 @@ def test_a_draftless_step_reads_the_state_the_tree_committed(draftless, gpu_env,
 def test_vllms_flat_dflash_draftless_step(draftless, gpu_env, record):
     d, tiny = draftless
     gpu_env.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    from ddtree_compile.testing import harness
+    from ddtree_compile.testing import e2e
 
     out = d.run(tiny, "all", engine="flat", async_scheduling=False)  # (vLLM's default for DFlash is on)
-    gates = [harness.regret_gate(ref, got, d.TOL) for ref, got in zip(tiny["ref"], out.get("got", []))]
+    gates = [e2e.regret_gate(ref, got, d.TOL) for ref, got in zip(tiny["ref"], out.get("got", []))]
     _record(record, d, out, gates, runner="v1", variant="all")
     d.check(tiny, out)

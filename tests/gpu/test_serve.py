@@ -53,10 +53,10 @@ def _chat(srv, messages, logprobs=False):
 
 
 def _gate(ref, got) -> dict:
-    from ddtree_compile.testing import harness
+    from ddtree_compile.testing import e2e
 
     lps = [{int(t.token.split(":")[1]): t.logprob for t in pos.top_logprobs} for pos in ref.choices[0].logprobs.content]
-    return harness.regret_gate((list(ref.choices[0].token_ids), lps), list(got.choices[0].token_ids), E.TOL)
+    return e2e.regret_gate((list(ref.choices[0].token_ids), lps), list(got.choices[0].token_ids), E.TOL)
 
 
 @pytest.fixture(scope="module")
