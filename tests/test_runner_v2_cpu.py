@@ -28,28 +28,20 @@ or the ddtree block added to flat DFlash settings):
 
 import pytest
 
-from ddtree_compile.testing import runner_v2_cpu
+from ddtree_compile.testing import e2e, runner_v2_cpu
 
 PRELUDE = r"""
 import json, pathlib, tempfile
 from ddtree_compile.testing import runner_v2_cpu
 runner_v2_cpu.enable()
 import torch
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.testing import e2e, harness, models
 
 plugin.register()
 MIXED = ["sliding_attention", "full_attention"]
 out = {}
-
-
-def greedy(llm, prompts, n, logprobs=None):
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids),
-             [{t: lp.logprob for t, lp in p.items()} for p in o.outputs[0].logprobs] if logprobs else None)
-            for o in outs]
 
 
 def counted(llm, fn):
@@ -61,7 +53,8 @@ def counted(llm, fn):
 
 
 def guided(llm, ref, fn):
-    h = harness.DraftHarness({tuple(p): p + t for p, t, _ in ref}).install(llm)
+    # the drafter harness drafting the Completions `ref` continue their prompts with
+    h = harness.DraftHarness({tuple(c["prompt"]): c["prompt"] + c["tokens"] for c in ref}).install(llm)
     try:
         return counted(llm, fn)
     finally:
@@ -109,25 +102,20 @@ with tempfile.TemporaryDirectory() as tmp:
     drafter = models.write_tiny_dflash_drafter(target, root / "dflash", layer_types=MIXED)
     prompts = models.token_prompts(3, 16, models.VOCAB, seed=5)
     kw = dict(enforce_eager=True, dtype="float32")
-    llm = LLM(**models.tiny_llm_kwargs(target, **kw))
-    try:
-        ref = greedy(llm, prompts, 48)
-    finally:
-        engines.shutdown(llm)
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw)) as llm:
+        ref = e2e.complete(llm, prompts, 48)
     # the switch as a user adds it: their flat DFlash settings (L = 4) plus only the ddtree block
     flat = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 4}
-    llm = LLM(**models.tiny_llm_kwargs(target, **kw, speculative_config=flat,
-                                       additional_config={"ddtree": {"budget": 8, "top_k": 3}}))
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw, speculative_config=flat,
+                                             additional_config={"ddtree": {"budget": 8, "top_k": 3}})) as llm:
         runner = engines.find_runner(llm)
         r = out["qwen3"] = {"runner": type(runner).__module__, "attached": engines.find_state(llm) is not None,
                             "async": runner.vllm_config.scheduler_config.async_scheduling,
                             "K": runner.vllm_config.speculative_config.num_speculative_tokens,
-                            "L": engines.find_state(llm).ctx.L}
-        got, r["random_counters"] = counted(llm, lambda: greedy(llm, prompts, 48))
-        r["random_equal"] = [g[1] for g in got] == [x[1] for x in ref]
-        got, r["harness_counters"] = guided(llm, ref, lambda: greedy(llm, prompts, 48))
-        r["harness_equal"] = [g[1] for g in got] == [x[1] for x in ref]
+                            "L": engines.find_state(llm).ctx.L, "reference": [x["tokens"] for x in ref]}
+        r["random"], r["random_counters"] = counted(llm, lambda: e2e.generate(llm, prompts, 48))
+        r["harness"], r["harness_counters"] = guided(llm, ref, lambda: e2e.generate(llm, prompts, 48))
+        # one seed per request (a list of SamplingParams: e2e.complete takes one for the batch)
         sp = [SamplingParams(temperature=1.0, seed=20 + i, max_tokens=32, ignore_eos=True) for i in range(3)]
         batched, r["seeded_counters"] = counted(
             llm, lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)])
@@ -135,18 +123,14 @@ with tempfile.TemporaryDirectory() as tmp:
         r["seeded_alone"] = [list(llm.generate([p], [s], use_tqdm=False)[0].outputs[0].token_ids)
                              for p, s in zip(prompts, sp)]
         r["seeded_again"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        engines.shutdown(llm)
     # -- budget "auto" in the default loop: vLLM's per-batch-size draft counts carry its choice ------------
     auto = {"auto_budget": 8, "top_k": 3, "probe_interval": 2}
-    llm = LLM(**models.tiny_llm_kwargs(target, **kw, speculative_config=flat,
-                                       additional_config={"ddtree": {"budget": "auto", **auto}}))
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw, speculative_config=flat,
+                                             additional_config={"ddtree": {"budget": "auto", **auto}})) as llm:
         state, runner = engines.find_state(llm), engines.find_runner(llm)
-        got, counters = counted(llm, lambda: greedy(llm, prompts, 48))
+        got, counters = counted(llm, lambda: e2e.generate(llm, prompts, 48))
         schedule = state.ctx.view._shared.schedule
-        out["auto_v2"] = {"attached": state is not None, "equal": [g[1] for g in got] == [x[1] for x in ref],
-                          "served": [len(g[1]) for g in got], "counters": counters,
+        out["auto_v2"] = {"attached": state is not None, "tokens": got, "counters": counters,
                           "schedule": runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size,
                           "written": schedule.written, "lookup": schedule.lookup()[1:],
                           "policy": state.metrics.auto.snapshot()}
@@ -156,20 +140,14 @@ with tempfile.TemporaryDirectory() as tmp:
         state.ctx.auto.forced = "chain"
         out["auto_v2"]["seeded_chain"], out["auto_v2"]["seeded_chain_counters"] = counted(llm, seeded)
         state.ctx.auto.forced = None
-    finally:
-        engines.shutdown(llm)
 
     # -- the multimodal Qwen3.5 hybrid (M-RoPE), text prompts ----------------------------------------
     target, drafter, kw = write_vl(root)
     prompts = models.token_prompts(2, 16, models.VOCAB - 8, seed=5)  # below the vision ids
-    llm = LLM(**models.tiny_llm_kwargs(target, **kw))
-    try:
-        ref = greedy(llm, prompts, 32, logprobs=5)
-    finally:
-        engines.shutdown(llm)
-    llm = LLM(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, budget=8, top_k=3,
-                                                                          num_speculative_tokens=4)))
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw)) as llm:
+        ref = e2e.complete(llm, prompts, 32, logprobs=5)
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, budget=8, top_k=3,
+                                                                                num_speculative_tokens=4))) as llm:
         state = engines.find_state(llm)
         r = out["vl"] = {"attached": state is not None, "mrope": engines.find_runner(llm).model_config.uses_mrope}
         state.debug_gdn_records = True
@@ -178,27 +156,22 @@ with tempfile.TemporaryDirectory() as tmp:
         rotary = Rotary(engines.find_runner(llm))
         state.round_hooks.append(rotary)
         for name, run in (("random", lambda f: counted(llm, f)), ("harness", lambda f: guided(llm, ref, f))):
-            got, r[name + "_counters"] = run(lambda: greedy(llm, prompts, 32))
-            r[name + "_gates"] = [e2e.regret_gate((x[1], x[2]), g[1]) for x, g in zip(ref, got)]
+            got, r[name + "_counters"] = run(lambda: e2e.generate(llm, prompts, 32))
+            r[name + "_gates"] = e2e.gates(ref, got)
         r["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths, "max_err": check.max_err}
         r["rotary_checked"] = rotary.checked
-    finally:
-        engines.shutdown(llm)
 
     # -- refused at attach -----------------------------------------------------------------------------
     before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
     # (in V2's synchronous loop, which a user gets with --no-async-scheduling)
-    llm = LLM(**models.tiny_llm_kwargs(target, **kw, async_scheduling=False, **config.vllm_kwargs(
-        drafter, top_k=3, num_speculative_tokens=4, budget="auto", auto_budget=8)))
-    try:
-        got, counters = counted(llm, lambda: greedy(llm, prompts[:1], 12))
-        out["auto"] = {"attached": engines.find_state(llm) is not None, "served": len(got[0][1]),
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw, async_scheduling=False, **config.vllm_kwargs(
+            drafter, top_k=3, num_speculative_tokens=4, budget="auto", auto_budget=8))) as llm:
+        got, counters = counted(llm, lambda: e2e.generate(llm, prompts[:1], 12))
+        out["auto"] = {"attached": engines.find_state(llm) is not None, "served": len(got[0]),
                        "async": engines.find_runner(llm).vllm_config.scheduler_config.async_scheduling,
                        "tree_steps": counters.get("tree_steps", 0),
                        "refusals": {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items()
                                     if v != before.get(k, 0)}}
-    finally:
-        engines.shutdown(llm)
 print("RESULT " + json.dumps(out, default=str))
 """
 
@@ -222,16 +195,15 @@ with tempfile.TemporaryDirectory() as tmp:
     pc_kw = dict(kw, mamba_ssm_cache_dtype="auto")
     spec = config.vllm_kwargs(drafter, budget=8, top_k=3, num_speculative_tokens=4)
     turns = {}
-    llm = LLM(**models.tiny_llm_kwargs(target, **dict(pc_kw, enable_prefix_caching=True), **spec))
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(target, **dict(pc_kw, enable_prefix_caching=True), **spec)) as llm:
         state = engines.find_state(llm)
         cc = engines.find_runner(llm).vllm_config.cache_config
         r = out["align"] = {"attached": state is not None, "mode": cc.mamba_cache_mode, "block": cc.mamba_block_size}
         B = cc.mamba_block_size
         turns["1"] = models.token_prompts(3, 3 * B - 40, models.VOCAB - 8, seed=9)
-        first = greedy(llm, turns["1"], 48)
-        turns["2"] = [{"prompt_token_ids": p + t + list(range(40, 48))} for p, t, _ in first]
-        own = first + greedy(llm, turns["2"], 16)
+        first = e2e.complete(llm, turns["1"], 48)
+        turns["2"] = [{"prompt_token_ids": c["prompt"] + c["tokens"] + list(range(40, 48))} for c in first]
+        own = first + e2e.complete(llm, turns["2"], 16)
         state.debug_gdn_records = True
         check = harness.GdnStateCheck()
         state.commit_hooks.append(check)
@@ -239,33 +211,27 @@ with tempfile.TemporaryDirectory() as tmp:
         # pass's shallow ones and may take another near-tie (seen: tokens 6-26), after which the harness
         # drafts a continuation the engine left: the guided output becomes the reference until it repeats.
         for passes in range(1, 5):
-            (got1, got2), r["counters"] = guided(llm, own, lambda: (greedy(llm, turns["1"], 48),
-                                                                     greedy(llm, turns["2"], 16)))
-            if [g[1] for g in got1 + got2] == [o[1] for o in own]:
+            got, r["counters"] = guided(llm, own, lambda: (e2e.complete(llm, turns["1"], 48)
+                                                           + e2e.complete(llm, turns["2"], 16)))
+            if [g["tokens"] for g in got] == [o["tokens"] for o in own]:
                 break
-            own = got1 + got2
+            own = got
         r["guided_passes"] = passes
-        r["outputs"] = [g[1] for g in got1 + got2]
-        r["turn2_cached"] = [o.num_cached_tokens for o in llm.generate(  # (turn 2 again: its cache hits)
-            turns["2"], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)]
+        r["outputs"] = [g["tokens"] for g in got]
+        r["turn2_cached"] = [c["cached"] for c in e2e.complete(llm, turns["2"], 1)]  # (turn 2 again: its cache hits)
         r["state_check"] = {"paths": check.paths, "boundaries": check.boundaries, "max_err": check.max_err}
         r["kind"] = os.environ.get(cpu_choices.ENV_KIND) or "avx512_bf16"
         r["chunked"] = 3 * B - 40 > engines.find_runner(llm).vllm_config.scheduler_config.max_num_batched_tokens
         r["fallback_steps"] = dict(state.metrics.fallback_steps)
-    finally:
-        engines.shutdown(llm)
     # no speculation, and vLLM's flat DFlash with the same cache (the control: align's chunked bf16 prefill
     # moves near-ties for vLLM's own speculative path too)
     flat = dict(enable_prefix_caching=True, speculative_config={"method": "dflash", "model": str(drafter),
                                                                 "num_speculative_tokens": 4})
     refs = {}
     for name, extra in (("none", {}), ("flat", flat)):
-        llm = LLM(**models.tiny_llm_kwargs(target, **pc_kw, **extra))
-        try:
-            refs[name] = greedy(llm, turns["1"], 48, logprobs=5) + greedy(llm, turns["2"], 16, logprobs=5)
-        finally:
-            engines.shutdown(llm)
-    out["align"]["gates"] = [e2e.controlled_gate((x[1], x[2]), (c[1], c[2]), g)
+        with e2e.engine(**models.tiny_llm_kwargs(target, **pc_kw, **extra)) as llm:
+            refs[name] = e2e.complete(llm, turns["1"], 48, logprobs=5) + e2e.complete(llm, turns["2"], 16, logprobs=5)
+    out["align"]["gates"] = [e2e.controlled_gate((x["tokens"], x["lps"]), (c["tokens"], c["lps"]), g)
                              for x, c, g in zip(refs["none"], refs["flat"], out["align"]["outputs"])]
 print("RESULT " + json.dumps(out, default=str))
 """
@@ -276,11 +242,23 @@ def run(tmp_path_factory):
     return runner_v2_cpu.run_scripts([ATTENTION_VL_AUTO, ALIGN], tmp_path_factory.mktemp("v2"))
 
 
+def check_controlled(report, label):
+    """e2e.controlled_gate's report passed; the message shows each failure against both sides (a failure
+    is outside the gate of no speculation and of flat DFlash alike)."""
+    failed = []
+    for side in ("reference", "control"):
+        try:
+            e2e.check_gates([{**g[side], "ok": g["ok"]} for g in report], f"{label}, against {side}")
+        except AssertionError as e:
+            failed.append(str(e))
+    assert not failed, " | ".join(failed)
+
+
 def test_attention_only_target_attaches_on_runner_v2_in_the_default_loop(run):
     """A flat DFlash configuration plus only the ddtree block starts DDTree on V2, in vLLM's default
     loop (async scheduling on), with vLLM's draft slots raised to the tree's and the drafter's L kept."""
-    r = run["qwen3"]
-    assert r["runner"].startswith("vllm.v1.worker.cpu") and r["attached"]  # V2's CPU runner module
+    r = {k: run["qwen3"][k] for k in ("runner", "attached", "async", "K", "L")}
+    assert r["runner"].startswith("vllm.v1.worker.cpu") and r["attached"], r  # V2's CPU runner module
     assert r["async"] is True and (r["K"], r["L"]) == (8, 4), r
 
 
@@ -288,7 +266,7 @@ def test_attention_only_target_attaches_on_runner_v2_in_the_default_loop(run):
 def test_attention_only_greedy_equals_no_speculation(run, drafter):
     r = run["qwen3"]
     c = r[drafter + "_counters"]
-    assert r[drafter + "_equal"], c
+    e2e.assert_same(r[drafter], r["reference"], f"{drafter} drafter vs no speculation (counters {c})")
     assert c["tree_steps"] > 5 and c["fallback_total"] == 0, c
     if drafter == "harness":  # deep paths and rounds ending on siblings
         assert c["sibling_rounds"] > 3 and c["full_accepts"] > 3, c
@@ -296,7 +274,8 @@ def test_attention_only_greedy_equals_no_speculation(run, drafter):
 
 def test_seeded_sampling_reproducible_and_batch_independent(run):
     r = run["qwen3"]
-    assert r["seeded_batched"] == r["seeded_alone"] == r["seeded_again"]
+    e2e.assert_same(r["seeded_alone"], r["seeded_batched"], "seeded, each request alone vs the batch")
+    e2e.assert_same(r["seeded_again"], r["seeded_batched"], "seeded, the batch again vs the batch")
     assert len(set(map(tuple, r["seeded_batched"]))) == 3 and r["seeded_counters"]["tree_steps"] > 5
 
 
@@ -307,8 +286,8 @@ def test_multimodal_hybrid_attaches_with_mrope(run):
 @pytest.mark.parametrize("drafter", ["random", "harness"])
 def test_multimodal_hybrid_greedy_within_the_regret_gate(run, drafter):
     r = run["vl"]
-    assert all(g["ok"] for g in r[drafter + "_gates"]), r[drafter + "_gates"]
     c = r[drafter + "_counters"]
+    e2e.check_gates(r[drafter + "_gates"], f"{drafter} drafter vs no speculation (counters {c})")
     assert c["tree_steps"] > 5 and c["fallback_total"] == 0, c
     if drafter == "harness":
         assert c["sibling_rounds"] > 2 and c["full_accepts"] > 2, c
@@ -329,13 +308,13 @@ def test_budget_auto_in_the_default_loop_chooses_tree_and_chain_steps(run):
     policy rewrote the scheduler's lookup, so steps of both kinds ran: trees walked by the round and
     chains of the drafter's L drafts verified by vLLM's own sampler. Greedy equals no speculation."""
     r = run["auto_v2"]
-    assert r["attached"] and r["served"] == [48] * 3, r
+    assert r["attached"] and [len(t) for t in r["tokens"]] == [48] * 3, r
     M = r["schedule"][0][1]
     assert [tuple(e) for e in r["schedule"]] == [(1, M, 8), (M + 1, M + 1, 4)], r["schedule"]
     assert r["written"]["4"] > 0 and r["written"]["8"] > 0, r  # the policy wrote both counts into vLLM's lookup
     c = r["counters"]
     assert c["tree_steps"] > 3 and c["auto_chain_steps"] > 3, (c, r["policy"])  # and vLLM scheduled both
-    assert r["equal"], c
+    e2e.assert_same(r["tokens"], run["qwen3"]["reference"], f"budget auto vs no speculation (counters {c})")
 
 
 def test_budget_auto_seeded_output_does_not_depend_on_the_step_kinds(run):
@@ -346,7 +325,8 @@ def test_budget_auto_seeded_output_does_not_depend_on_the_step_kinds(run):
     r, fixed = run["auto_v2"], run["qwen3"]["seeded_batched"]
     chain = r["seeded_chain_counters"]
     assert chain["auto_chain_steps"] > chain["tree_steps"], (chain, r["seeded_counters"])  # mostly chains
-    assert r["seeded_chain"] == fixed and r["seeded"] == fixed, (r["seeded_counters"], chain)
+    e2e.assert_same(r["seeded_chain"], fixed, f"seeded, auto held to the chain vs budget 8 (counters {chain})")
+    e2e.assert_same(r["seeded"], fixed, f"seeded, auto vs budget 8 (counters {r['seeded_counters']})")
 
 
 def test_budget_auto_is_refused_once_at_attach_and_verifies_the_tree(run):
@@ -370,7 +350,7 @@ def test_hybrid_prefix_caching_runs_the_tree_within_the_regret_gate(run):
     r = run["align"]
     assert r["attached"] and r["mode"] == "align", r
     assert r["counters"]["tree_steps"] > 0 and r["counters"]["sibling_rounds"] > 0, r["counters"]
-    assert all(g["ok"] for g in r["gates"]), r["gates"]
+    check_controlled(r["gates"], "align, turns 1 (prompts 0-2) and 2 (3-5)")
     assert min(r["turn2_cached"]) >= r["block"], r["turn2_cached"]
 
 

@@ -54,13 +54,11 @@ def memory_args() -> list[str]:
     return ["--gpu-memory-utilization", share] if share else []
 
 
-def start(target, drafter=None, *, flat=False, hybrid=True, graphs=True, budget=BUDGET, top_k=TOP_K,
-          auto_menu=None, async_scheduling=False, **kw):
-    """(llm, info) for one engine: no speculation (drafter None), vLLM's flat DFlash (flat) or DDTree;
-    async_scheduling None: as vLLM resolves it (on for DFlash: the default loop)."""
-    from vllm import LLM
-
-    from ddtree_compile.integration import config, engines
+def engine_kwargs(target, drafter=None, *, flat=False, hybrid=True, graphs=True, budget=BUDGET, top_k=TOP_K,
+                  auto_menu=None, async_scheduling=False, **kw) -> dict:
+    """`vllm.LLM`'s kwargs for one engine: no speculation (drafter None), vLLM's flat DFlash (flat) or
+    DDTree; async_scheduling None: as vLLM resolves it (on for DFlash: the default loop)."""
+    from ddtree_compile.integration import config
     from ddtree_compile.passes.entry import compilation_config
     from ddtree_compile.testing import models
 
@@ -84,48 +82,43 @@ def start(target, drafter=None, *, flat=False, hybrid=True, graphs=True, budget=
         extra.update(switch["additional_config"])
     if extra:
         args["additional_config"] = extra
-    t0 = time.perf_counter()
-    llm = LLM(**args)
-    info = {"start_s": round(time.perf_counter() - t0, 1)}
-    runner = engines.find_runner(llm)
-    if runner is not None:
-        vc = runner.vllm_config
-        info.update(runner=f"{type(runner).__module__}.{type(runner).__name__}",
-                    cudagraph_mode=str(vc.compilation_config.cudagraph_mode),
-                    async_scheduling=bool(vc.scheduler_config.async_scheduling),
-                    uses_mrope=bool(vc.model_config.uses_mrope))
-    return llm, info
+    return args
 
 
 @contextlib.contextmanager
 def running(target, drafter=None, **kw):
-    """start(), and the engine shut down (its GPU memory freed) however the block ends."""
+    """(llm, info) of one engine (engine_kwargs' settings), shut down (its GPU memory freed) however the
+    block ends (e2e.engine). info: its start time, runner, CUDA-graph mode, loop and M-RoPE."""
     from ddtree_compile.integration import engines
+    from ddtree_compile.testing import e2e
 
-    llm, info = start(target, drafter, **kw)
-    try:
+    args = engine_kwargs(target, drafter, **kw)
+    t0 = time.perf_counter()
+    with e2e.engine(**args) as llm:
+        info = {"start_s": round(time.perf_counter() - t0, 1)}
+        runner = engines.find_runner(llm)
+        if runner is not None:
+            vc = runner.vllm_config
+            info.update(runner=f"{type(runner).__module__}.{type(runner).__name__}",
+                        cudagraph_mode=str(vc.compilation_config.cudagraph_mode),
+                        async_scheduling=bool(vc.scheduler_config.async_scheduling),
+                        uses_mrope=bool(vc.model_config.uses_mrope))
         yield llm, info
-    finally:
-        engines.shutdown(llm)
 
 
 def generate(llm, prompts, logprobs=None, max_tokens=MAX_TOKENS, **sampling) -> list[dict]:
-    """Per prompt (token ids or text + image): prompt ids, generated ids, log-probs, cached tokens."""
-    from vllm import SamplingParams
+    """e2e.complete at the suite's length: per prompt (token ids or text + image) a Completion {prompt,
+    tokens, lps, cached}, greedy unless `sampling` says otherwise."""
+    from ddtree_compile.testing import e2e
 
-    params = SamplingParams(**{"temperature": 0.0, **sampling, "max_tokens": max_tokens, "ignore_eos": True,
-                               "logprobs": logprobs})
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [{"prompt": list(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
-             "lps": [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs] if logprobs else None,
-             "cached": o.num_cached_tokens} for o in outs]
+    return e2e.complete(llm, prompts, max_tokens, logprobs, **sampling)
 
 
 def gates(ref: list[dict], got: list[dict]) -> list[dict]:
-    """The regret gate of each output against the reference's (generate(..., logprobs=5))."""
+    """e2e.gates at the suite's tolerance: each output against the reference's (generate(..., logprobs=5))."""
     from ddtree_compile.testing import e2e
 
-    return [e2e.regret_gate((r["tokens"], r["lps"]), g["tokens"], TOL) for r, g in zip(ref, got)]
+    return e2e.gates(ref, got, TOL)
 
 
 def reference(target, prompts: dict, **kw) -> tuple[dict, dict]:
@@ -228,6 +221,8 @@ def check_lossless(out: dict, kinds, graphs: bool = True, state_check: bool = Tr
                   for k in kinds for phase in ("random", "harness")},
                state_check=out.get("state_check"),
                seeded={k: out[k] for k in ("seeded_repeat_equal", "seeded_alone_equal", "seeded_seeds_differ")})
+    from ddtree_compile.testing import e2e
+
     for k in kinds:
         for phase in ("random", "harness"):
             c = out[k][f"counters_{phase}"]
@@ -235,8 +230,9 @@ def check_lossless(out: dict, kinds, graphs: bool = True, state_check: bool = Tr
             if graphs:  # every tree verify replayed a FULL graph (captured with the tree ops)
                 assert c["graph_steps"] >= c["tree_steps"], (k, phase, c)
         assert out[k]["counters_harness"]["sibling_rounds"] > 0, out[k]  # the trees left the top-1 chain
-    bad = [g for g in all_gates if not g["ok"]]
-    assert not bad, f"outside the regret gate: {bad}"
+    for k in kinds:
+        for phase in ("random", "harness"):
+            e2e.check_gates(out[k][f"gates_{phase}"], f"{k} prompts, {phase} drafter vs no speculation")
     if state_check:
         sc = out["state_check"]
         assert sc["paths"] > 0 and sc["sibling_paths"] > 0, sc

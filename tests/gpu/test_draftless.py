@@ -22,17 +22,14 @@ def draftless(gpu_env, tmp_path_factory):
     """tests/test_e2e_draftless.py as a module, and its `tiny` fixture's models and reference."""
     gpu_env.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     import test_e2e_draftless as d  # tests/ is on sys.path (tests/conftest.py's directory)
-    from vllm import LLM
 
     from ddtree_compile.testing import e2e, models
 
     root = tmp_path_factory.mktemp("draftless")
     target = models.write_tiny_model(d.KIND, root / "target")
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=1024, **d._platform_kwargs()))
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=1024,
+                                             **d._platform_kwargs())) as llm:
         ref = e2e.generate_with_logprobs(llm, d.PROMPTS, d.MAX_TOKENS)
-    finally:
-        e2e.shutdown(llm)
     tiny = {"target": target, "drafter": models.write_tiny_dflash_drafter(target, root / "dflash"), "ref": ref}
     return d, tiny
 
@@ -64,6 +61,6 @@ def test_vllms_flat_dflash_draftless_step(draftless, gpu_env, record):
     from ddtree_compile.testing import e2e
 
     out = d.run(tiny, "all", engine="flat", async_scheduling=False)  # (vLLM's default for DFlash is on)
-    gates = [e2e.regret_gate(ref, got, d.TOL) for ref, got in zip(tiny["ref"], out.get("got", []))]
+    gates = e2e.gates(tiny["ref"], out.get("got", []), d.TOL)
     _record(record, d, out, gates, runner="v1", variant="all")
     d.check(tiny, out)

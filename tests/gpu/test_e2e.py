@@ -110,6 +110,8 @@ def auto_menu(gpu_env, tmp_path_factory):
 def test_auto_budget_replays_full_graphs_for_every_bucket_and_the_chain(auto_menu, record):
     """Budget "auto" over the menu 8 / 16 nodes (L = 7): FULL graphs captured for both tree buckets (with
     the tree ops) and for the chain (L + 1 tokens, vLLM's ops); every tree and chain step replays one."""
+    from ddtree_compile.testing import e2e
+
     c, total = auto_menu["counters_random"], auto_menu["counters_total"]
     record(start_s=auto_menu["engine"]["start_s"], graph_buckets=total.get("graph_buckets"),
            chain_graph_sizes=total.get("chain_graph_sizes"), budget_steps=c.get("budget_steps"),
@@ -123,4 +125,4 @@ def test_auto_budget_replays_full_graphs_for_every_bucket_and_the_chain(auto_men
     assert steps.get(8, 0) > 0 and steps.get(16, 0) > 0, c["budget_steps"]
     assert c["graph_steps"] >= c["tree_steps"] > 0, c  # the tree steps replayed their buckets' graphs
     assert c["auto_chain_steps"] > 0 and c["plain_graph_steps"] >= c["auto_chain_steps"], c  # and the chain's
-    assert all(g["ok"] for g in auto_menu["gates"]), auto_menu["gates"]
+    e2e.check_gates(auto_menu["gates"], "budget auto, random drafter (prompts 0-3) and harness (4-7) vs no speculation")

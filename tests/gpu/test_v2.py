@@ -3,12 +3,13 @@
 A DFlash drafter mixing sliding and full attention (the Qwen3.6 drafter's shape) makes vLLM run V2.
 Two engines with DDTree, one after the other in this process: the attention-only Qwen3 eager (V2 is
 0.26's own choice for it; V2's synchronous loop), then the tiny multimodal Qwen3.5 hybrid compiled with
-FULL_AND_PIECEWISE CUDA graphs in vLLM's default loop (async scheduling on), text and image prompts. Only one compiled V2 engine per process: vLLM 0.26 crashes on a
-second one (its own flat DFlash too), so `make test-gpu` runs every module in its own process and the
-compiled engine comes last here. Checks: the regret gates against no speculation, trees that branch,
-(compiled) every tree verify a FULL-graph replay and the drafter's own FULL graphs (captured for its
-L positions) replayed, (hybrid) the committed GDN state equal to a float32 replay, seeded sampling, and
-no host sync from DDTree's code in a warm step (torch's sync debug mode).
+FULL_AND_PIECEWISE CUDA graphs in vLLM's default loop (async scheduling on), text and image prompts.
+Only one compiled V2 engine per process: vLLM 0.26 crashes on a second one (its own flat DFlash too),
+so `make test-gpu` runs every module in its own process and the compiled engine comes last here.
+Checks: the regret gates against no speculation, trees that branch, (compiled) every tree verify a
+FULL-graph replay and the drafter's own FULL graphs (captured for its L positions) replayed, (hybrid)
+the committed GDN state equal to a float32 replay, seeded sampling, and no host sync from DDTree's
+code in a warm step (torch's sync debug mode).
 """
 
 from __future__ import annotations
