@@ -291,12 +291,11 @@ def run(srv, plain, size: Size, refs: dict | None = None, ddtree: bool = True) -
     `plain`. Returns the numbers `check` asserts on."""
     refs = {} if refs is None else refs
     js = jobs(srv, size)
-    before = sc.scrape(srv)
+    before = sc.scrape_settled(srv)
     idle = sc.total(before, "vllm:kv_cache_usage_perc")
     results, wall = load(srv, js)
     settled = settle(srv, idle)
-    time.sleep(2 * sc.EXPORT)  # DDTree's worker exports its counters once per interval
-    after = sc.scrape(srv)
+    after = sc.scrape_settled(srv)  # DDTree's worker exports its counters once per interval, later under load
     out = {"requests": len(js), "wall_s": wall, "kinds": {k: sum(j["kind"] == k for j in js) for k in size.kinds() + ("cap",)},
            "cancelled": sum(r["last"]["cancelled"] for r in results), "cancel_asked": sum(j["cancel"] for j in js),
            "kv_idle": idle, "settled": settled, "size": size.__dict__}

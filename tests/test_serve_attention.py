@@ -41,10 +41,7 @@ def ddtree(dirs, plain):
 
 
 def _steps(srv):
-    import time
-
-    time.sleep(2 * sc.EXPORT)
-    m = sc.scrape(srv)
+    m = sc.scrape_settled(srv)
     return {k: sc.total(m, f"vllm:{k}") for k in ("ddtree_tree_steps_total", "ddtree_rounds_total",
                                                  "prefix_cache_hits_total", "prefix_cache_queries_total")}
 

@@ -302,11 +302,8 @@ def test_client_disconnect_mid_stream(plain, ddtree):
 
 def test_prometheus_series_after_traffic(plain, ddtree):
     """Runs after the cases above: DDTree's counters are real series on the DDTree server's /metrics."""
-    import time
-
-    time.sleep(2 * sc.EXPORT)
+    m = sc.scrape_settled(ddtree)
     text = ddtree.metrics()
-    m = sc.scrape(ddtree)
     names = {n for n, _ in m}
     want = {f"vllm:ddtree_{n}_total" for n in ("tree_steps", "chain_steps", "rounds", "nodes_verified",
                                                "nodes_accepted", "nodes_wasted", "sibling_rounds", "sibling_nodes",

@@ -67,14 +67,14 @@ def _image_tokens(resp):
 
 def test_5_vision_input(plain, ddtree):
     assert REFUSAL not in ddtree.log() and "DDTree on:" in ddtree.log()
-    before = sc.total(sc.scrape(ddtree), "vllm:ddtree_tree_steps_total")
+    before = sc.total(sc.scrape_settled(ddtree), "vllm:ddtree_tree_steps_total")
     msgs = _msgs("What is in this picture?")
     ref = sc.chat(plain, msgs, 48, logprobs=True)
     got = sc.chat(ddtree, msgs, 48)
     assert _image_tokens(ref) == _image_tokens(got) == 4  # 64x64 px: 16 patches, 2x2 merge
     assert len(sc.token_ids(got)) == 48 and got.choices[0].message.reasoning
     print(f"\nvision, DDTree vs no speculation: {e2e.regret_gate(sc.reference(ref), sc.token_ids(got))}")
-    m = sc.scrape(ddtree)
+    m = sc.scrape_settled(ddtree)
     assert sc.total(m, "vllm:ddtree_tree_steps_total") > before  # trees verified on the image request
     assert sc.total(m, "vllm:spec_decode_num_draft_tokens_total") > 0
 
@@ -89,4 +89,4 @@ def test_6_multimodal_plus_tools(plain, ddtree):
         assert len(calls) == 1 and calls[0].function.name == "describe"
         assert isinstance(json.loads(calls[0].function.arguments), dict)
     # a forced tool call is structured output: DDTree verifies its drafts as a counted chain (lossless)
-    assert sc.total(sc.scrape(ddtree), "vllm:ddtree_fallbacks_total", reason="structured output") > 0
+    assert sc.total(sc.scrape_settled(ddtree), "vllm:ddtree_fallbacks_total", reason="structured output") > 0
