@@ -107,11 +107,9 @@ def compile_caches_off(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_fp32_reference(tmp_path_factory, request):
-    """Tiny float32 Qwen3 + its DFlash drafter, an `llm(**kw)` factory (eager, float32, stats on)
-    and the no-speculation outputs of the module's PROMPTS x MAX_TOKENS: the reference the oracle
-    drafts from and that lossless runs must equal token for token."""
-    from vllm import LLM
-
+    """Tiny float32 Qwen3 + its DFlash drafter, an `llm(**kw)` factory (an `e2e.engine` context: eager,
+    float32, stats on) and the no-speculation outputs of the module's PROMPTS x MAX_TOKENS: the reference
+    the oracle drafts from and that lossless runs must equal token for token."""
     from ddtree_compile.testing import e2e, harness, models
 
     prompts, max_tokens = request.module.PROMPTS, request.module.MAX_TOKENS
@@ -120,13 +118,11 @@ def tiny_fp32_reference(tmp_path_factory, request):
     drafter = models.write_tiny_dflash_drafter(target, root / "dflash")
 
     def llm(**kw):
-        return LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", disable_log_stats=False, **kw))
+        return e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", disable_log_stats=False,
+                                                   **kw))
 
-    ref_llm = llm()
-    try:
+    with llm() as ref_llm:
         outs = e2e.generate(ref_llm, prompts, max_tokens)
-    finally:
-        e2e.shutdown(ref_llm)
     return {"root": root, "target": target, "drafter": drafter, "llm": llm, "ref": outs,
             "reference": harness.reference_from_outputs(prompts, outs)}
 

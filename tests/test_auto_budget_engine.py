@@ -31,18 +31,18 @@ def _auto_run(tiny, builds=None, **auto):
     from ddtree_compile.integration.round import build_stage
 
     auto.setdefault("auto_budget", BUDGET)
-    llm = tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L, **auto))
-    build = build_stage.build_tree
-    if builds is not None:
-        build_stage.build_tree = lambda *a, **k: builds.append(1) or build(*a, **k)
-    try:
-        od = oracle.OracleDrafter(tiny["reference"], oracle.Profile.geometric("g", 0.75, 0.8, k=TOP_K), seed=1)
-        od.install(llm)
-        out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
-        return out, metrics.collect(llm)[0], engines.find_state(llm).ctx.auto
-    finally:
-        build_stage.build_tree = build
-        e2e.shutdown(llm)
+    with tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L,
+                                          **auto)) as llm:
+        build = build_stage.build_tree
+        if builds is not None:
+            build_stage.build_tree = lambda *a, **k: builds.append(1) or build(*a, **k)
+        try:
+            od = oracle.OracleDrafter(tiny["reference"], oracle.Profile.geometric("g", 0.75, 0.8, k=TOP_K), seed=1)
+            od.install(llm)
+            out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
+            return out, metrics.collect(llm)[0], engines.find_state(llm).ctx.auto
+        finally:
+            build_stage.build_tree = build
 
 
 def test_auto_is_lossless_and_runs_both_kinds_of_steps(tiny):
@@ -57,7 +57,7 @@ def test_auto_is_lossless_and_runs_both_kinds_of_steps(tiny):
     table.write_text(json.dumps({"buckets": rows}))
     builds = []
     out, c, policy = _auto_run(tiny, builds, probe_interval=4, cost_table=str(table))
-    assert out == tiny["ref"]  # float32: token for token
+    e2e.assert_same(out, tiny["ref"], "auto, chain cheap")  # float32: token for token
     a = c["auto"]
     # a chosen chain step is flat DFlash's work: no tree is built for it
     assert len(builds) == a["decisions"]["tree"], (len(builds), a["decisions"])
@@ -81,7 +81,7 @@ def test_auto_over_a_menu_without_a_table_runs_every_bucket_follows_the_rates_an
     the measured rates (which kind wins depends on this CPU). Outputs equal no speculation."""
     builds = []
     out, c, policy = _auto_run(tiny, builds, auto_budget=[3, 8, BUDGET], probe_interval=4)
-    assert out == tiny["ref"]
+    e2e.assert_same(out, tiny["ref"], "auto over a menu")
     a = c["auto"]
     assert a["table"] is None and a["menu"] == [3, 8, BUDGET]
     assert policy.kinds == [ab.TREE, "tree:8", "tree:3", ab.CHAIN]
@@ -108,37 +108,30 @@ def test_auto_reads_the_precompile_table_at_its_default_path(tiny, tmp_path, mon
     table = precompile.run(tiny["target"], tiny["drafter"], [L, BUDGET], max_batch, top_k=TOP_K, draft_len=L,
                            max_tokens=8, llm_kwargs=kw, log=lambda *_: None)
     assert str(ab.cost_table_path(tiny["target"], tiny["drafter"], TOP_K, L, max_batch)) == table["path"]
-    llm = tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L,
-                                           auto_budget=BUDGET))
-    try:
+    with tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L,
+                                          auto_budget=BUDGET)) as llm:
         policy = engines.find_state(llm).ctx.auto
         assert policy.table_path == table["path"]
         want = ab.table_priors(table, BUDGET, L)
         assert want and all(policy.costs[k] == v for k, v in want.items())
-    finally:
-        e2e.shutdown(llm)
 
 
 def test_auto_on_a_cpu_hybrid_is_refused_counted_and_runs_the_tree(tmp_path):
     """vLLM-cpu's GDN verify cannot take fewer drafts than num_speculative_tokens, so the chain
     steps of auto cannot run on a hybrid here: the engine logs and counts why and verifies its
     largest tree bucket every step (a menu, too)."""
-    from vllm import LLM
-
     target = models.write_tiny_model("qwen3_5", tmp_path / "t")
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "d")
     before = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=512, disable_log_stats=False,
-                                       **config.vllm_kwargs(drafter, "auto", top_k=TOP_K, num_speculative_tokens=L,
-                                                            auto_budget=[4, BUDGET])))
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=512, disable_log_stats=False,
+                                             **config.vllm_kwargs(drafter, "auto", top_k=TOP_K,
+                                                                  num_speculative_tokens=L,
+                                                                  auto_budget=[4, BUDGET]))) as llm:
         state = engines.find_state(llm)
         assert state is not None and state.ctx.auto is None and state.ctx.B == BUDGET
         assert state.ctx.menu == (BUDGET,)
         e2e.generate(llm, PROMPTS[:2], 16)
         c = metrics.collect(llm)[0]
-    finally:
-        e2e.shutdown(llm)
     after = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
     assert after == before + 1
     assert c["tree_steps"] > 0 and c["auto_chain_steps"] == 0 and c["auto"] is None, c

@@ -33,18 +33,14 @@ def dirs(tmp_path_factory):
 
 
 def _llm(dirs, **kw):
-    from vllm import LLM
-
-    return LLM(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, dtype="float32", **kw))
+    """An engine for a `with` block: eager, float32."""
+    return e2e.engine(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, dtype="float32", **kw))
 
 
 @pytest.fixture(scope="module")
 def reference(dirs):
-    llm = _llm(dirs)
-    try:
+    with _llm(dirs) as llm:
         return {"b4": e2e.generate(llm, PROMPTS, MAX_TOKENS), "b1": e2e.generate(llm, PROMPTS[:1], MAX_TOKENS)}
-    finally:
-        e2e.shutdown(llm)
 
 
 def test_reference_outputs_vary(reference):
@@ -58,9 +54,8 @@ def test_reference_outputs_vary(reference):
 def budget_run(request, dirs, reference):
     """One DDTree engine per budget: random drafter, then the harness drafter, batch 4 and batch 1."""
     budget = request.param
-    llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=budget, top_k=TOP_K,
-                                          num_speculative_tokens=DRAFT_LEN))
-    try:
+    with _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=budget, top_k=TOP_K,
+                                         num_speculative_tokens=DRAFT_LEN)) as llm:
         out = {"budget": budget}
         out["random"] = {"b4": e2e.generate(llm, PROMPTS, MAX_TOKENS),
                          "b1": e2e.generate(llm, PROMPTS[:1], MAX_TOKENS)}
@@ -77,8 +72,6 @@ def budget_run(request, dirs, reference):
             print(f"\nbudget {budget}, {name.split('_')[0]} drafter: {metrics.format_line(c)}; "
                   f"accept depth histogram {c['accept_depth_histogram']}")
         return out
-    finally:
-        e2e.shutdown(llm)
 
 
 def _staggered(llm):
@@ -107,7 +100,8 @@ def _staggered(llm):
 
 
 def test_random_drafter_equals_no_speculation(budget_run, reference):
-    assert budget_run["random"] == reference
+    for batch in ("b4", "b1"):
+        e2e.assert_same(budget_run["random"][batch], reference[batch], f"budget {budget_run['budget']} random {batch}")
     c = budget_run["random_counters"]
     assert c["tree_steps"] > 0 and c["chain_steps"] == 0 and c["fallback_total"] == 0
     # Every round verified the whole budget (a tree never has padding slots).
@@ -116,12 +110,15 @@ def test_random_drafter_equals_no_speculation(budget_run, reference):
 
 def test_requests_finishing_at_different_steps_equal_no_speculation(budget_run, reference):
     outs, seen = budget_run["staggered"]
-    assert outs == [o[: MAX_TOKENS - 45 * i] for i, o in enumerate(reference["b4"])]  # greedy: prefixes
+    e2e.assert_same(outs, [o[: MAX_TOKENS - 45 * i] for i, o in enumerate(reference["b4"])],  # greedy: prefixes
+                    f"budget {budget_run['budget']}, staggered")
     assert seen["as_proposed"] > 0 and seen["gathered"] > 0, seen
 
 
 def test_harness_drafter_equals_no_speculation(budget_run, reference):
-    assert budget_run["harness"] == reference
+    for batch in ("b4", "b1"):
+        got = budget_run["harness"][batch]
+        e2e.assert_same(got, reference[batch], f"budget {budget_run['budget']} harness {batch}")
 
 
 def test_harness_drives_deep_sibling_full_and_zero_accepts(budget_run):
@@ -177,16 +174,14 @@ def test_round_with_the_triton_walk_equals_no_speculation(dirs, reference, monke
         return walk.walk_tree(tree, target, impl="triton", top1=top1)
 
     monkeypatch.setattr(walk_stage, "walk_tree", triton_walk)
-    llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=22, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN))
     seen = {"rows": 0, "moved": 0}
-    try:
+    with _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=22, top_k=TOP_K,
+                                         num_speculative_tokens=DRAFT_LEN)) as llm:
         _checking_reorder(engines.find_state(llm).commit, seen)
         h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, reference["b4"])).install(llm)
-        assert e2e.generate(llm, PROMPTS, MAX_TOKENS) == reference["b4"]
+        e2e.assert_same(e2e.generate(llm, PROMPTS, MAX_TOKENS), reference["b4"], "triton walk")
         h.uninstall()
         c = metrics.collect(llm)[0]
-    finally:
-        e2e.shutdown(llm)
     assert c["tree_steps"] > 0 and len(calls) == c["tree_steps"] and c["sibling_rounds"] > 0, (len(calls), c)
     assert seen["rows"] == c["tree_requests"] and seen["moved"] > 0 and seen["aux"] > 0, seen
 
@@ -198,19 +193,17 @@ def test_flat_dflash_parity_with_budget_equal_draft_len_top_k_1(dirs, reference)
                                                        "num_speculative_tokens": DRAFT_LEN}}),
                      ("ddtree", config.vllm_kwargs(dirs["drafter"], budget=DRAFT_LEN, top_k=1,
                                                    num_speculative_tokens=DRAFT_LEN))):
-        llm = _llm(dirs, disable_log_stats=False, **kw)
-        try:
+        with _llm(dirs, disable_log_stats=False, **kw) as llm:
             random_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
             random_counts = e2e.spec_counters(llm)
             h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, reference["b4"])).install(llm)
             harness_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
             h.uninstall()
             counters[name] = (random_counts, e2e.spec_counters(llm))
-            assert random_out == reference["b4"] and harness_out == reference["b4"]
+            e2e.assert_same(random_out, reference["b4"], f"{name}, random drafter")
+            e2e.assert_same(harness_out, reference["b4"], f"{name}, harness drafter")
             if name == "ddtree":
                 assert metrics.collect(llm)[0]["tree_steps"] > 0
-        finally:
-            e2e.shutdown(llm)
     print(f"\nflat DFlash vs DDTree(budget={DRAFT_LEN}, top_k=1), random then +harness: {counters}")
     assert counters["ddtree"] == counters["flat"]
     harness_counts = counters["flat"][1]

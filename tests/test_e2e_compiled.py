@@ -28,8 +28,6 @@ def _env(compile_caches_off):
 @pytest.mark.parametrize("kind,dtype", [("qwen3", "float32"),
                                         pytest.param("qwen3_next", "bfloat16", marks=pytest.mark.slow)])
 def test_compiled_ddtree_matches_compiled_reference(tmp_path, kind, dtype):
-    from vllm import LLM
-
     target = models.write_tiny_model(kind, tmp_path / kind)
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
     budget, draft_len = (12, 6) if kind == "qwen3" else (12, 6)
@@ -40,8 +38,7 @@ def test_compiled_ddtree_matches_compiled_reference(tmp_path, kind, dtype):
     assert "compilation_config" in kw  # the pass travels with the switch
     outs = {}
     for name, extra in (("reference", ref_kw), ("ddtree", kw)):
-        llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **extra))
-        try:
+        with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **extra)) as llm:
             outs[name] = e2e.generate(llm, PROMPTS, MAX_TOKENS)
             if name == "ddtree":
                 h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, outs["reference"])).install(llm)
@@ -50,7 +47,5 @@ def test_compiled_ddtree_matches_compiled_reference(tmp_path, kind, dtype):
                 c = metrics.collect(llm)[0]
                 assert c["tree_steps"] > 0 and c["sibling_rounds"] > 0 and c["max_accept_depth"] == draft_len
                 assert tree_verify_pass.reports and any(r.changed for r in tree_verify_pass.reports)
-        finally:
-            e2e.shutdown(llm)
-    assert outs["ddtree"] == outs["reference"]
-    assert outs["harness"] == outs["reference"]
+    e2e.assert_same(outs["ddtree"], outs["reference"], f"compiled {kind}: DDTree (random drafter)")
+    e2e.assert_same(outs["harness"], outs["reference"], f"compiled {kind}: DDTree (harness drafter)")

@@ -218,9 +218,8 @@ def dirs(tmp_path_factory):
 
 
 def _llm(dirs, **kw):
-    from vllm import LLM
-
-    return LLM(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, dtype="float32", **kw))
+    """An engine for a `with` block: eager, float32."""
+    return e2e.engine(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, dtype="float32", **kw))
 
 
 def test_flat_dflash_settings_plus_the_ddtree_block_start_ddtree(dirs):
@@ -228,8 +227,7 @@ def test_flat_dflash_settings_plus_the_ddtree_block_start_ddtree(dirs):
     to the tree's (a budget over num_speculative_tokens no longer fails at start), the drafter keeps its 4."""
     kw = {"speculative_config": {"method": "dflash", "model": str(dirs["drafter"]), "num_speculative_tokens": 4},
           "additional_config": {"ddtree": {"budget": 16, "top_k": 4}}}
-    llm = _llm(dirs, **kw)
-    try:
+    with _llm(dirs, **kw) as llm:
         state = engines.find_state(llm)
         assert state is not None and state.ctx.L == 4 and state.ctx.B == 16
         assert engines.find_runner(llm).vllm_config.speculative_config.num_speculative_tokens == 16
@@ -238,8 +236,6 @@ def test_flat_dflash_settings_plus_the_ddtree_block_start_ddtree(dirs):
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
         assert len(out) == 8 and metrics.collect(llm)[0]["tree_steps"] > 0
-    finally:
-        engines.shutdown(llm)
 
 
 def test_non_dflash_method_fails_at_start(dirs):
@@ -248,7 +244,8 @@ def test_non_dflash_method_fails_at_start(dirs):
     kw = {"speculative_config": {"method": "draft_model", "model": str(dirs["target"]), "num_speculative_tokens": 4},
           "additional_config": {"ddtree": {"budget": 4}}}
     with pytest.raises(Exception, match="needs speculative_config method 'dflash'.*'draft_model'"):
-        _llm(dirs, **kw)
+        with _llm(dirs, **kw):
+            pass
 
 
 def _mixed_params():
@@ -272,25 +269,20 @@ def _tokens(outs):
 
 @pytest.fixture(scope="module")
 def reference(dirs):
-    llm = _llm(dirs)
-    try:
+    with _llm(dirs) as llm:
         return {"greedy": e2e.generate(llm, PROMPTS, MAX_TOKENS),
                 "mixed": _tokens(llm.generate(PROMPTS, _mixed_params(), use_tqdm=False)),
                 "staggered": _tokens(llm.generate(PROMPTS, _staggered_params(), use_tqdm=False))}
-    finally:
-        e2e.shutdown(llm)
 
 
 def test_unsupported_attention_backend_starts_as_flat_dflash(dirs, reference, monkeypatch, caplog):
     monkeypatch.setattr(kv_layouts, "CPU_ISA_LAYOUTS", {})  # as on a CPU whose layout we cannot read
     before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
-    with caplog.at_level(logging.WARNING, logger="ddtree_compile"):
-        llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4, num_speculative_tokens=7))
-    try:
+    # (The logger's own level is INFO: its warnings after the start are captured either way.)
+    with caplog.at_level(logging.WARNING, logger="ddtree_compile"), \
+            _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4, num_speculative_tokens=7)) as llm:
         assert metrics.collect(llm) == []  # no DDTree runner: vLLM's flat DFlash
-        assert e2e.generate(llm, PROMPTS, MAX_TOKENS) == reference["greedy"]
-    finally:
-        e2e.shutdown(llm)
+        e2e.assert_same(e2e.generate(llm, PROMPTS, MAX_TOKENS), reference["greedy"], "flat DFlash fallback")
     new = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if v != before.get(k, 0)}
     assert len(new) == 1 and "attention backend CPU_ATTN" in next(iter(new))
     msgs = [r.getMessage() for r in caplog.records if "cannot run here" in r.getMessage()]
@@ -311,18 +303,12 @@ def test_fp8_kv_cache_starts_as_flat_dflash(dirs, caplog):
     KV cache is refused when the engine starts (logged once, counted), never by the first tree verify;
     the engine serves as flat DFlash."""
     before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
-    from vllm import LLM
-
-    with caplog.at_level(logging.WARNING, logger="ddtree_compile"):
-        llm = LLM(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, dtype="bfloat16", kv_cache_dtype="fp8",
-                                           **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4,
-                                                                num_speculative_tokens=7)))
-    try:
+    kw = models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, dtype="bfloat16", kv_cache_dtype="fp8",
+                                **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4, num_speculative_tokens=7))
+    with caplog.at_level(logging.WARNING, logger="ddtree_compile"), e2e.engine(**kw) as llm:
         assert metrics.collect(llm) == []  # no DDTree runner: vLLM's flat DFlash
         outs = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         assert [len(o) for o in outs] == [MAX_TOKENS] * len(PROMPTS)
-    finally:
-        e2e.shutdown(llm)
     new = {k: v - before.get(k, 0) for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if v != before.get(k, 0)}
     assert len(new) == 1 and "quantized KV cache 'fp8'" in next(iter(new)), new
     msgs = [r.getMessage() for r in caplog.records if "cannot run here" in r.getMessage()]
@@ -338,30 +324,22 @@ def test_hybrid_with_prefix_caching_attaches(tmp_path, caplog):
     target = models.write_tiny_model("qwen3_5", tmp_path / "qwen3_5")
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
     before = dict(metrics.PROCESS_STARTUP_FALLBACKS)
-    from vllm import LLM
-
-    with caplog.at_level(logging.WARNING, logger="ddtree_compile"):
-        llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, enable_prefix_caching=True,
-                                           **config.vllm_kwargs(drafter, budget=8, top_k=4, num_speculative_tokens=7)))
-    try:
+    kw = models.tiny_llm_kwargs(target, enforce_eager=True, enable_prefix_caching=True,
+                                **config.vllm_kwargs(drafter, budget=8, top_k=4, num_speculative_tokens=7))
+    with caplog.at_level(logging.WARNING, logger="ddtree_compile"), e2e.engine(**kw) as llm:
         runner = engines.find_runner(llm)
         assert runner.vllm_config.cache_config.mamba_cache_mode == "align"
         assert engines.find_state(llm) is not None and len(metrics.collect(llm)) == 1  # DDTree's round
-    finally:
-        e2e.shutdown(llm)
     assert metrics.PROCESS_STARTUP_FALLBACKS == before
     assert not [r for r in caplog.records if "cannot run here" in r.getMessage()]
 
 
 def test_per_request_features_fall_back_to_the_chain(dirs, reference, caplog):
-    with caplog.at_level(logging.WARNING, logger="ddtree_compile"):
-        llm = _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4, num_speculative_tokens=7))
-        try:
-            outs = llm.generate(PROMPTS, _mixed_params(), use_tqdm=False)
-            c = metrics.collect(llm)[0]
-        finally:
-            e2e.shutdown(llm)
-    assert _tokens(outs) == reference["mixed"]
+    with caplog.at_level(logging.WARNING, logger="ddtree_compile"), \
+            _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4, num_speculative_tokens=7)) as llm:
+        outs = llm.generate(PROMPTS, _mixed_params(), use_tqdm=False)
+        c = metrics.collect(llm)[0]
+    e2e.assert_same(_tokens(outs), reference["mixed"], "mixed per-request features")
     assert all(len(o.outputs[0].logprobs or []) == MAX_TOKENS for o in outs[1:2])  # logprobs still served
     assert set(c["fallback_requests"]) == {"logprobs", "penalties"}
     assert c["fallback_requests"]["penalties"] >= 2 * c["fallback_requests"]["logprobs"] > 0
@@ -374,17 +352,14 @@ def test_mixed_batches_verify_as_chain_and_are_counted(dirs, reference):
     import torch
 
     vllm_attention = torch.ops.vllm.unified_attention_with_output
-    llm = _llm(dirs, max_num_seqs=2, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4,
-                                                          num_speculative_tokens=7))
-    try:
+    with _llm(dirs, max_num_seqs=2, **config.vllm_kwargs(dirs["drafter"], budget=8, top_k=4,
+                                                         num_speculative_tokens=7)) as llm:
         # An eager engine reaches the tree templates through the ddtree mirror ops ...
         assert torch.ops.vllm.unified_attention_with_output is torch.ops.ddtree.unified_attention_with_output
         outs = _tokens(llm.generate(PROMPTS, _staggered_params(), use_tqdm=False))
         c = metrics.collect(llm)[0]
-    finally:
-        e2e.shutdown(llm)
     # ... and gives vLLM's ops back at shutdown (later engines and compiles of the process see them).
     assert torch.ops.vllm.unified_attention_with_output is vllm_attention
-    assert outs == reference["staggered"]
+    e2e.assert_same(outs, reference["staggered"], "mixed batches")
     assert c["chain_steps"] > 0 and c["tree_steps"] > 0
     assert any(k.startswith("mixed batch") for k in c["fallback_steps"])

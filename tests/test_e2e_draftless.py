@@ -169,31 +169,24 @@ KIND = "qwen3_next_dense" if _cuda() else "qwen3_5"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The hybrid target, its DFlash drafter, and the greedy no-speculation outputs with log-probs."""
-    from vllm import LLM
-
     root = tmp_path_factory.mktemp("draftless")
     target = models.write_tiny_model(KIND, root / "target")
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=1024, **_platform_kwargs()))
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=1024,
+                                             **_platform_kwargs())) as llm:
         ref = e2e.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
-    finally:
-        e2e.shutdown(llm)
     return {"target": target, "drafter": models.write_tiny_dflash_drafter(target, root / "dflash"), "ref": ref}
 
 
 def run(tiny, variant: str, engine: str = "ddtree", **engine_kw) -> dict:
     """One engine (DDTree, or vLLM's flat DFlash), drafts dropped; returns what was checked."""
-    from vllm import LLM
-
     if engine == "ddtree":
         kw = config.vllm_kwargs(tiny["drafter"], budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
     else:
         kw = {"speculative_config": {"method": "dflash", "model": str(tiny["drafter"]),
                                      "num_speculative_tokens": DRAFT_LEN}}
-    llm = LLM(**models.tiny_llm_kwargs(tiny["target"], enforce_eager=True, max_model_len=1024,
-                                       **_platform_kwargs({**kw, **engine_kw})))
     out = {}
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(tiny["target"], enforce_eager=True, max_model_len=1024,
+                                             **_platform_kwargs({**kw, **engine_kw}))) as llm:
         step = DraftlessStep(llm, variant)
         try:
             ref = harness.reference_from_outputs(PROMPTS, [ids for ids, _ in tiny["ref"]])
@@ -202,8 +195,6 @@ def run(tiny, variant: str, engine: str = "ddtree", **engine_kw) -> dict:
         finally:
             step.close()
         out["tree_steps"] = metrics.collect(llm)[0]["tree_steps"] if engine == "ddtree" else None
-    finally:
-        e2e.shutdown(llm)
     out["checked"], out["drops"] = step.checked, step.drops
     print(f"\n{engine} {variant}: drops {step.drops}, checked " +
           str([(c["n"], c["read"], c["left"], c["same"]) for c in step.checked]))
@@ -221,8 +212,8 @@ def check(tiny, out: dict) -> list:
     assert not bad, f"a draft-less forward reads another GDN state than the verify left: {bad}"
     if not _cuda():
         return []
-    gates = [e2e.regret_gate(ref, got, TOL) for ref, got in zip(tiny["ref"], out["got"])]
-    assert all(g["ok"] for g in gates), gates
+    gates = e2e.gates(tiny["ref"], out["got"], TOL)
+    e2e.check_gates(gates, "draft-less steps vs no speculation")
     return gates
 
 

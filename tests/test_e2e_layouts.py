@@ -26,14 +26,12 @@ def _ddtree_plugin():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from vllm import LLM
-
     root = tmp_path_factory.mktemp("e2e_layouts")
     target = models.write_tiny_model("qwen3", root / "qwen3")
     drafter = models.write_tiny_dflash_drafter(target, root / "dflash")
 
     def llm(**kw):
-        return LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", **kw))
+        return e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", **kw))
 
     cpu_choices.force_attn_isa("vec16")
     try:
@@ -43,19 +41,13 @@ def runs(tmp_path_factory):
 
 
 def _run(llm, drafter):
-    ref_llm = llm()
-    try:
+    with llm() as ref_llm:
         ref = e2e.generate(ref_llm, PROMPTS, MAX_TOKENS)
-    finally:
-        e2e.shutdown(ref_llm)
-    tree_llm = llm(**config.vllm_kwargs(drafter, budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN))
-    try:
+    with llm(**config.vllm_kwargs(drafter, budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)) as tree_llm:
         h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, ref)).install(tree_llm)
         out = e2e.generate(tree_llm, PROMPTS, MAX_TOKENS)
         h.uninstall()
         counters = metrics.collect(tree_llm)
-    finally:
-        e2e.shutdown(tree_llm)
     return ref, out, counters
 
 
@@ -66,4 +58,4 @@ def test_ddtree_on_vec16_equals_no_speculation(runs):
     print(f"\nlayout {c['kv_layouts']}: {metrics.format_line(c)}")
     assert c["kv_layouts"] == ["vec16"]
     assert c["tree_steps"] > 0 and c["sibling_rounds"] > 0 and c["fallback_total"] == 0
-    assert out == ref
+    e2e.assert_same(out, ref, "DDTree on vec16")

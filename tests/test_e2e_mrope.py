@@ -60,11 +60,10 @@ PROMPTS = {
 
 
 def _llm(dirs, **kw):
-    from vllm import LLM
-
-    return LLM(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, skip_tokenizer_init=False,
-                                        max_model_len=1024, limit_mm_per_prompt={"image": 1},
-                                        mamba_ssm_cache_dtype="float32", **kw))
+    """An engine for a `with` block."""
+    return e2e.engine(**models.tiny_llm_kwargs(dirs["target"], enforce_eager=True, skip_tokenizer_init=False,
+                                               max_model_len=1024, limit_mm_per_prompt={"image": 1},
+                                               mamba_ssm_cache_dtype="float32", **kw))
 
 
 class RotaryCheck:
@@ -107,23 +106,17 @@ def _generate(llm, prompts, max_tokens, logprobs=None):
 
 @pytest.fixture(scope="module")
 def reference(dirs):
-    llm = _llm(dirs)
-    try:
+    with _llm(dirs) as llm:
         return {kind: _generate(llm, p, MAX_TOKENS, logprobs=5) for kind, p in PROMPTS.items()}
-    finally:
-        e2e.shutdown(llm)
 
 
 @pytest.fixture(scope="module")
 def control(dirs):
     """vLLM's own flat DFlash (the user's configuration, L = DRAFT_LEN) with its log-probs: the control
     where its verify kernels already leave no speculation at a bf16 near-tie."""
-    llm = _llm(dirs, speculative_config={"method": "dflash", "model": str(dirs["drafter"]),
-                                         "num_speculative_tokens": DRAFT_LEN})
-    try:
+    with _llm(dirs, speculative_config={"method": "dflash", "model": str(dirs["drafter"]),
+                                        "num_speculative_tokens": DRAFT_LEN}) as llm:
         return {kind: _generate(llm, p, MAX_TOKENS, logprobs=5) for kind, p in PROMPTS.items()}
-    finally:
-        e2e.shutdown(llm)
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +124,8 @@ def runs(dirs, reference):
     """DDTree, per prompt kind: the random drafter, then the harness drafter with the GDN state check;
     the DDTree counters of each run."""
     kw = config.vllm_kwargs(dirs["drafter"], budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
-    llm = _llm(dirs, **kw)
     out = {}
-    try:
+    with _llm(dirs, **kw) as llm:
         state = engines.find_state(llm)
         assert state is not None, dict(metrics.PROCESS_STARTUP_FALLBACKS)
         state.debug_gdn_records = True
@@ -165,8 +157,6 @@ def runs(dirs, reference):
         out["seeded_alone"] = [list(llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids)
                                for p, sp in zip(prompts, params)]
         out["seeded_counters"] = metrics.counters_delta(metrics.collect(llm)[0], before)
-    finally:
-        e2e.shutdown(llm)
     return out
 
 
@@ -182,7 +172,7 @@ def test_greedy_matches_no_speculation(runs, reference, control, kind, drafter):
     gates = []
     for (p_ref, ref, lps), (_, ctl, ctl_lps), (p_got, got, _) in zip(reference[kind], control[kind],
                                                                      runs[kind][drafter]):
-        assert p_ref == p_got
+        e2e.assert_same([p_got], [p_ref], f"{kind} prompt ids")
         gates.append(e2e.controlled_gate((ref, lps), (ctl, ctl_lps), got, TOL))
     print(f"\n{kind}, {drafter} drafter vs no speculation / flat DFlash: " + "; ".join(
         f"{_said(g['reference'])} / {_said(g['control'])}" for g in gates))
@@ -214,5 +204,5 @@ def test_rotary_positions_of_every_tree_node(runs):
 
 
 def test_seeded_sampling_reproducible_and_batch_independent(runs):
-    assert runs["seeded"] == runs["seeded_alone"]
+    e2e.assert_same(runs["seeded"], runs["seeded_alone"], "seeded: batch vs alone")
     assert len(set(map(tuple, runs["seeded"]))) == 4 and runs["seeded_counters"]["tree_steps"] > 10

@@ -28,9 +28,8 @@ def _ddtree_plugin():
 
 
 def _llm(target, **kw):
-    from vllm import LLM
-
-    return LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", **kw))
+    """An engine for a `with` block: eager, float32."""
+    return e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32", **kw))
 
 
 def _sample(llm, prompts, max_tokens, seeds, temperature=1.0):
@@ -51,9 +50,8 @@ def test_seeded_sampling_is_reproducible_across_repeats_budgets_and_drafters(dir
     seeds, n = [11, 12, 13, 14], 64
     runs = {}
     for budget in (8, 22):
-        llm = _llm(dirs["target"], **config.vllm_kwargs(dirs["drafter"], budget=budget, top_k=TOP_K,
-                                                        num_speculative_tokens=DRAFT_LEN))
-        try:
+        with _llm(dirs["target"], **config.vllm_kwargs(dirs["drafter"], budget=budget, top_k=TOP_K,
+                                                       num_speculative_tokens=DRAFT_LEN)) as llm:
             first = _sample(llm, PROMPTS, n, seeds)
             again = _sample(llm, PROMPTS, n, seeds)
             other = _sample(llm, PROMPTS, n, [s + 100 for s in seeds])
@@ -62,13 +60,12 @@ def test_seeded_sampling_is_reproducible_across_repeats_budgets_and_drafters(dir
             with_harness = _sample(llm, PROMPTS, n, seeds)
             h.uninstall()
             c = e2e.counters_delta(metrics.collect(llm)[0], before)
-        finally:
-            e2e.shutdown(llm)
-        assert first == again and with_harness == first
+        e2e.assert_same(again, first, f"budget {budget}: seeded repeat")
+        e2e.assert_same(with_harness, first, f"budget {budget}: harness drafter vs random drafter")
         assert all(a != b for a, b in zip(first, other))
         assert c["tree_requests"] > 0 and c["max_accept_depth"] == DRAFT_LEN and c["fallback_total"] == 0
         runs[budget] = first
-    assert runs[8] == runs[22]
+    e2e.assert_same(runs[22], runs[8], "seeded: budget 22 vs budget 8")
     assert min(len(set(o)) for o in runs[8]) > n // 4  # really sampled, not a repeated token
 
 
@@ -120,16 +117,13 @@ def test_small_vocab_distribution_matches_no_speculation(tmp_path):
     samples = {}
     for name, kw in (("plain", {}), ("ddtree", config.vllm_kwargs(drafter, budget=8, top_k=3,
                                                                     num_speculative_tokens=3))):
-        llm = _llm(target, **big, **kw)
-        try:
+        with _llm(target, **big, **kw) as llm:
             samples[name] = [tuple(o) for o in _sample(llm, prompt * N_SAMPLES, N_TOKENS, seeds, temperature=1.5)]
             if name == "ddtree":
                 c = metrics.collect(llm)[0]
                 print("\nsmall-vocab DDTree counters:", metrics.format_line(c))
                 assert c["tree_requests"] > N_SAMPLES // 2 and c["nodes_accepted"] > 0 and c["sibling_rounds"] > 0
                 assert c["chain_steps"] > 0  # batches that mix prefills in: chain-shaped sample-and-walk
-        finally:
-            e2e.shutdown(llm)
     # Per position and jointly (each tree round commits several tokens at once).
     for pos in range(N_TOKENS):
         a = [(s[pos],) for s in samples["plain"]]

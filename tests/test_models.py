@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 
-from ddtree_compile.integration import engines
 from ddtree_compile.testing import e2e, models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read by huggingface_hub at import time
@@ -133,7 +132,7 @@ class _OpCounter:
 def _generate(model_dir, drafter_dir=None, eager=True, logprobs=None):
     """Greedy outputs (with the top `logprobs` per position) and spec-decode counters of one engine,
     which is then shut down."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     kwargs = models.tiny_llm_kwargs(model_dir, enforce_eager=eager, disable_log_stats=False)
     if drafter_dir is not None:
@@ -142,16 +141,16 @@ def _generate(model_dir, drafter_dir=None, eager=True, logprobs=None):
             "model": str(drafter_dir),
             "num_speculative_tokens": NUM_SPEC,
         }
-    llm = LLM(**kwargs)
-    prompts = models.token_prompts(NUM_PROMPTS, PROMPT_LEN, models.VOCAB, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
-    done = llm.generate(prompts, params, use_tqdm=False)
-    outs = [list(o.outputs[0].token_ids) for o in done]
-    lps = [[{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs] for o in done] if logprobs else None
-    metrics = {
-        m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name
-    }
-    engines.shutdown(llm)
+    with e2e.engine(**kwargs) as llm:
+        prompts = models.token_prompts(NUM_PROMPTS, PROMPT_LEN, models.VOCAB, seed=0)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
+        done = llm.generate(prompts, params, use_tqdm=False)
+        outs = [list(o.outputs[0].token_ids) for o in done]
+        lps = ([[{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs] for o in done]
+               if logprobs else None)
+        metrics = {
+            m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name
+        }
     return {"outputs": outs, "logprobs": lps, "metrics": metrics}
 
 
@@ -217,9 +216,8 @@ def test_flat_dflash_matches_no_speculation_on_qwen3(qwen3_plain, qwen3_dflash):
     m = qwen3_dflash["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0
     assert m["vllm:spec_decode_num_draft_tokens"] == NUM_SPEC * m["vllm:spec_decode_num_drafts"]
-    gates = [e2e.regret_gate((ref, lps), got)
-             for ref, lps, got in zip(qwen3_plain["outputs"], qwen3_plain["logprobs"], qwen3_dflash["outputs"])]
-    assert all(g["ok"] for g in gates), gates
+    reference = list(zip(qwen3_plain["outputs"], qwen3_plain["logprobs"]))
+    e2e.check_gates(e2e.gates(reference, qwen3_dflash["outputs"]), "flat DFlash vs no speculation")
 
 
 def test_flat_dflash_runs_gdn_spec_path_on_hybrid(hybrid_dflash):
@@ -256,7 +254,7 @@ def test_compiled_flat_dflash_matches_no_speculation_on_qwen3(model_dirs):
     plain = _generate(model_dirs["qwen3"], eager=False)
     spec = _generate(model_dirs["qwen3"], model_dirs["qwen3_dflash"], eager=False)
     _assert_varied(plain["outputs"])
-    assert spec["outputs"] == plain["outputs"]
+    e2e.assert_same(spec["outputs"], plain["outputs"], "compiled flat DFlash vs no speculation")
 
 
 @pytest.mark.slow

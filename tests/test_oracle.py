@@ -107,13 +107,11 @@ def _run(llm, reference, profile):
 @pytest.mark.parametrize("p0", [1.0, 0.75])
 def test_ddtree_with_the_oracle_accepts_what_the_simulation_says(engines, p0):
     profile = oracle.Profile("perfect", (1.0,)) if p0 == 1.0 else oracle.Profile.geometric("g", p0, 0.8, k=TOP_K)
-    llm = engines["llm"](**config.vllm_kwargs(engines["drafter"], budget=BUDGET, top_k=TOP_K, num_speculative_tokens=L))
-    try:
+    with engines["llm"](**config.vllm_kwargs(engines["drafter"], budget=BUDGET, top_k=TOP_K,
+                                             num_speculative_tokens=L)) as llm:
         out = _run(llm, engines["reference"], profile)
         c = metrics.collect(llm)[0]
-    finally:
-        e2e.shutdown(llm)
-    assert out == engines["ref"]  # float32: lossless token for token
+    e2e.assert_same(out, engines["ref"], f"DDTree with the oracle (p0={p0})")  # float32: lossless token for token
     assert c["tree_steps"] > 0 and c["fallback_total"] == 0, c
     measured = 1 + c["nodes_accepted"] / c["tree_requests"]
     want = oracle.simulate(profile, BUDGET, TOP_K, L, samples=20000)
@@ -125,14 +123,11 @@ def test_ddtree_with_the_oracle_accepts_what_the_simulation_says(engines, p0):
 
 def test_flat_dflash_with_the_oracle_accepts_the_chain(engines):
     profile = oracle.Profile.geometric("g", 0.75, 0.8, k=TOP_K)
-    llm = engines["llm"](speculative_config={"method": "dflash", "model": str(engines["drafter"]),
-                                             "num_speculative_tokens": L})
-    try:
+    with engines["llm"](speculative_config={"method": "dflash", "model": str(engines["drafter"]),
+                                            "num_speculative_tokens": L}) as llm:
         out = _run(llm, engines["reference"], profile)
         c = e2e.spec_counters(llm)
-    finally:
-        e2e.shutdown(llm)
-    assert out == engines["ref"]
+    e2e.assert_same(out, engines["ref"], "flat DFlash with the oracle")
     measured = 1 + c["vllm:spec_decode_num_accepted_tokens"] / c["vllm:spec_decode_num_drafts"]
     want = profile.chain_acceptance(L)
     print(f"\noracle p0=0.75: flat DFlash tokens/round {measured:.2f}, closed form {want:.2f}")

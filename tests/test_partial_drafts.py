@@ -29,7 +29,6 @@ RUNNER = sys.argv[1]
 if RUNNER == "v2":
     from ddtree_compile.testing import runner_v2_cpu
     runner_v2_cpu.enable()
-from vllm import LLM
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.testing import e2e, models
 
@@ -48,22 +47,16 @@ with tempfile.TemporaryDirectory() as tmp:
     out = {}
     flat = {"speculative_config": {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 8}}
     for name, extra in (("none", {}), ("flat", flat)):
-        llm = LLM(**models.tiny_llm_kwargs(target, **kw, **extra))
-        try:
+        with e2e.engine(**models.tiny_llm_kwargs(target, **kw, **extra)) as llm:
             out[name] = e2e.generate_with_logprobs(llm, prompts, N)
-        finally:
-            engines.shutdown(llm)
-    llm = LLM(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, budget=8, top_k=3,
-                                                                          num_speculative_tokens=4)))
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(drafter, budget=8, top_k=3,
+                                                                                num_speculative_tokens=4))) as llm:
         state = engines.find_state(llm)
         out["runner"] = type(engines.find_runner(llm)).__module__
         before = metrics.collect(llm)[0]
         out["ddtree"] = e2e.generate(llm, prompts, N)
         out["counters"] = metrics.counters_delta(metrics.collect(llm)[0], before)
         out["fallback_steps"] = dict(state.metrics.fallback_steps)
-    finally:
-        engines.shutdown(llm)
 print("RESULT " + json.dumps(out))
 """
 

@@ -52,14 +52,11 @@ def _watch(obj, name: str, label, counts: collections.Counter, current: list) ->
 @pytest.mark.parametrize("kind, budget", [("qwen3_5", 16), ("qwen3", [4, 8])])
 def test_round_makes_no_host_tensors_but_through_h2d(tmp_path, kind, budget):
     plugin.register()
-    from vllm import LLM
-
     target = models.write_tiny_model(kind, tmp_path / "target")
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
     kw = config.vllm_kwargs(drafter, budget="auto" if isinstance(budget, list) else budget, top_k=4,
                             num_speculative_tokens=8,
                             **({"auto_budget": budget, "probe_interval": 2} if isinstance(budget, list) else {}))
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=512, **kw))
     made, staged, current = collections.Counter(), collections.Counter(), []
     h2d = round_step.RoundContext.h2d
 
@@ -68,33 +65,34 @@ def test_round_makes_no_host_tensors_but_through_h2d(tmp_path, kind, budget):
         made[current[-1] if current else "outside"] -= 1  # its own lift_fresh is the allowed one
         return h2d(self, values, dtype)
 
-    try:
-        state = engines.find_state(llm)
-        propose = state.build.propose
+    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=512, **kw)) as llm:
+        try:
+            state = engines.find_state(llm)
+            propose = state.build.propose
 
-        def build_without_the_drafter(original_propose, **k):  # the drafter is vLLM's (flat DFlash's too)
-            def drafter(**kk):
-                current.append("vllm")
-                try:
-                    return original_propose(**kk)
-                finally:
-                    current.pop()
-            return propose(drafter, **k)
+            def build_without_the_drafter(original_propose, **k):  # the drafter is vLLM's (flat DFlash's too)
+                def drafter(**kk):
+                    current.append("vllm")
+                    try:
+                        return original_propose(**kk)
+                    finally:
+                        current.pop()
+                return propose(drafter, **k)
 
-        state.build.propose = build_without_the_drafter
-        # a step without a tree (budget "auto"'s chain) is sampled by vLLM's own sampler: not the round's
-        walk_label = lambda step, *_: "walk" if step is not None else "vllm"  # noqa: E731
-        for obj, name, label in ((state.build, "propose", "build"), (state.verify, "prepare", "verify.prepare"),
-                                 (state.verify, "_forward_metadata", "verify.metadata"),
-                                 (state.walk, "sample", walk_label), (state.commit, "commit", "commit"),
-                                 (state.commit, "reorder_drafter_inputs", "reorder")):
-            _watch(obj, name, label, made, current)
-        round_step.RoundContext.h2d = counted_h2d
-        e2e.generate(llm, models.token_prompts(2, 16, models.VOCAB, seed=5), 24)
-        tree_steps = state.metrics.tree_steps
-    finally:
-        round_step.RoundContext.h2d = h2d
-        e2e.shutdown(llm)
+            state.build.propose = build_without_the_drafter
+            # a step without a tree (budget "auto"'s chain) is sampled by vLLM's own sampler: not the round's
+            walk_label = lambda step, *_: "walk" if step is not None else "vllm"  # noqa: E731
+            for obj, name, label in ((state.build, "propose", "build"),
+                                     (state.verify, "prepare", "verify.prepare"),
+                                     (state.verify, "_forward_metadata", "verify.metadata"),
+                                     (state.walk, "sample", walk_label), (state.commit, "commit", "commit"),
+                                     (state.commit, "reorder_drafter_inputs", "reorder")):
+                _watch(obj, name, label, made, current)
+            round_step.RoundContext.h2d = counted_h2d
+            e2e.generate(llm, models.token_prompts(2, 16, models.VOCAB, seed=5), 24)
+            tree_steps = state.metrics.tree_steps
+        finally:
+            round_step.RoundContext.h2d = h2d
     assert tree_steps > 0  # the tree path ran
     made.pop("vllm", None)
     assert {k: v for k, v in made.items() if v} == {}, (made, staged)

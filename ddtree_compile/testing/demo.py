@@ -71,7 +71,6 @@ def run_demo(kind: str = "qwen3_5", budget: int = 16, top_k: int = 4, draft_len:
     from ddtree_compile.testing import e2e, harness, models
 
     plugin.register()  # what the installed `vllm.general_plugins` entry point does
-    from vllm import LLM
 
     tmp = None
     if workdir is None:
@@ -88,37 +87,33 @@ def run_demo(kind: str = "qwen3_5", budget: int = 16, top_k: int = 4, draft_len:
                                                num_speculative_tokens=draft_len)))
 
     t0 = time.perf_counter()
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, **STATE))
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, **STATE)) as llm:
         reference = e2e.generate_with_logprobs(llm, prompts, max_tokens)
-    finally:
-        e2e.shutdown(llm)
     t_ref = time.perf_counter() - t0
 
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, **STATE, **switch))
     try:
-        state = find_state(llm)
-        if state is None:
-            raise RuntimeError("DDTree did not attach to the engine (see the log for the reason)")
-        t0 = time.perf_counter()
-        random_out = e2e.generate(llm, prompts, max_tokens)
-        t_random = time.perf_counter() - t0
-        counters_random = metrics.collect(llm)[0]
-        printer = _RoundPrinter(rounds_to_print)
-        state.round_hooks.append(printer)
-        h = harness.DraftHarness(harness.reference_from_outputs(prompts, random_out)).install(llm)
-        print(f"\nharness drafter rounds (first {rounds_to_print}):")
-        t0 = time.perf_counter()
-        harness_out = e2e.generate(llm, prompts, max_tokens)
-        t_harness = time.perf_counter() - t0
-        h.uninstall()
-        counters_harness = metrics.counters_delta(metrics.collect(llm)[0], counters_random)
+        with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, **STATE, **switch)) as llm:
+            state = find_state(llm)
+            if state is None:
+                raise RuntimeError("DDTree did not attach to the engine (see the log for the reason)")
+            t0 = time.perf_counter()
+            random_out = e2e.generate(llm, prompts, max_tokens)
+            t_random = time.perf_counter() - t0
+            counters_random = metrics.collect(llm)[0]
+            printer = _RoundPrinter(rounds_to_print)
+            state.round_hooks.append(printer)
+            h = harness.DraftHarness(harness.reference_from_outputs(prompts, random_out)).install(llm)
+            print(f"\nharness drafter rounds (first {rounds_to_print}):")
+            t0 = time.perf_counter()
+            harness_out = e2e.generate(llm, prompts, max_tokens)
+            t_harness = time.perf_counter() - t0
+            h.uninstall()
+            counters_harness = metrics.counters_delta(metrics.collect(llm)[0], counters_random)
     finally:
-        e2e.shutdown(llm)
-        if tmp is not None:
+        if tmp is not None:  # after the engine is shut down
             tmp.cleanup()
 
-    gates = [e2e.regret_gate(ref, got) for ref, got in zip(reference, random_out)]
+    gates = e2e.gates(reference, random_out)
     same = harness_out == random_out
     print("\nDDTree counters:")
     for name, c in (("random drafter", counters_random), ("harness drafter", counters_harness)):
