@@ -257,18 +257,13 @@ def test_timed_runs_report_their_peak_batch_and_a_short_one_is_invalid(bench, tm
     """A run whose engine cannot hold all of its requests at once (here max_num_seqs=2; on the GPU a
     KV cache too small for the cell) times smaller batches and a queue: timed_steps reports the most
     requests that got tokens in one step, and summarize_e2e refuses such a row as a cell of c."""
-    from vllm import LLM
-
     from ddtree_compile.cli.timing import timed_steps
     from ddtree_compile.testing import e2e, models
 
     target = models.write_tiny_model("qwen3", tmp_path / "qwen3")  # (in-process engine: conftest)
-    llm = LLM(**models.tiny_llm_kwargs(target, enforce_eager=True, max_num_seqs=2))
-    try:
+    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, max_num_seqs=2)) as llm:
         prompts = models.token_prompts(3, 8, 200, seed=0)
         full, short = timed_steps(llm, prompts[:2], 6), timed_steps(llm, prompts, 6)
-    finally:
-        e2e.shutdown(llm)
     assert full["peak_batch"] == 2 and full["output_tokens"] == 12
     assert short["peak_batch"] == 2 and short["output_tokens"] == 18  # all served, never 3 at once
     summ = importlib.import_module("summarize_e2e")
