@@ -44,7 +44,8 @@ def non_strict_xfails(source: str) -> list[str]:
     """'line N: ...' for each xfail that is not strict, and each imperative pytest.xfail() call."""
     tree, out = ast.parse(source), []
     for node in _xfail_marks(tree):
-        strict = next((k.value for k in node.keywords if k.arg == "strict"), None) if isinstance(node, ast.Call) else None
+        keywords = node.keywords if isinstance(node, ast.Call) else []
+        strict = next((k.value for k in keywords if k.arg == "strict"), None)
         if not (isinstance(strict, ast.Constant) and strict.value is True):
             out.append(f"line {node.lineno}: pytest.mark.xfail without strict=True")
     for node in ast.walk(tree):

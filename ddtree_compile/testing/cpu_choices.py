@@ -99,8 +99,8 @@ def this_cpu_kind() -> str:
 
 def apply_from_env() -> dict:
     """Force what DDTREE_TEST_CPU_ATTN_ISA / DDTREE_TEST_CPU_KIND name in this process (the suite's
-    in-process engines; the V2 subprocesses call this too, and every process of a test server through
-    testing/cpu_choices_hook). Returns what it forced."""
+    in-process engines; the V2 subprocesses call this too). Test servers (testing/server.py) do not: they
+    run with this CPU's own choices. Returns what it forced."""
     isa, kind = os.environ.get(ENV_ISA) or None, os.environ.get(ENV_KIND) or None
     if isa is not None:
         force_attn_isa(isa)

@@ -129,7 +129,8 @@ def regret_gate(reference, got: list[int], tol: float = TOL) -> dict:
     rank = ranks.index(tok) if tok in ranks else None
     regret = ranked[0][1] - (ref_lps[i][tok] if rank is not None else ranked[-1][1])
     return {"divergence": i, "gap": gap, "second": rank == 1, "rank": rank, "regret": regret,
-            "ok": rank is not None and regret <= tol, "got": tok, "want": ref_tokens[i] if i < len(ref_tokens) else None}
+            "ok": rank is not None and regret <= tol, "got": tok,
+            "want": ref_tokens[i] if i < len(ref_tokens) else None}
 
 
 def gates(references: list, outputs: list, tol: float = TOL) -> list[dict]:

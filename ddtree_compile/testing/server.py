@@ -23,8 +23,6 @@ import time
 import urllib.error
 import urllib.request
 
-from ddtree_compile.testing import cpu_choices
-
 _SAMPLE = re.compile(r'^(vllm:[a-z_:]+?)(?:\{(.*)\})? ([-+0-9.eE]+|NaN|[+-]Inf)$')
 
 
@@ -45,8 +43,6 @@ def metric_total(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
 
 
-_CPU_HOOK = str(pathlib.Path(__file__).parent / "cpu_choices_hook")  # its sitecustomize applies them
-
 PARSER_ARGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder", "--enable-auto-tool-choice"]
 
 
@@ -61,9 +57,6 @@ class Server:
         self.model, self.args, self.name = str(model), list(args), name
         self.log_path = pathlib.Path(log_path)
         self.env = {**os.environ, **(env or {})}
-        if any(self.env.get(v) for v in (cpu_choices.ENV_ISA, cpu_choices.ENV_KIND)):
-            # the suite's forced CPU choices (`make test-layouts`) in every process of the server
-            self.env["PYTHONPATH"] = os.pathsep.join(p for p in (_CPU_HOOK, self.env.get("PYTHONPATH")) if p)
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
