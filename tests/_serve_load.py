@@ -239,7 +239,8 @@ def _valid(srv, kind: str, got: dict) -> bool:
     if kind == "tool":
         # The name the grammar forces, in the streamed call or in the output's own tokens: under the full
         # suite's load vLLM's streaming tool parser once passed on "get_weathe" (a DDTree call whose
-        # token-3 divergence the flat control shared), a streaming matter, not the tokens'.
+        # token-3 divergence the flat control shared): the grammar forces the name, so most likely the
+        # parser's streaming (those tokens were not kept).
         if got["tool"] != "get_weather" and "get_weather" not in _detokenized(srv, got["ids"]):
             return False
         if got["finish"] == "length":
