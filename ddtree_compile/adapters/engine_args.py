@@ -68,6 +68,14 @@ def _install_pass(args) -> str | None:
             cc[key] = value
         else:
             setattr(cc, key, value)
+    if not isinstance(cc, dict):
+        # A built CompilationConfig resolved its inductor_passes into inductor_compile_config in its
+        # __post_init__ (0.26 and 0.32 `config/compilation.py`), which is what Inductor is handed:
+        # ours goes there too (the object reports vLLM's InductorPass flavour: passes/entry.py), or
+        # the compiled graph keeps vLLM's ops.
+        from ..passes.entry import tree_verify_pass
+
+        cc.inductor_compile_config["post_grad_custom_post_pass"] = tree_verify_pass
     return "compilation_config: the tree-verify pass installed (" + ", ".join(sorted(changes)) + ")"
 
 

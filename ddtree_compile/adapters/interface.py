@@ -90,9 +90,10 @@ class RunnerView(abc.ABC):
     # -- the round's hooks on this runner --------------------------------------------------------
     @abc.abstractmethod
     def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
-        """Install the round's hooks (named as v1_runner.ROUND_HOOKS, called with V1's arguments) on
-        this runner instance, for a drafter that drafts `draft_len` positions; returns the originals
-        under the same names, callable the same way."""
+        """Install the round's hooks (named as v1_runner.ROUND_HOOKS, called with V1's arguments, and
+        VERIFY_HOOKS, which a runner calls around a target forward it runs without the round's
+        `model_forward`) on this runner instance, for a drafter that drafts `draft_len` positions;
+        returns the originals of ROUND_HOOKS under the same names, callable the same way."""
 
     @abc.abstractmethod
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:
@@ -181,13 +182,8 @@ class RunnerView(abc.ABC):
 
     @abc.abstractmethod
     def full_graph_batch(self) -> tuple[int, int] | None:
-        """Inside the target forward hook: (padded tokens, padded requests) when this forward replays
-        a FULL uniform-decode CUDA graph, else None (PIECEWISE or eager: the ops' Python runs)."""
-
-    @abc.abstractmethod
-    def verify_bypasses_hooks(self) -> str | None:
-        """Why this step's target forward will run outside the round's forward hooks (the step is
-        then verified as a plain chain, counted), or None."""
+        """For the step's target forward: (padded tokens, padded requests) when it replays a FULL
+        uniform-decode CUDA graph, else None (PIECEWISE or eager: the ops' Python runs)."""
 
     @abc.abstractmethod
     def input_ids(self) -> torch.Tensor:

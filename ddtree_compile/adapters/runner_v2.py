@@ -1,10 +1,10 @@
 """Model Runner V2 (`vllm/v1/worker/gpu/`, vLLM 0.26 and 0.32): the RunnerView and the class patches.
 
 V2 has none of V1's round members; runner_v2_hooks.V2RoundHooks wraps V2's own (speculator.propose
-and _generate_draft, model_state.prepare_attn / prepare_inputs, the target forward in its three
-forms: eager `model.forward`, `cudagraph_manager.run_pw_graph`, `run_fullgraph`, and the rejection
+and _generate_draft, model_state.prepare_attn / prepare_inputs / postprocess_state, and the rejection
 sampler) and calls the round's hooks with V1's arguments, so build / verify / walk / commit are the
-same stages on both runners (docs/runner_v2.md has the lines of both releases).
+same stages on both runners (docs/runner_v2.md has the lines of both releases). The target forward is
+V2's own in every form (eager, compiled, PIECEWISE, FULL): the tree verify is set before it.
 
 Served: V2's default loop (async scheduling on: the round is device work between V2's own host steps,
 no host sync of its own, and the host learns the committed tokens through V2's asynchronous output one
@@ -41,15 +41,11 @@ class _Shared:
         self.batch = None  # the InputBatch of the step in flight
         self.rs_rest: tuple = ()  # the rejection sampler's arguments after draft_logits (0.32: invalid_drafts)
         self.attn_metadata: dict = {}  # layer name -> metadata of the step (model_state.prepare_attn)
-        self.desc = None  # the CUDA-graph descriptor vLLM dispatched the step to
-        self.full_desc = None  # set while a FULL graph replays (cudagraph_manager.run_fullgraph)
-        self.positions = None  # the positions tensor vLLM hands the target (model inputs)
-        self.pw = False  # set while PIECEWISE graphs run the target (cudagraph_manager.run_pw_graph)
+        self.cg_mode = None  # (InputBatch, CUDA-graph mode) of the last model_state.prepare_attn
         self.next_drafts: int | None = None  # drafts per request the scheduler gave the next step (auto)
         self.capture_reqs: int | None = None  # requests of the graph V2 is capturing (prepare_dummy_inputs)
         self.schedule = None  # budget "auto": the scheduler's draft counts (draft_schedule.DraftSchedule)
         self.auto_schedule: bool | None = None  # vLLM runs budget "auto"'s schedule (draft_schedule.py)
-        self.in_forward = False  # set while the round's target forward runs (re-entry guard)
         self.flat_wrapped = None  # what V2RunnerView.wrap_flat_drafts replaced, to put back
 
 
@@ -253,19 +249,15 @@ class V2RunnerView(V1RunnerView):
         return self.batch.positions[logits_indices]
 
     def full_graph_batch(self) -> tuple[int, int] | None:
-        desc = self._shared.full_desc
-        return None if desc is None else (desc.num_tokens, desc.num_reqs or desc.num_tokens // self._query_len())
+        """The step's batch as V2 padded it to its FULL graph's descriptor (`prepare_inputs`), when the
+        mode V2 prepared this batch's attention for is FULL."""
+        batch, mode = self._shared.cg_mode or (None, None)
+        if batch is None or batch is not self.batch or mode.name != "FULL":
+            return None
+        return batch.num_tokens_after_padding, batch.num_reqs_after_padding
 
     def _query_len(self) -> int:
         return 1 + self.settings.num_speculative_tokens  # V2's one uniform decode length
-
-    def verify_bypasses_hooks(self) -> str | None:
-        """A compiled engine's eager forward (a batch past the CUDA-graph sizes) calls the compiled
-        model, whose Python `forward` (where eager engines are hooked) the compiled code bypasses."""
-        desc = self._shared.desc
-        if self.eager or desc is None or desc.cg_mode.name != "NONE":
-            return None
-        return "a batch larger than the CUDA-graph capture sizes (compiled V2 engine, eager forward)"
 
     def input_ids(self) -> torch.Tensor:
         return self.batch.input_ids

@@ -3,31 +3,32 @@
 V2 has none of V1's round members: `V2RoundHooks` wraps V2's own (docs/runner_v2.md has the table
 with 0.26 / 0.32 lines) and calls the round's hooks with V1's arguments, so the stages are the same
 code on both runners. What the hooks learn on the way (the step's InputBatch, attention metadata,
-graph descriptor, the positions tensor vLLM hands the model) goes to the runner's `_Shared`, which
-every view of the runner reads.
+CUDA-graph mode) goes to the runner's `_Shared`, which every view of the runner reads.
+
+The target forward itself is not wrapped: V2 runs it in four forms (the eager model, the compiled
+model, whose code bypasses the Python `forward`, PIECEWISE graphs, a FULL replay). The tree verify
+is set once the step's model inputs are prepared (`model_state.prepare_inputs`, the last call before
+every form) and taken down when the verify's logits reach the rejection sampler.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .v1_runner import ROUND_HOOKS
+from .v1_runner import ROUND_HOOKS, VERIFY_HOOKS
 
 
 class V2RoundHooks:
     def __init__(self, view, hooks: dict, draft_len: int):
-        if set(hooks) != set(ROUND_HOOKS):
-            raise ValueError(f"round hooks: expected {sorted(ROUND_HOOKS)}, got {sorted(hooks)}")
+        if set(hooks) != {*ROUND_HOOKS, *VERIFY_HOOKS}:
+            raise ValueError(f"round hooks: expected {sorted({*ROUND_HOOKS, *VERIFY_HOOKS})}, got {sorted(hooks)}")
         self.view, self.hooks, self.L = view, hooks, draft_len
         self.r, self.s, self.shared = view.runner, view.speculator, view._shared
         r, s = self.r, self.s
         self.manager = getattr(r, "cudagraph_manager", None)
         self.orig = {"propose": s.propose, "prepare_inputs": r.model_state.prepare_inputs,
-                     "prepare_attn": r.model_state.prepare_attn, "forward": r.model.forward,
+                     "prepare_attn": r.model_state.prepare_attn,
                      "postprocess_state": r.model_state.postprocess_state}
-        if self.manager is not None:
-            self.orig.update(dispatch=self.manager.dispatch, run_fullgraph=self.manager.run_fullgraph,
-                             run_pw_graph=self.manager.run_pw_graph)
         # The speculator drafts L positions from now on, its CUDA graphs too (re-made for 1 + L queries
         # per request before V2 captures them, `dflash/speculator.py:100-124`); the scheduler keeps
         # K = B draft slots. Its forward (a graph or eager) leaves the hidden states of the L sampled
@@ -50,13 +51,11 @@ class V2RoundHooks:
         s.propose, s._generate_draft = self.on_propose, self.on_generate_draft
         r.model_state.prepare_attn = self.on_prepare_attn
         r.model_state.postprocess_state = self.on_postprocess_state
-        r.model_state.prepare_inputs, r.model.forward = self.on_prepare_inputs, self.on_forward
-        if self.manager is not None:
-            m = self.manager
-            m.dispatch, m.run_fullgraph, m.run_pw_graph = self.on_dispatch, self.on_run_fullgraph, self.on_run_pw_graph
+        r.model_state.prepare_inputs = self.on_prepare_inputs
         r.rejection_sampler = _TreeRejectionSampler(self)
+        # (no "model_forward": V2's forwards are not wrapped, the round's verify_begin/_end bracket them)
         return {"propose": self.original_propose, "sample_draft_tokens": None,
-                "prepare_inputs": self.original_prepare_inputs, "model_forward": self.original_forward,
+                "prepare_inputs": self.original_prepare_inputs, "model_forward": None,
                 "rejection_sampler": self.view.vllm_sampler(),
                 "update_states": lambda output_token_ids, scheduler_output: None,
                 "propose_draft_token_ids": lambda *args: None}
@@ -109,63 +108,24 @@ class V2RoundHooks:
         return self.orig["postprocess_state"](*args, **kw)
 
     # -- verify -------------------------------------------------------------------------------------------
-    def on_dispatch(self, *args, **kw):
-        self.shared.desc = self.orig["dispatch"](*args, **kw)
-        return self.shared.desc
-
-    def on_prepare_attn(self, *args, **kw):
-        self.shared.attn_metadata = self.orig["prepare_attn"](*args, **kw)
+    def on_prepare_attn(self, input_batch, cudagraph_mode, *args, **kw):
+        """(0.26 `model_runner.py:1257`, 0.32 `:1915`: the step's CUDA-graph mode is the second argument)"""
+        self.shared.cg_mode = (input_batch, cudagraph_mode)  # (a capture prepares dummy batches here too)
+        self.shared.attn_metadata = self.orig["prepare_attn"](input_batch, cudagraph_mode, *args, **kw)
         return self.shared.attn_metadata
 
     def on_prepare_inputs(self, input_batch, req_states):
+        """The last call before the target forward in all its forms (0.26 `model_runner.py:1300`, 0.32
+        `:1966`): the round's verify of the step is set here, on the positions tensor the target gets
+        (V2's rope state's with M-RoPE, else the batch's)."""
+        self.hooks["verify_end"]()  # (a forward whose logits were never sampled)
         self.shared.batch = input_batch
         out = self.hooks["prepare_inputs"](input_batch, input_batch.num_scheduled_tokens)
-        self.shared.positions = out.get("positions", input_batch.positions)  # what the target gets
+        self.hooks["verify_begin"](out.get("positions", input_batch.positions))
         return out
 
     def original_prepare_inputs(self, input_batch, num_scheduled_tokens):
         return self.orig["prepare_inputs"](input_batch, self.r.req_states)
-
-    def on_forward(self, *args, **kw):
-        if self.shared.in_forward:
-            return self.orig["forward"](*args, **kw)
-        if args:  # V2 calls model(**model_inputs)
-            raise TypeError("DDTree's V2 forward hook takes keyword arguments only")
-        self.shared.positions = kw.get("positions")
-        return self.hooks["model_forward"](**kw)
-
-    def on_run_fullgraph(self, desc):
-        self.shared.full_desc = desc
-        try:
-            return self.hooks["model_forward"](input_ids=None, positions=self.shared.positions,
-                                               intermediate_tensors=None, inputs_embeds=None)
-        finally:
-            self.shared.full_desc = None
-
-    def on_run_pw_graph(self, model, model_inputs):
-        self.shared.pw, self.shared.positions = True, model_inputs.get("positions")
-        try:
-            return self.hooks["model_forward"](**model_inputs)
-        finally:
-            self.shared.pw = False
-
-    def original_forward(self, **kw):
-        """The target forward vLLM chose (FULL replay, PIECEWISE graphs, eager), with the positions the
-        round hands it written into the tensor vLLM passed: graphs read fixed addresses, and vLLM's
-        values are put back after the forward (the drafter and the sampler read them)."""
-        shared = self.shared
-        if shared.full_desc is not None:
-            desc = shared.full_desc
-            run = lambda **k: self.orig["run_fullgraph"](desc)  # noqa: E731
-        elif shared.pw:
-            run = lambda **k: self.orig["run_pw_graph"](self.r.model, k)  # noqa: E731
-        else:
-            run = self.orig["forward"]
-        shared.in_forward = True  # a compiled model's skip path calls `forward` again: not a second hook
-        try:
-            return _with_positions_in(shared.positions, run, kw)
-        finally:
-            shared.in_forward = False
 
 
 class _TreeRejectionSampler:
@@ -175,27 +135,13 @@ class _TreeRejectionSampler:
         self._hooks = hooks
 
     def __call__(self, logits, input_batch, draft_logits=None, *rest):
+        self._hooks.hooks["verify_end"]()  # the verify's forward ran: its logits are here
         shared = self._hooks.shared
         shared.batch, shared.rs_rest = input_batch, rest
         return self._hooks.hooks["rejection_sampler"](input_batch, None, logits, input_batch)
 
     def __getattr__(self, name):
         return getattr(self._hooks.shared.rs_original, name)
-
-
-def _with_positions_in(buf, run, kw: dict):
-    """run(**kw) with kw["positions"] copied into `buf` (vLLM's positions tensor, [T] or M-RoPE
-    [3, T]) for the call and vLLM's values restored after it."""
-    positions = kw.get("positions")
-    if buf is None or positions is None or positions is buf:
-        return run(**kw)
-    n = positions.shape[-1]
-    saved = buf[..., :n].clone()
-    buf[..., :n].copy_(positions)
-    try:
-        return run(**dict(kw, positions=buf))
-    finally:
-        buf[..., :n].copy_(saved)
 
 
 def track_requests(runner, shared) -> tuple:

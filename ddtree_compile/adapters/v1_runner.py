@@ -29,6 +29,10 @@ ROUND_HOOKS = {
     "update_states": ("", "_update_states_after_model_execute"),  # after sampling (hybrids: accepted counts)
     "propose_draft_token_ids": ("", "propose_draft_token_ids"),  # the drafter's next-round inputs
 }
+# The round's verify bracket, for a runner that runs the target forward itself in forms no wrapper
+# reaches (Model Runner V2): verify_begin(positions tensor the target gets) once the step's inputs are
+# ready, verify_end() once the forward's output is read.
+VERIFY_HOOKS = ("verify_begin", "verify_end")
 
 
 def patch_after(cls, name: str, after) -> bool:
@@ -64,9 +68,10 @@ def _patch(cls, name: str, before=None, after=None) -> bool:
 
 def replace_round_members(runner, hooks: dict) -> dict:
     """Replace the members named by ROUND_HOOKS on `runner` (instance level) with `hooks[name]`;
-    returns the originals by the same names."""
-    if set(hooks) != set(ROUND_HOOKS):
-        raise ValueError(f"round hooks: expected {sorted(ROUND_HOOKS)}, got {sorted(hooks)}")
+    returns the originals by the same names. (VERIFY_HOOKS are for runners whose target forward
+    the round does not wrap; V1's `_model_forward` is wrapped.)"""
+    if set(hooks) != {*ROUND_HOOKS, *VERIFY_HOOKS}:
+        raise ValueError(f"round hooks: expected {sorted({*ROUND_HOOKS, *VERIFY_HOOKS})}, got {sorted(hooks)}")
     originals = {}
     for name, (path, attr) in ROUND_HOOKS.items():
         owner = getattr(runner, path) if path else runner
@@ -188,9 +193,6 @@ class V1RunnerView(RunnerView):
 
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.runner.positions[logits_indices]
-
-    def verify_bypasses_hooks(self) -> str | None:
-        return None  # every target forward goes through `_model_forward`
 
     def input_ids(self) -> torch.Tensor:
         """The step's input-id buffer, which the drafter reads after the verify."""

@@ -41,7 +41,7 @@ from .build_stage import BuildStage
 from .checks import UnsupportedEngine, check_engine, classify_layers, gdn_spec_blocks, validate
 from .commit_stage import CommitStage
 from .step import Pending, RoundContext, Step
-from .verify_stage import VerifyStage
+from .verify_stage import Armed, VerifyStage
 from .walk_stage import TreeSampler, WalkStage
 from .workspace import release as release_workspace
 
@@ -100,6 +100,7 @@ class DDTreeRound:
         self.walk, self.commit = WalkStage(ctx), CommitStage(ctx)
         self.pending: Pending | None = None
         self.step: Step | None = None
+        self.armed: Armed | None = None  # the Step whose target forward the runner is running (verify_begin)
         self.round_hooks: list = []  # demo/tests: fn(round, step) after each tree step's commit (host reads)
         self.metrics.kv_layouts = sorted({kv_layout(ctx.layer(n)).name for n in ctx.attn_layers})
         self._orig = view.install_round_hooks({
@@ -107,6 +108,7 @@ class DDTreeRound:
             "prepare_inputs": self._on_prepare_inputs, "model_forward": self._on_model_forward,
             "rejection_sampler": TreeSampler(self._on_sample, view.vllm_sampler()),
             "update_states": self._on_update_states, "propose_draft_token_ids": self._on_propose_draft_token_ids,
+            "verify_begin": self._on_verify_begin, "verify_end": self._on_verify_end,
         }, draft_len)
         wanted = self.verify.graphs.query_lens()
         full = view.install_graph_capture(self.verify.graphs.capture, wanted)
@@ -173,7 +175,7 @@ class DDTreeRound:
         self.verify.close()
         self.walk.graphs.close()
         self.commit.graphs.close()
-        self.pending = self.step = None
+        self.pending = self.step = self.armed = None
         if self._redirected:
             self._redirected = False
             release_eager_redirects()
@@ -196,6 +198,23 @@ class DDTreeRound:
                 self.metrics.plain_graph_steps += 1
             return self._orig["model_forward"](**kw)
         return self.verify.forward(self.step, self._orig["model_forward"], **kw)
+
+    def _on_verify_begin(self, positions: torch.Tensor) -> None:
+        """A runner that runs the target forward itself, in whichever form (Model Runner V2: eager,
+        compiled, PIECEWISE graphs or a FULL replay; no Python hook reaches all of them), calls this once
+        the step's inputs are ready, with the positions tensor it hands the target; `_on_verify_end`
+        once the forward's output is read (before sampling)."""
+        self._on_verify_end()  # (a forward whose output was never sampled)
+        if self.step is None:
+            if self.verify.graphs.check_plain_forward(self.ctx.view.full_graph_batch()):
+                self.metrics.plain_graph_steps += 1
+            return
+        self.armed = self.verify.arm(self.step, positions)
+
+    def _on_verify_end(self) -> None:
+        armed, self.armed = self.armed, None
+        if armed is not None:
+            self.verify.disarm(armed)
 
     def _on_sample(self, original, metadata, draft_probs, logits, sampling_metadata):
         out = self.walk.sample(self.step, original, metadata, draft_probs, logits, sampling_metadata)

@@ -11,11 +11,24 @@ import torch
 from ... import adapters
 from ...core.buckets import chain_tokens
 from ...core.tree import TreeBatch, ancestor_closure, num_mask_words, pack_bits
-from ..tree_context import GdnVerify, TreeVerifyMetadata, tree_verify
+from ..tree_context import GdnVerify, TreeVerifyMetadata, set_tree_verify
 from .checks import check_reached
 from .graphs import GraphBuckets
 from .step import Pending, RoundContext, Step
 from .workspace import Workspace, release
+
+
+@dataclasses.dataclass(frozen=True)
+class Armed:
+    """A tree verify whose target forward is about to run (VerifyStage.arm) until its output is read
+    (disarm): the metadata the ops read, the FULL graph's padded requests (None: the ops' Python runs),
+    and the positions tensor written with the tree's positions with vLLM's values to put back."""
+
+    step: Step
+    meta: TreeVerifyMetadata
+    graph_rows: int | None
+    positions: torch.Tensor | None = None  # vLLM's [T] or M-RoPE [3, T], holding the tree's positions
+    saved: torch.Tensor | None = None  # vLLM's values of `positions`
 
 
 class VerifyStage:
@@ -74,9 +87,6 @@ class VerifyStage:
             return "mixed batch (prefill or partial drafts next to trees)", uniform
         if any(len(drafts.get(r, ())) != N - 1 for r in req_ids):
             return "drafts truncated by the scheduler", None
-        bypass = ctx.view.verify_bypasses_hooks()
-        if bypass is not None:
-            return bypass, None
         if pending is None:
             return "drafts not from a tree (drafter skipped)", N
         if any(r not in pending.index for r in req_ids):
@@ -140,19 +150,45 @@ class VerifyStage:
     # -- the target forward -----------------------------------------------------------------------
     def forward(self, step: Step, original_forward, input_ids=None, positions=None, intermediate_tensors=None,
                 inputs_embeds=None, **kw):
+        """A runner whose target forward the round wraps (V1's `_model_forward`): `original_forward`
+        called with the tree's positions inside the tree context."""
         pos = self.ctx.view.tree_positions(positions, step.positions, step.tree.depths)
+        armed = self.arm(step)
+        try:
+            out = original_forward(input_ids=input_ids, positions=pos, intermediate_tensors=intermediate_tensors,
+                                   inputs_embeds=inputs_embeds, **kw)
+        finally:
+            set_tree_verify(None)
+        self.disarm(armed)
+        return out
+
+    def arm(self, step: Step, positions: torch.Tensor | None = None) -> Armed:
+        """The step's tree context set for the target forward that follows, however the runner runs it
+        (eager, compiled, PIECEWISE graphs, a FULL replay: the ops read the context, a FULL graph its
+        bucket's metadata, filled here). With `positions` (the tensor vLLM hands the target, at the
+        address its graphs read) the tree's positions are written into it; `disarm` puts vLLM's back
+        (the drafter and the sampler read them)."""
         rows = self.graphs.replay_rows(self.ctx.view.full_graph_batch(), step.N)
         meta = step.meta if rows is None else self.graphs.fill(step.N, rows, step)
         self._forward_metadata(step, meta, rows)
-        with tree_verify(meta):
-            out = original_forward(input_ids=input_ids, positions=pos, intermediate_tensors=intermediate_tensors,
-                                   inputs_embeds=inputs_embeds, **kw)
-        if rows is not None and not meta.calls:  # no op's Python ran: the captured graph replayed
+        saved = None
+        if positions is not None:
+            saved = positions.clone()
+            positions.copy_(self.ctx.view.tree_positions(positions, step.positions, step.tree.depths))
+        set_tree_verify(meta)
+        return Armed(step, meta, rows, positions, saved)
+
+    def disarm(self, armed: Armed) -> None:
+        """The target forward of `armed` has run: the context cleared, vLLM's positions back, and every
+        layer checked to have run its tree op (unless a captured FULL graph replayed them)."""
+        set_tree_verify(None)
+        if armed.saved is not None:
+            armed.positions.copy_(armed.saved)
+        if armed.graph_rows is not None and not armed.meta.calls:  # no op's Python ran: the graph replayed
             self.ctx.metrics.graph_steps += 1
         else:
-            check_reached(self.ctx, meta.calls)
-        self.ctx.metrics.add_time("verify", time.perf_counter() - step.t0)
-        return out
+            check_reached(self.ctx, armed.meta.calls)
+        self.ctx.metrics.add_time("verify", time.perf_counter() - armed.step.t0)
 
     def _forward_metadata(self, step: Step, meta: TreeVerifyMetadata, graph_rows: int | None) -> None:
         """Block tables of the attention groups, GDN state addressing: what the templates read."""
