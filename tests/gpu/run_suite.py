@@ -36,7 +36,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # the kernels first (the most basic), then the longest: with several slots (--gpus, --per-gpu) the suite
 # then takes about its longest module; tp2 needs two GPUs (it skips itself on one)
-ORDER = ("kernels", "load", "tp2", "fp8", "serve", "e2e", "v2", "v2_auto", "draftless", "align", "mrope", "layer_diff")
+ORDER = ("kernels", "load", "tp2", "fp8", "serve", "e2e", "v2", "v2_auto", "v2_eager_forward", "draftless", "align", "mrope", "layer_diff")
 MIN_START_S = 90  # an engine's start alone can take this long: no module starts with less left
 NEEDS_GPUS = {"tp2": 2}  # (with --gpus)
 EXCLUSIVE = {"load"}  # (with --per-gpu) a GPU of its own: it reads the GPU's memory in use over two loads
