@@ -335,3 +335,17 @@ def test_buckets_priors_and_what_is_not_timed():
     p.proposed(ab.TREE, 2, 30.0, 30.002)  # a step that did not start clean (a prefill joined): not timed
     p.step_ended(30.5)
     assert (ab.TREE, 2) not in p.costs and p.snapshot()["draft_ms"] == pytest.approx(2.0)
+
+
+def test_the_snapshot_keeps_the_last_decisions_and_timed_steps():
+    """What the choice rested on, step by step, for a benchmark row to show: the kinds decided and each
+    timed step's kind, bucket and milliseconds (a step after one of another kind is not timed)."""
+    m, p = _policy(probe=4)
+    kinds = [p.choose(4) for _ in range(3)]
+    _steps(p, ab.TREE, 4, 0.0, 0.010, n=2)  # the second is timed: 10 ms verify + the drafting
+    _steps(p, ab.CHAIN, 4, 5.0, 0.006, n=1)  # after a tree step: not timed
+    snap = p.snapshot()
+    assert snap["chosen"][:3] == kinds and len(snap["chosen"]) >= 3
+    assert len(snap["timed"]) == 1 and snap["timed"][0][1:3] == [ab.TREE, 4], snap["timed"]
+    assert snap["timed"][0][3] == pytest.approx(1e3 * p._samples[(ab.TREE, 4)][-1])
+    json.dumps(snap)  # (benchmark rows carry it)

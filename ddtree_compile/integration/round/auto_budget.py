@@ -101,6 +101,7 @@ _PROBE_SHARE = 0.01  # of the rate that probes of a losing kind may cost
 _PROBE_MAX = 16  # a losing kind is probed at least every probe_interval * this steps
 _PAIR_STEPS = 2  # timed steps of two kinds this many steps apart are compared directly (a probe and its neighbours)
 _MIN_PAIRS = 3  # such comparisons before they replace the kinds' own costs (a median: one stall cannot move it)
+_TRACE = 48  # the last steps kept for the snapshot: each decision's kind, each timed step's kind, bucket and ms
 
 
 def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
@@ -183,6 +184,8 @@ class AutoBudget:
         self._ref: dict[int, str] = {}  # bucket -> the kind chosen as best at the last decision there
         self.min_pairs = _MIN_PAIRS  # (benchmarks/sim_auto_budget.py --no-pairs: out of reach, the costs alone)
         self.forced: str | None = None  # a kind every step takes (precompile times each kind this way)
+        self._chosen = collections.deque(maxlen=_TRACE)  # the kinds of the last decisions ("t", "c", "t:8")
+        self._timed = collections.deque(maxlen=_TRACE)  # (step, kind, bucket, ms) of the last timed steps
 
     # -- the decision (host only) ------------------------------------------------------------------
     def choose(self, R: int) -> str:
@@ -194,6 +197,7 @@ class AutoBudget:
         if self.agree is not None:
             kind = self.agree(kind)
         self.decisions[kind] += 1
+        self._chosen.append(kind)
         for k in self.kinds:
             self._since[k, b] = 0 if k == kind else self._since[k, b] + 1
         return kind
@@ -278,6 +282,7 @@ class AutoBudget:
         if self._began is not None:
             kind, R, t = self._began
             self._observe(kind, bucket(R), now - t)
+            self._timed.append((self._step, kind, bucket(R), round(1e3 * (now - t), 3)))
         if not self._clean:  # (a prefill or a fallback: the next step follows no clean step)
             self._prev = None
         self._began = self._next = None
@@ -338,7 +343,10 @@ class AutoBudget:
                 "draft_ms": None if self.draft_s is None else 1e3 * self.draft_s,
                 "step_ms": {f"{k}@{b}": 1e3 * c for (k, b), c in sorted(self.costs.items())},
                 "step_ratio": {f"{k}/{o}@{b}": math.exp(statistics.median(r))
-                               for (k, o, b), r in sorted(self._pairs.items()) if k < o}}
+                               for (k, o, b), r in sorted(self._pairs.items()) if k < o},
+                # what the choice and the costs rest on, step by step (the kind a decision wrote may
+                # reach a step later, where the scheduler gives each step its draft count: Model Runner V2)
+                "chosen": list(self._chosen), "timed": [list(t) for t in self._timed]}
 
 
 def serveable_menu(menu: tuple, hybrid: bool, scheduled: bool = False) -> tuple[tuple, str | None]:
