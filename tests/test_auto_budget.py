@@ -349,3 +349,43 @@ def test_the_snapshot_keeps_the_last_decisions_and_timed_steps():
     assert len(snap["timed"]) == 1 and snap["timed"][0][1:3] == [ab.TREE, 4], snap["timed"]
     assert snap["timed"][0][3] == pytest.approx(1e3 * p._samples[(ab.TREE, 4)][-1])
     json.dumps(snap)  # (benchmark rows carry it)
+
+
+def _async_loop(p, m, device_s: dict, n: int, R: int = 16) -> list:
+    """n decisions of an engine in vLLM's async loop: its batch queue of two (0.26 `v1/engine/core.py`
+    `step_with_batch_queue`) launches step i + 1 before it waits for step i, so the host's cycle of
+    step i (one proposal to the next) ends when the device finished step i - 2. Each decision's kind
+    runs; the tree accepts 5 nodes per round, 1 of them off the chain (tree 6 tokens, chain 5)."""
+    kinds, t = [], 0.0
+    for i in range(n):
+        if i % 8 == 0:
+            _round(m, [5] * 4, [1] * 4)
+        kinds.append(p.choose(R))
+        p.proposed(kinds[-1], R, t, t + 0.001)
+        p.verify_began(t + 0.001)
+        t += device_s[kinds[max(i - 2, 0)]]
+        p.step_ended(t)
+    return kinds
+
+
+@pytest.mark.parametrize("tree_ms,winner", [(17.5, ab.CHAIN), (12.0, ab.TREE)])
+def test_under_async_scheduling_a_step_is_timed_after_two_of_its_kind(tree_ms, winner):
+    """An H200 (4B shape, Model Runner V2, async scheduling, c = 16; `e2e_h200_4b.json`): the chain's step
+    took 10.8 ms and the tree's 17.5, but probes of two steps timed the chain's second one while the
+    device still ran the tree before the probe, and the tree step after it while it ran the probe:
+    the neighbour ratios read the chain at 1.02-1.23x the tree and auto kept the tree in 55-64% of
+    steps (0.61-0.75x flat DFlash). With one step of lag the same loop shows it (the first case:
+    the chain's cost and its ratio to the tree held up, the tree kept); a lag of two (`depth`) times each kind's own
+    work, and the faster rate wins: the chain's 5 / 10.8 ms over 6 / 17.5, or the tree's 6 / 12 ms."""
+    device = {ab.TREE: tree_ms / 1e3, ab.CHAIN: 0.0108}
+    m1, one = _policy(probe=16)
+    _async_loop(one, m1, device, 400)
+    m2 = metrics.DDTreeMetrics(L, torch.device("cpu"))
+    two = ab.AutoBudget(m2, BUDGET, L, 16, depth=2)
+    kinds = _async_loop(two, m2, device, 400)[100:]
+    assert two.costs[(ab.CHAIN, 16)] == pytest.approx(0.0108) and two.costs[(ab.TREE, 16)] == pytest.approx(device[ab.TREE])
+    assert two.snapshot()["step_ratio"]["chain/tree@16"] == pytest.approx(10.8 / tree_ms)
+    assert kinds.count(winner) > 0.8 * len(kinds), (winner, kinds.count(winner))  # (the rest: probes)
+    if winner == ab.CHAIN:  # one step of lag: the chain's cost held up by the tree's work, the tree kept
+        assert one.costs[(ab.CHAIN, 16)] > 0.011 and one.snapshot()["step_ratio"]["chain/tree@16"] > 1.0
+        assert one.decisions[ab.TREE] > 0.9 * sum(one.decisions.values())

@@ -312,6 +312,7 @@ def test_budget_auto_in_the_default_loop_chooses_tree_and_chain_steps(run):
     M = r["schedule"][0][1]
     assert [tuple(e) for e in r["schedule"]] == [(1, M, 8), (M + 1, M + 1, 4)], r["schedule"]
     assert r["written"]["4"] > 0 and r["written"]["8"] > 0, r  # the policy wrote both counts into vLLM's lookup
+    assert r["policy"]["depth"] == 2, r["policy"]  # async scheduling: a cycle holds the step two before's device work
     c = r["counters"]
     assert c["tree_steps"] > 3 and c["auto_chain_steps"] > 3, (c, r["policy"])  # and vLLM scheduled both
     e2e.assert_same(r["tokens"], run["qwen3"]["reference"], f"budget auto vs no speculation (counters {c})")

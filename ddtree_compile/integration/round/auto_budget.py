@@ -37,14 +37,18 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   part of the tree's work and the other way round. On the H100 (4B shape, c = 1) single probes timed
   that way read the tree at 11-13 ms and the chain at 13-17 ms per step, where the engines' steady
   steps took 15.5 and 11.5 ms, and auto kept the tree under the +4% profile at 0.84x flat DFlash. So
-  a probe is two steps of its kind, the second timed.
+  a probe is two steps of its kind, the second timed. Under async scheduling (Model Runner V2) the host
+  runs a step ahead of the device, so a cycle waits for the device work of the step two before it: a
+  cycle is timed only after two steps of its kind, and a probe is three (`depth`). With one step, on an
+  H200 (4B shape, c = 16) the chain's probes read 1.02-1.23x the neighbouring tree steps, where its own
+  steps took 10.8 ms against the tree's 17.5: auto kept the tree in 55-64% of steps at 0.61-0.75x.
 - Which kind is faster is read from neighbouring steps. A losing kind is timed only at its probes,
   the winner at every step, and between the two the host's speed changes (on two H200s the same flat
   DFlash step took 10.9 ms in one cell and 15.3 ms in the next, CHANGELOG), and so
   does the batch inside its bucket (bucket 16 holds 16..31 requests: a c = 64 run's tail read the
   chain's step there at 29.9 ms, the c = 16 cell at 17.4): the costs then compare different hosts
   and batches. So a probe's timed step is also compared with the winner's timed steps right before
-  and after it (_PAIR_STEPS apart: one host speed, nearly one batch), and once there are _MIN_PAIRS
+  and after it (depth + 1 steps apart: one host speed, nearly one batch), and once there are _MIN_PAIRS
   such ratios a kind's cost in the choice (and in its probe gap) is the last winner's cost times the
   median ratio; the kinds' own costs stand until then. Only the ratio decides, so it does not matter
   which of the two costs is stale.
@@ -54,11 +58,11 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   where the H100 run kept a chain cost of two warm-up stalls for good): the largest tree so that
   every kind's acceptance keeps being measured (a drafter can get better, a workload can change),
   the others so that a cost whose samples were stalls is measured again (a kind that loses is never
-  timed again without a probe). A probe is two steps of its kind, the second timed. How often: as
-  often as probes cost at most _PROBE_SHARE of the rate. A step of kind k instead of the winner w
+  timed again without a probe). A probe is n = depth + 1 steps of its kind, the last timed. How often:
+  as often as probes cost at most _PROBE_SHARE of the rate. A step of kind k instead of the winner w
   takes cost_k for E_k tokens, which w commits in E_k / rate_w = cost_w * E_k / E_w, so a probe
-  loses 2 * cost_w * (cost_k / cost_w - E_k / E_w) and k is probed every
-      gap_k = 2 * (cost_k / cost_w - E_k / E_w) / _PROBE_SHARE
+  loses n * cost_w * (cost_k / cost_w - E_k / E_w) and k is probed every
+      gap_k = n * (cost_k / cost_w - E_k / E_w) / _PROBE_SHARE
   steps, within probe_interval .. probe_interval * _PROBE_MAX (every probe_interval while fewer than
   _SETTLED of k's steps at that bucket were timed: a table's prior or warm-up stalls). The
   closer the race, the more often the loser is re-measured. On the H100's 4B shape under the +4%
@@ -99,7 +103,6 @@ _MIN_SAMPLES = 2  # measured steps before they replace the table's prior (or mak
 _SETTLED = 4  # measured steps before a losing kind's probes are priced (until then: every probe_interval)
 _PROBE_SHARE = 0.01  # of the rate that probes of a losing kind may cost
 _PROBE_MAX = 16  # a losing kind is probed at least every probe_interval * this steps
-_PAIR_STEPS = 2  # timed steps of two kinds this many steps apart are compared directly (a probe and its neighbours)
 _MIN_PAIRS = 3  # such comparisons before they replace the kinds' own costs (a median: one stall cannot move it)
 _TRACE = 48  # the last steps kept for the snapshot: each decision's kind, each timed step's kind, bucket and ms
 
@@ -141,7 +144,7 @@ class AutoBudget:
     """The per-step choice (module docstring). Host state only, besides the read-back buffer."""
 
     def __init__(self, metrics, tree_budget: int, draft_len: int, probe_interval: int, priors: dict | None = None,
-                 table_path: str | None = None, menu: tuple = (), agree=None):
+                 table_path: str | None = None, menu: tuple = (), agree=None, depth: int = 1):
         self.metrics = metrics
         # tensor parallel: every rank verifies what rank 0 chose (each times its own steps, and ranks
         # that chose apart would verify different batches: on the H100 at TP=2 rank 1 refused to
@@ -173,9 +176,12 @@ class AutoBudget:
         self.draft_s: float | None = None  # seconds per proposal (drafter + tree build), both kinds
         self._next: tuple | None = None  # (kind, R, its proposal's start) for the next step
         self._began: tuple | None = None  # the same, once that step started clean after one of its kind
-        self._prev: tuple | None = None  # (kind, bucket) of the last clean step, None after an unclean one
+        # steps a cycle holds device work of: 1, or 2 under async scheduling (module docstring); a cycle is
+        # timed after `depth` clean steps of its kind and bucket, and a probe is depth + 1 steps
+        self.depth = depth
+        self._prev = collections.deque(maxlen=depth)  # (kind, bucket) of the last clean steps, emptied by an unclean one
         self._clean = False  # the step now running started clean
-        self._again: str | None = None  # a probe's kind, for its second (timed) step
+        self._again: tuple | None = None  # (a probe's kind, its steps still to take)
         self._prev_totals = None
         self._readback = None  # (pinned host tensor, event or None)
         self._step = 0  # steps ended, to tell which timed steps were neighbours
@@ -192,8 +198,10 @@ class AutoBudget:
         self._n += 1
         self._poll()
         b = bucket(R)
-        kind, self._again = self.forced or self._again, None
-        kind = kind or self._decide(b)  # (which may set _again: a probe's second step)
+        again, self._again = self._again, None
+        if again is not None and again[1] > 1:
+            self._again = (again[0], again[1] - 1)
+        kind = self.forced or (again and again[0]) or self._decide(b)  # (_decide may start a probe: _again)
         if self.agree is not None:
             kind = self.agree(kind)
         self.decisions[kind] += 1
@@ -247,12 +255,12 @@ class AutoBudget:
         """Steps between probes of the losing kind k at bucket b (module docstring)."""
         if len(self._samples.get((k, b), ())) < _SETTLED:
             return self.probe_interval
-        gap = 2 * (costs[k] / costs[best] - self.tokens[k] / self.tokens[best]) / _PROBE_SHARE
+        gap = (self.depth + 1) * (costs[k] / costs[best] - self.tokens[k] / self.tokens[best]) / _PROBE_SHARE
         return min(max(round(gap), self.probe_interval), self.probe_interval * _PROBE_MAX)
 
     def _probe(self, kind: str) -> str:
-        """A probe is two steps of its kind: the second is timed (after one of its own kind)."""
-        self._again = kind
+        """A probe is depth + 1 steps of its kind: the last is timed (after `depth` of its own kind)."""
+        self._again = (kind, self.depth)
         return kind
 
     # -- costs: the host's step times --------------------------------------------------------------
@@ -272,8 +280,10 @@ class AutoBudget:
         began, self._next = self._next, None
         if began is None:
             return
-        prev, self._prev = self._prev, (began[0], bucket(began[1]))
-        self._began = began if prev == self._prev else None
+        this = (began[0], bucket(began[1]))
+        timed = len(self._prev) == self.depth and all(p == this for p in self._prev)
+        self._prev.append(this)
+        self._began = began if timed else None
         self._clean = True
 
     def step_ended(self, now: float) -> None:
@@ -284,7 +294,7 @@ class AutoBudget:
             self._observe(kind, bucket(R), now - t)
             self._timed.append((self._step, kind, bucket(R), round(1e3 * (now - t), 3)))
         if not self._clean:  # (a prefill or a fallback: the next step follows no clean step)
-            self._prev = None
+            self._prev.clear()
         self._began = self._next = None
         self._clean = False
 
@@ -300,7 +310,7 @@ class AutoBudget:
             self.costs[key] = sum(faster) / len(faster)
         last = self._last.setdefault(b, {})
         for other, (step, s) in last.items():
-            if other != kind and self._step - step <= _PAIR_STEPS:
+            if other != kind and self._step - step <= self.depth + 1:  # (a probe and its neighbours)
                 r = math.log(seconds / s)
                 self._pairs.setdefault((kind, other, b), collections.deque(maxlen=_WINDOW)).append(r)
                 self._pairs.setdefault((other, kind, b), collections.deque(maxlen=_WINDOW)).append(-r)
@@ -336,7 +346,8 @@ class AutoBudget:
             self.tokens[kind] = tokens if old is None else old + _EMA * (tokens - old)
 
     def snapshot(self) -> dict:
-        return {"tree_budget": self.B, "menu": list(self.menu), "chain_len": self.L, "decisions": dict(self.decisions),
+        return {"tree_budget": self.B, "menu": list(self.menu), "chain_len": self.L, "depth": self.depth,
+                "decisions": dict(self.decisions),
                 "probes": self.probes, "probe_gap": dict(self.probe_gap), "chain_probes": self.chain_probes,
                 "budget_probes": self.budget_probes,
                 "tokens_per_round": dict(self.tokens), "table": self.table_path,
@@ -381,4 +392,5 @@ def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int, menu: 
         raise ValueError(f"additional_config['ddtree']['cost_table'] = {cfg.cost_table!r}: no such file")
     logger.info("DDTree auto budget: a tree of %s nodes or the chain of %d per step; cost table: %s",
                 "/".join(map(str, menu)), draft_len, found or f"none at {path} (costs measured online)")
-    return AutoBudget(metrics, tree_budget, draft_len, cfg.probe_interval, priors, found, menu, agree)
+    return AutoBudget(metrics, tree_budget, draft_len, cfg.probe_interval, priors, found, menu, agree,
+                      depth=2 if settings.async_scheduling else 1)
