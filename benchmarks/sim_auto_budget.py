@@ -17,7 +17,9 @@ interpolated linearly between the measured concurrencies, and the policy is comp
 and the tree every step over the same runs. --host-drift F,D multiplies every step by a host speed
 that switches between 1 and F after D steps on average (the H200 run: the same flat step took 10.9 or
 15.3 ms from one cell to the next). --no-pairs replays the policy before its probes were compared with
-their neighbouring steps (AutoBudget.min_pairs).
+their neighbouring steps (AutoBudget.min_pairs). --lag 2 reports each step's cycle as the device time of
+the step two before it, as the host sees it in vLLM's async loop (its batch queue keeps two steps in
+flight); --depth is the policy's (AutoBudget.depth: 2 in that loop, 1 before).
 
 What a cell reports (mean and worst over --seeds): the tree's share of steps, and the rate (expected
 tokens per second: a kind's mean tokens per request-round, times c, over the steps' time) over
@@ -54,7 +56,7 @@ def costs_from(result: dict, budget: int) -> dict:
     return out
 
 
-def _new_policy(budget, draft_len, probe_interval, no_pairs):
+def _new_policy(budget, draft_len, probe_interval, no_pairs, depth=1):
     """(DDTreeMetrics, AutoBudget) on the CPU; no_pairs: the policy on its kinds' own costs alone."""
     import torch
 
@@ -62,7 +64,7 @@ def _new_policy(budget, draft_len, probe_interval, no_pairs):
     from ddtree_compile.integration.round import auto_budget as ab
 
     m = metrics.DDTreeMetrics(draft_len, torch.device("cpu"))
-    policy = ab.AutoBudget(m, budget, draft_len, probe_interval, None)
+    policy = ab.AutoBudget(m, budget, draft_len, probe_interval, None, depth=depth)
     policy.min_pairs = math.inf if no_pairs else policy.min_pairs
     return m, policy
 
@@ -84,16 +86,16 @@ def _play(policy, m, kind, R, t, dur, budget, accepted=(), chain=()):
 
 
 def run_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16, cv=0.12, stall=0.01,
-              stall_factor=5.0, warmup=0, seed=0, no_pairs=False) -> list[dict]:
+              stall_factor=5.0, warmup=0, seed=0, no_pairs=False, lag=0, depth=1) -> list[dict]:
     """One policy over `cells` [(profile name, c, steps)], each cell after `warmup` untimed steps
     (bench_e2e_gpu's --warmup-runs); rows: profile name -> (accepted, chain) per sampled
     request-round (lists). Returns one dict per cell."""
     from ddtree_compile.integration.round import auto_budget as ab
 
     rng = random.Random(seed)
-    m, policy = _new_policy(budget, draft_len, probe_interval, no_pairs)
+    m, policy = _new_policy(budget, draft_len, probe_interval, no_pairs, depth)
     slow = 1 + stall * (stall_factor - 1)  # the mean step's factor from stalls
-    t, out = 0.0, []
+    t, out, durs = 0.0, [], []
     for name, c, steps in cells:
         accepted, chain = rows[name]
         tokens = {ab.TREE: 1 + statistics.mean(accepted), ab.CHAIN: 1 + statistics.mean(chain)}
@@ -104,7 +106,9 @@ def run_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16,
             dur = costs[(kind, c)] * math.exp(rng.gauss(0, cv) - cv * cv / 2)
             dur *= stall_factor if rng.random() < stall else 1.0
             pick = [rng.randrange(len(accepted)) for _ in range(c)] if kind == ab.TREE else []
-            _play(policy, m, kind, c, t, dur, budget, [accepted[j] for j in pick], [chain[j] for j in pick])
+            durs.append(dur)
+            seen = durs[-1 - lag] if len(durs) > lag else dur  # the cycle the host times (--lag)
+            _play(policy, m, kind, c, t, seen, budget, [accepted[j] for j in pick], [chain[j] for j in pick])
             t += dur
             if i >= 0:
                 made += c * tokens[kind]  # expected tokens: the evaluation without the rows' sampling noise
@@ -128,7 +132,8 @@ def cost_at(costs: dict, kind: str, R: int) -> float:
 
 
 def drain_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16, cv=0.12, stall=0.01,
-                stall_factor=5.0, run_tokens=256, runs=7, drift=(1.0, 1e9), seed=0, no_pairs=False) -> list[dict]:
+                stall_factor=5.0, run_tokens=256, runs=7, drift=(1.0, 1e9), seed=0, no_pairs=False, lag=0,
+                depth=1) -> list[dict]:
     """One policy per forced kind (None: auto, then the chain, then the tree) over `cells` [(profile
     name, c, _)], each cell `runs` runs of c requests of run_tokens tokens (the module docstring)."""
     from ddtree_compile.integration.round import auto_budget as ab
@@ -145,9 +150,9 @@ def drain_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=1
         factors.append(f)
     for forced in (None, ab.CHAIN, ab.TREE):
         rng = random.Random(seed)  # the requests' draws
-        m, policy = _new_policy(budget, draft_len, probe_interval, no_pairs)
+        m, policy = _new_policy(budget, draft_len, probe_interval, no_pairs, depth)
         policy.forced = forced
-        t, out = 0.0, []
+        t, out, durs = 0.0, [], []
         for (name, c, _), f in zip(cells, factors):
             accepted, chain = rows[name]
             made = spent = 0.0
@@ -161,7 +166,9 @@ def drain_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=1
                     kind = policy.choose(R)
                     dur = cost_at(costs, kind, R) * next(step)
                     pick = [rng.randrange(len(accepted)) for _ in active]
-                    _play(policy, m, kind, R, t, dur, budget, [accepted[j] for j in pick], [chain[j] for j in pick])
+                    durs.append(dur)
+                    seen = durs[-1 - lag] if len(durs) > lag else dur  # the cycle the host times (--lag)
+                    _play(policy, m, kind, R, t, seen, budget, [accepted[j] for j in pick], [chain[j] for j in pick])
                     t += dur
                     for i, j in zip(active, pick):
                         n = accepted[j] if kind == ab.TREE else chain[j]
@@ -199,7 +206,7 @@ def simulate(args) -> dict:
         rows[n] = (a.tolist(), ch.tolist())
     cells = [(n, c, args.steps) for n in names for c in conc]
     kw = dict(budget=args.budget, draft_len=args.draft_len, probe_interval=args.probe_interval, cv=args.cv,
-              stall=args.stall, stall_factor=args.stall_factor, no_pairs=args.no_pairs)
+              stall=args.stall, stall_factor=args.stall_factor, no_pairs=args.no_pairs, lag=args.lag, depth=args.depth)
     if args.run_tokens:
         drift = tuple(float(x) for x in args.host_drift.split(","))
         per_seed = [drain_cells(cells, costs, rows, seed=s, run_tokens=args.run_tokens, runs=args.runs, drift=drift,
@@ -254,6 +261,9 @@ def main(argv=None) -> int:
     ap.add_argument("--host-drift", default="1,1e9", help="F,D: --run-tokens: the host's speed switches between 1 "
                     "and F (step time x F) after D steps on average")
     ap.add_argument("--no-pairs", action="store_true", help="the policy without its neighbour comparisons")
+    ap.add_argument("--lag", type=int, default=0, help="steps between a step and the cycle the host times for it "
+                    "(2: vLLM's async loop, a batch queue of two)")
+    ap.add_argument("--depth", type=int, default=1, help="the policy's AutoBudget.depth (2 under async scheduling)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     result = simulate(args)

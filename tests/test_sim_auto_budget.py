@@ -69,3 +69,14 @@ def test_an_invalid_row_is_no_cost(bench, tmp_path):
     with pytest.raises(SystemExit, match=r"--concurrency 4: .* has no tree step cost at c=4"):
         sim.main(["--costs", str(path), "--profile-names", "sglang_plus22", "--concurrency", "4", "--steps", "10",
                   "--out", str(tmp_path / "sim.json")])
+
+
+def test_async_lag_needs_the_policys_depth(bench, tmp_path):
+    """--lag 2: each step reports the cycle of the step two before it, as vLLM's async loop does; the
+    tree at twice the chain's cost at c = 4. With depth 1 (a step timed after one of its kind) the
+    probes read the other kind's work and the tree keeps most steps; with depth 2 the chain wins."""
+    costs = _costs(tmp_path, {1: 12.0, 4: 13.0}, {1: 12.0, 4: 26.0})
+    one = _run(tmp_path, costs, "--warmup-steps", "40", "--lag", "2", "--depth", "1")[4]
+    two = _run(tmp_path, costs, "--warmup-steps", "40", "--lag", "2", "--depth", "2")[4]
+    assert two["tree_share"] < 0.15 and two["vs_best_mean"] > 0.9, two
+    assert one["tree_share"] > 0.5 and one["vs_best_mean"] < two["vs_best_mean"], one

@@ -179,7 +179,7 @@ class AutoBudget:
         # steps a cycle holds device work of: 1, or 2 under async scheduling (module docstring); a cycle is
         # timed after `depth` clean steps of its kind and bucket, and a probe is depth + 1 steps
         self.depth = depth
-        self._prev = collections.deque(maxlen=depth)  # (kind, bucket) of the last clean steps, emptied by an unclean one
+        self._prev = collections.deque(maxlen=depth)  # (kind, bucket) of the last clean steps; emptied if unclean
         self._clean = False  # the step now running started clean
         self._again: tuple | None = None  # (a probe's kind, its steps still to take)
         self._prev_totals = None
