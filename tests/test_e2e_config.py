@@ -73,8 +73,8 @@ def test_merge_llm_kwargs_keeps_yours_and_the_pass():
 def test_the_ddtree_block_added_to_a_flat_dflash_configuration_is_the_switch():
     """What the plugin does to vLLM's EngineArgs (adapters/engine_args.py) when a user adds only the ddtree block to
     their flat DFlash settings: the drafter's L becomes draft_len, vLLM's slots hold the tree, the
-    tree-verify pass is installed in their compilation config (a dict or vLLM's CompilationConfig),
-    and the settings `vllm_kwargs` already made are left as they are."""
+    tree-verify pass is installed in their compilation config (a dict or vLLM's CompilationConfig, whose
+    Inductor config gets it too), and the settings `vllm_kwargs` already made are left as they are."""
     from types import SimpleNamespace
 
     from vllm.config import CompilationConfig
@@ -90,6 +90,10 @@ def test_the_ddtree_block_added_to_a_flat_dflash_configuration_is_the_switch():
         assert config.parse(args.additional_config) == config.DDTreeConfig(budget=32, draft_len=15)
         get = cc.get if isinstance(cc, dict) else lambda k: getattr(cc, k)
         assert get("inductor_passes")["post_grad_custom_post_pass"] == config.PASS_NAME
+        if not isinstance(cc, dict):  # a built config resolved its passes already: what Inductor is handed
+            from ddtree_compile.passes.entry import tree_verify_pass
+
+            assert cc.inductor_compile_config["post_grad_custom_post_pass"] is tree_verify_pass
         assert str(get("cudagraph_mode")).endswith("FULL_AND_PIECEWISE")  # theirs kept
         assert len(notes) == 2 and "15 -> 32" in notes[0], notes
         assert switch.adjust_engine_args(args) == []  # once adjusted, nothing more to do
