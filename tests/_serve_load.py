@@ -280,6 +280,9 @@ def gates(plain, js: list[dict], results: list[dict], refs: dict) -> list[dict]:
             if job["kind"] in STRUCTURED:  # what a failed validity check is about
                 out[-1].update(finish=got["finish"], tool=got["tool"], args=got["args"][:120],
                                content=got["content"][:120])
+                if not out[-1]["valid"]:  # the output and the reference as text, side by side
+                    out[-1].update(text=_detokenized(plain, got["ids"])[:200],
+                                   reference_text=_detokenized(plain, refs[key][0])[:200])
     return out
 
 
