@@ -137,6 +137,11 @@ class RunnerView(abc.ABC):
         """The verify's drafts, or None on a step that verifies none."""
 
     @abc.abstractmethod
+    def drafts_per_request(self, spec_metadata) -> list[int] | None:
+        """The verify's draft count per request, read on the host (no device work), or None on a step
+        that verifies none."""
+
+    @abc.abstractmethod
     def sampled_tokens(self, sampler_output) -> tuple[torch.Tensor, object]:
         """(sampled token ids [R, 1+K] with -1 after the accepted ones, logprobs or None) of vLLM's sampler."""
 

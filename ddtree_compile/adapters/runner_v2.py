@@ -195,17 +195,22 @@ class V2RunnerView(V1RunnerView):
         from .interface import SpecBatch
 
         b = spec_metadata  # the InputBatch
-        if not b.num_draft_tokens or b.num_draft_tokens_per_req is None:
+        ks = self.drafts_per_request(b)
+        if ks is None:
             return None
-        R = b.num_reqs
-        ks = [int(k) for k in b.num_draft_tokens_per_req[:R]]
-        starts = b.query_start_loc_np[:R]
+        starts = b.query_start_loc_np[: b.num_reqs]
         rows = np.concatenate([np.arange(s + 1, s + 1 + k) for s, k in zip(starts, ks)] or [np.zeros(0, np.int64)])
         rows = torch.from_numpy(rows.astype(np.int64))
         if b.input_ids.is_cuda:  # pinned + non_blocking: under async scheduling the host must not wait here
             rows = rows.pin_memory()
         draft_tokens = b.input_ids[rows.to(b.input_ids.device, non_blocking=True)]
         return SpecBatch(ks, draft_tokens, b.logits_indices)
+
+    def drafts_per_request(self, spec_metadata) -> list[int] | None:
+        b = spec_metadata  # the InputBatch: V2 keeps the counts on the host (numpy)
+        if not b.num_draft_tokens or b.num_draft_tokens_per_req is None:
+            return None
+        return [int(k) for k in b.num_draft_tokens_per_req[: b.num_reqs]]
 
     def sampled_tokens(self, sampler_output) -> tuple[torch.Tensor, object]:
         """V2 leaves the columns past num_sampled unspecified: -1 there, as V1 writes them."""

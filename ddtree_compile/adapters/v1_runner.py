@@ -170,10 +170,13 @@ class V1RunnerView(RunnerView):
         return None if sampling_metadata.all_greedy or temp is None else temp
 
     def spec_batch(self, spec_metadata) -> SpecBatch | None:
+        ks = self.drafts_per_request(spec_metadata)
+        return None if ks is None else SpecBatch(ks, spec_metadata.draft_token_ids, spec_metadata.logits_indices)
+
+    def drafts_per_request(self, spec_metadata) -> list[int] | None:
         if spec_metadata is None or spec_metadata.max_spec_len == 0:
             return None
-        return SpecBatch(list(spec_metadata.num_draft_tokens), spec_metadata.draft_token_ids,
-                         spec_metadata.logits_indices)
+        return list(spec_metadata.num_draft_tokens)
 
     def sampled_tokens(self, sampler_output) -> tuple[torch.Tensor, object]:
         return sampler_output.sampled_token_ids, sampler_output.logprobs_tensors

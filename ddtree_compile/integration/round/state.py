@@ -228,8 +228,8 @@ class DDTreeRound:
         if step is not None and step.N > P and any(step.chain_rows):
             self._cap_walk(step, P)
             return self._cap_tokens(out, P)
-        spec = self.ctx.view.spec_batch(metadata) if step is None else None
-        if spec is not None and max(spec.drafts_per_request) >= P:
+        ks = self.ctx.view.drafts_per_request(metadata) if step is None else None  # (host values)
+        if ks is not None and max(ks) >= P:
             return self._cap_tokens(out, P)
         return out
 
