@@ -374,16 +374,17 @@ def test_under_async_scheduling_a_step_is_timed_after_two_of_its_kind(tree_ms, w
     took 10.8 ms and the tree's 17.5, but probes of two steps timed the chain's second one while the
     device still ran the tree before the probe, and the tree step after it while it ran the probe:
     the neighbour ratios read the chain at 1.02-1.23x the tree and auto kept the tree in 55-64% of
-    steps (0.61-0.75x flat DFlash). With one step of lag the same loop shows it (the first case:
-    the chain's cost and its ratio to the tree held up, the tree kept); a lag of two (`depth`) times each kind's own
-    work, and the faster rate wins: the chain's 5 / 10.8 ms over 6 / 17.5, or the tree's 6 / 12 ms."""
+    steps (0.61-0.75x flat DFlash). With one step of lag the same loop shows it (the first case: the
+    chain's cost and its ratio to the tree held up, the tree kept); a lag of two (`depth`) times each
+    kind's own work, and the faster rate wins: the chain's 5 / 10.8 ms over 6 / 17.5, or the tree's 6 / 12."""
     device = {ab.TREE: tree_ms / 1e3, ab.CHAIN: 0.0108}
     m1, one = _policy(probe=16)
     _async_loop(one, m1, device, 400)
     m2 = metrics.DDTreeMetrics(L, torch.device("cpu"))
     two = ab.AutoBudget(m2, BUDGET, L, 16, depth=2)
     kinds = _async_loop(two, m2, device, 400)[100:]
-    assert two.costs[(ab.CHAIN, 16)] == pytest.approx(0.0108) and two.costs[(ab.TREE, 16)] == pytest.approx(device[ab.TREE])
+    assert two.costs[(ab.CHAIN, 16)] == pytest.approx(0.0108)
+    assert two.costs[(ab.TREE, 16)] == pytest.approx(device[ab.TREE])
     assert two.snapshot()["step_ratio"]["chain/tree@16"] == pytest.approx(10.8 / tree_ms)
     assert kinds.count(winner) > 0.8 * len(kinds), (winner, kinds.count(winner))  # (the rest: probes)
     if winner == ab.CHAIN:  # one step of lag: the chain's cost held up by the tree's work, the tree kept
