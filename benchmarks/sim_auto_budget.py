@@ -32,6 +32,7 @@ a switch carrying the other kind's leftovers, run-to-run noise.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import pathlib
@@ -95,7 +96,7 @@ def run_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=16,
     rng = random.Random(seed)
     m, policy = _new_policy(budget, draft_len, probe_interval, no_pairs, depth)
     slow = 1 + stall * (stall_factor - 1)  # the mean step's factor from stalls
-    t, out, durs = 0.0, [], []
+    t, out, durs = 0.0, [], collections.deque(maxlen=lag + 1)
     for name, c, steps in cells:
         accepted, chain = rows[name]
         tokens = {ab.TREE: 1 + statistics.mean(accepted), ab.CHAIN: 1 + statistics.mean(chain)}
@@ -152,7 +153,7 @@ def drain_cells(cells, costs, rows, *, budget=32, draft_len=15, probe_interval=1
         rng = random.Random(seed)  # the requests' draws
         m, policy = _new_policy(budget, draft_len, probe_interval, no_pairs, depth)
         policy.forced = forced
-        t, out, durs = 0.0, [], []
+        t, out, durs = 0.0, [], collections.deque(maxlen=lag + 1)
         for (name, c, _), f in zip(cells, factors):
             accepted, chain = rows[name]
             made = spent = 0.0

@@ -174,13 +174,17 @@ class RunnerView(abc.ABC):
         rotary position is its root's (vLLM's value at slot 0) plus its depth in every row; `flat`
         [T] (start + depth) stays what the slot mapping reads."""
         out = positions.clone()
-        if positions.dim() == 1:
-            out[: flat.shape[0]] = flat
-            return out
-        R, N = depths.shape
-        rows = out[:, : R * N].view(out.shape[0], R, N)
-        rows.copy_(rows[:, :, :1] + depths.to(out.dtype).unsqueeze(0))
+        self.write_tree_positions(out, flat, depths)
         return out
+
+    def write_tree_positions(self, positions: torch.Tensor, flat: torch.Tensor, depths: torch.Tensor) -> None:
+        """`tree_positions` written into `positions` itself: its first R * N columns change, no others."""
+        if positions.dim() == 1:
+            positions[: flat.shape[0]] = flat
+            return
+        R, N = depths.shape
+        rows = positions[:, : R * N].view(positions.shape[0], R, N)
+        rows.copy_(rows[:, :, :1] + depths.to(positions.dtype).unsqueeze(0))
 
     @abc.abstractmethod
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor: ...

@@ -118,7 +118,6 @@ class V2RoundHooks:
         """The last call before the target forward in all its forms (0.26 `model_runner.py:1300`, 0.32
         `:1966`): the round's verify of the step is set here, on the positions tensor the target gets
         (V2's rope state's with M-RoPE, else the batch's)."""
-        self.hooks["verify_end"]()  # (a forward whose logits were never sampled)
         self.shared.batch = input_batch
         out = self.hooks["prepare_inputs"](input_batch, input_batch.num_scheduled_tokens)
         self.hooks["verify_begin"](out.get("positions", input_batch.positions))

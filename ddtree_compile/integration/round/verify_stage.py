@@ -28,7 +28,7 @@ class Armed:
     meta: TreeVerifyMetadata
     graph_rows: int | None
     positions: torch.Tensor | None = None  # vLLM's [T] or M-RoPE [3, T], holding the tree's positions
-    saved: torch.Tensor | None = None  # vLLM's values of `positions`
+    saved: torch.Tensor | None = None  # vLLM's values of the first R x N columns of `positions`
 
 
 class VerifyStage:
@@ -172,9 +172,9 @@ class VerifyStage:
         meta = step.meta if rows is None else self.graphs.fill(step.N, rows, step)
         self._forward_metadata(step, meta, rows)
         saved = None
-        if positions is not None:
-            saved = positions.clone()
-            positions.copy_(self.ctx.view.tree_positions(positions, step.positions, step.tree.depths))
+        if positions is not None:  # (only the step's R x N columns change: only they are saved)
+            saved = positions[..., : step.R * step.N].clone()
+            self.ctx.view.write_tree_positions(positions, step.positions, step.tree.depths)
         set_tree_verify(meta)
         return Armed(step, meta, rows, positions, saved)
 
@@ -183,7 +183,7 @@ class VerifyStage:
         layer checked to have run its tree op (unless a captured FULL graph replayed them)."""
         set_tree_verify(None)
         if armed.saved is not None:
-            armed.positions.copy_(armed.saved)
+            armed.positions[..., : armed.saved.shape[-1]].copy_(armed.saved)
         if armed.graph_rows is not None and not armed.meta.calls:  # no op's Python ran: the graph replayed
             self.ctx.metrics.graph_steps += 1
         else:
