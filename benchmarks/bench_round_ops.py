@@ -102,21 +102,21 @@ def run(kind: str, triton: bool, tokens: int) -> dict:
     counts, calls = collections.defaultdict(collections.Counter), collections.Counter()
     try:
         state = engines.find_state(llm)
-        propose = state.build.propose
+        propose = state.build_stage.propose
 
-        def build_counting_the_drafter_apart(original_propose, **k):
-            def drafter(**kk):
+        def build_counting_the_drafter_apart(run_drafter, roots):
+            def drafter():
                 with _Count(counts["drafter"]):
-                    return original_propose(**kk)
+                    return run_drafter()
             calls["drafter"] += 1
-            return propose(drafter, **k)
+            return propose(drafter, roots)
 
-        state.build.propose = build_counting_the_drafter_apart
-        _counting(state.build, "propose", "build+drafter", counts, calls)
-        for obj, name, label in ((state.verify, "prepare", "verify.prepare"),
-                                 (state.verify, "_forward_metadata", "verify.metadata"),
-                                 (state.walk, "sample", "walk"), (state.commit, "commit", "commit"),
-                                 (state.commit, "reorder_drafter_inputs", "reorder")):
+        state.build_stage.propose = build_counting_the_drafter_apart
+        _counting(state.build_stage, "propose", "build+drafter", counts, calls)
+        for obj, name, label in ((state.verify_stage, "prepare", "verify.prepare"),
+                                 (state.verify_stage, "_forward_metadata", "verify.metadata"),
+                                 (state.walk_stage, "sample", "walk"), (state.commit_stage, "commit", "commit"),
+                                 (state.commit_stage, "reorder_drafter_inputs", "reorder")):
             _counting(obj, name, label, counts, calls)
         e2e.generate(llm, models.token_prompts(4, 16, models.VOCAB, seed=2), tokens)
         tree_steps = state.metrics.tree_steps

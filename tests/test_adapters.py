@@ -126,8 +126,47 @@ def test_the_plugin_hooks_runner_v2_where_it_hooks_v1():
     from ddtree_compile.integration import plugin
 
     plugin.register()
-    for name in ("initialize_kv_cache", "profile_run", "load_model"):
+    for name in ("initialize_kv_cache", "profile_run", "load_model", "execute_model"):
         assert getattr(getattr(v2.GPUModelRunner, name), "_ddtree_patched", False), name
+
+
+def test_the_v2_driver_replaces_no_member_by_name():
+    """Model Runner V2's driver gives the objects V2 built DDTree subclasses of their own classes
+    (v2_driver.retype) instead of replacing their members: no `setattr`, no assignment to an attribute
+    that is a method of one of V2's classes (read from the installed vLLM), no `__getattr__` proxy.
+    The driver's mixins override methods V2 really has, with V2's parameters."""
+    import ast
+    import pathlib
+
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+    from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+    from ddtree_compile.adapters import v2_driver
+
+    v2_classes = (GPUModelRunner, DFlashSpeculator, DefaultModelState, MambaHybridModelState, RejectionSampler,
+                  CudaGraphManager)
+    tree = ast.parse(pathlib.Path(v2_driver.__file__).read_text())
+    for node in ast.walk(tree):
+        assert not (isinstance(node, ast.FunctionDef) and node.name == "__getattr__"), node.lineno
+        assert not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"), node.lineno
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in (e for tgt in targets for e in (tgt.elts if isinstance(tgt, ast.Tuple) else [tgt])):
+            if isinstance(t, ast.Attribute):
+                assert not any(callable(getattr(c, t.attr, None)) for c in v2_classes) or t.attr == "__class__", \
+                    (t.attr, node.lineno)
+    d = v2_driver
+    for mixin, base in ((d.DDTreeModelState, MambaHybridModelState), (d.DDTreeSpeculator, DFlashSpeculator),
+                        (d.DDTreeRejectionSampler, RejectionSampler), (d.TreeCaptureManager, CudaGraphManager),
+                        (d.FlatOracleSpeculator, DFlashSpeculator)):
+        for cls in mixin.__mro__[:-1]:
+            for name, fn in vars(cls).items():
+                if inspect.isfunction(fn):
+                    assert callable(getattr(base, name, None)), f"{cls.__name__}.{name}: not V2's {base.__name__}'s"
 
 
 def test_fewer_drafts_than_k_copy_into_a_contiguous_view_of_vllms_pinned_buffer():

@@ -80,7 +80,7 @@ def _staggered(llm):
     Returns the outputs and how many tree steps took their trees as proposed / gathered."""
     from vllm import SamplingParams
 
-    verify = engines.find_state(llm).verify
+    verify = engines.find_state(llm).verify_stage
     make_step, seen = verify._make_step, {"as_proposed": 0, "gathered": 0}
 
     def counting(pending):
@@ -177,7 +177,7 @@ def test_round_with_the_triton_walk_equals_no_speculation(dirs, reference, monke
     seen = {"rows": 0, "moved": 0}
     with _llm(dirs, **config.vllm_kwargs(dirs["drafter"], budget=22, top_k=TOP_K,
                                          num_speculative_tokens=DRAFT_LEN)) as llm:
-        _checking_reorder(engines.find_state(llm).commit, seen)
+        _checking_reorder(engines.find_state(llm).commit_stage, seen)
         h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, reference["b4"])).install(llm)
         e2e.assert_same(e2e.generate(llm, PROMPTS, MAX_TOKENS), reference["b4"], "triton walk")
         h.uninstall()

@@ -41,19 +41,19 @@ def _ddtree_plugin():
 def _force_bucket_path(llm, monkeypatch):
     """Every tree verify takes the FULL-graph path of its bucket; every third proposal loses its trees."""
     state = engines.find_state(llm)
-    graphs = state.verify.graphs
+    graphs = state.verify_stage.graphs
     slots = {n for n in graphs.query_lens() if n - 1 in state.ctx.menu}  # the tree buckets' graphs
     graphs.captured.update((n, r) for n in slots for r in range(1, state.ctx.view.max_num_reqs + 1))
     monkeypatch.setattr(adapters.current(), "full_graph_batch",
                         lambda: (state.step.R * state.step.N, state.step.R) if state.step is not None else None)
-    propose, calls = state.build.propose, [0]
+    propose, calls = state.build_stage.propose, [0]
 
     def dropping_propose(*args, **kw):
         drafts, pending = propose(*args, **kw)
         calls[0] += 1
         return drafts, (None if calls[0] % 3 == 0 else pending)
 
-    monkeypatch.setattr(state.build, "propose", dropping_propose)
+    monkeypatch.setattr(state.build_stage, "propose", dropping_propose)
     filled = []
     fill = graphs.fill
     monkeypatch.setattr(graphs, "fill", lambda N, rows, step: filled.append((N, rows)) or fill(N, rows, step))
@@ -83,7 +83,7 @@ def _check_workspace(llm, state, scratch_seen):
     bucket: the H100 4B OOM), every tree-attention call the one scratch (it lived in a process-wide
     cache per bucket, outside the memory plan, never freed), large enough for every batch size. The
     bytes vLLM's memory profile reserves (the plugin's hook) are exactly what attach allocates."""
-    ws, metas, ctx = state.verify.workspace, state.verify.graphs._metas, state.ctx
+    ws, metas, ctx = state.verify_stage.workspace, state.verify_stage.graphs._metas, state.ctx
     assert metas and all(m.attn_scratch is ws.attn_scratch for m in metas.values())
     assert scratch_seen and all(s is ws.attn_scratch for s in scratch_seen)
     p = adapters.current().attention_params(ctx.layer(ctx.attn_layers[0]))
@@ -127,7 +127,7 @@ def test_bucket_path_is_lossless(kind, tmp_path, monkeypatch):
         h.uninstall()
         m = metrics.collect(llm)[0]
         _check_workspace(llm, state, scratch_seen)
-        ws = state.verify.workspace
+        ws = state.verify_stage.workspace
         freed = [weakref.ref(t) for t in (ws.stack, ws.attn_scratch) if t is not None]
         del ws
         scratch_seen.clear()

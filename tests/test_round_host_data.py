@@ -68,25 +68,25 @@ def test_round_makes_no_host_tensors_but_through_h2d(tmp_path, kind, budget):
     with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=512, **kw)) as llm:
         try:
             state = engines.find_state(llm)
-            propose = state.build.propose
+            propose = state.build_stage.propose
 
-            def build_without_the_drafter(original_propose, **k):  # the drafter is vLLM's (flat DFlash's too)
-                def drafter(**kk):
+            def build_without_the_drafter(run_drafter, roots):  # the drafter is vLLM's (flat DFlash's too)
+                def drafter():
                     current.append("vllm")
                     try:
-                        return original_propose(**kk)
+                        return run_drafter()
                     finally:
                         current.pop()
-                return propose(drafter, **k)
+                return propose(drafter, roots)
 
-            state.build.propose = build_without_the_drafter
+            state.build_stage.propose = build_without_the_drafter
             # a step without a tree (budget "auto"'s chain) is sampled by vLLM's own sampler: not the round's
             walk_label = lambda step, *_: "walk" if step is not None else "vllm"  # noqa: E731
-            for obj, name, label in ((state.build, "propose", "build"),
-                                     (state.verify, "prepare", "verify.prepare"),
-                                     (state.verify, "_forward_metadata", "verify.metadata"),
-                                     (state.walk, "sample", walk_label), (state.commit, "commit", "commit"),
-                                     (state.commit, "reorder_drafter_inputs", "reorder")):
+            for obj, name, label in ((state.build_stage, "propose", "build"),
+                                     (state.verify_stage, "prepare", "verify.prepare"),
+                                     (state.verify_stage, "_forward_metadata", "verify.metadata"),
+                                     (state.walk_stage, "sample", walk_label), (state.commit_stage, "commit", "commit"),
+                                     (state.commit_stage, "reorder_drafter_inputs", "reorder")):
                 _watch(obj, name, label, made, current)
             round_step.RoundContext.h2d = counted_h2d
             e2e.generate(llm, models.token_prompts(2, 16, models.VOCAB, seed=5), 24)

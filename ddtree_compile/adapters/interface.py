@@ -89,11 +89,11 @@ class RunnerView(abc.ABC):
 
     # -- the round's hooks on this runner --------------------------------------------------------
     @abc.abstractmethod
-    def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
-        """Install the round's hooks (named as v1_runner.ROUND_HOOKS, called with V1's arguments, and
-        VERIFY_HOOKS, which a runner calls around a target forward it runs without the round's
-        `model_forward`) on this runner instance, for a drafter that drafts `draft_len` positions;
-        returns the originals of ROUND_HOOKS under the same names, callable the same way."""
+    def install_driver(self, round_, draft_len: int) -> None:
+        """Make this runner instance drive `round_` (integration/round/state.py DDTreeRound): call its
+        phases (propose, drafter_logits, schedule, forward or verify_begin/verify_end, sample, commit,
+        drafter_inputs) in the runner's own order, the drafter drafting `draft_len` positions
+        (V1: v1_driver.py; Model Runner V2: v2_driver.py)."""
 
     @abc.abstractmethod
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:

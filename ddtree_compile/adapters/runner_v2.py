@@ -1,10 +1,10 @@
 """Model Runner V2 (`vllm/v1/worker/gpu/`, vLLM 0.26 and 0.32): the RunnerView and the class patches.
 
-V2 has none of V1's round members; runner_v2_hooks.V2RoundHooks wraps V2's own (speculator.propose
-and _generate_draft, model_state.prepare_attn / prepare_inputs / postprocess_state, and the rejection
-sampler) and calls the round's hooks with V1's arguments, so build / verify / walk / commit are the
-same stages on both runners (docs/runner_v2.md has the lines of both releases). The target forward is
-V2's own in every form (eager, compiled, PIECEWISE, FULL): the tree verify is set before it.
+V2 has none of V1's round members; v2_driver.py drives the round from V2's own objects (its
+speculator, model state and rejection sampler, re-typed as DDTree subclasses), so build / verify /
+walk / commit are the same stages on both runners (docs/runner_v2.md has the lines of both releases).
+The target forward is V2's own in every form (eager, compiled, PIECEWISE, FULL): the tree verify is
+set before it.
 
 Served: V2's default loop (async scheduling on: the round is device work between V2's own host steps,
 no host sync of its own, and the host learns the committed tokens through V2's asynchronous output one
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from .draft_schedule import DraftSchedule, runs_auto_schedule
-from .runner_v2_hooks import track_requests
 from .v1_runner import V1RunnerView, model_features_unsupported, patch_after, patch_before
 
 _SHARED = "_ddtree_v2"  # on the runner instance: what every view of that runner reads (_Shared)
+_PATCHED_SCHEDULE = "_ddtree_schedule"
 
 
 class _Shared:
@@ -35,8 +35,7 @@ class _Shared:
     harness's): V2 keeps a request's SamplingParams and prompt nowhere on the host, and passes the
     step's InputBatch as an argument instead of holding it."""
 
-    def __init__(self, rejection_sampler):
-        self.rs_original = rejection_sampler  # V2's own, which the round's sampler stands in for
+    def __init__(self):
         self.requests: dict = {}  # req_id -> (SamplingParams, prompt token ids)
         self.batch = None  # the InputBatch of the step in flight
         self.rs_rest: tuple = ()  # the rejection sampler's arguments after draft_logits (0.32: invalid_drafts)
@@ -46,7 +45,6 @@ class _Shared:
         self.capture_reqs: int | None = None  # requests of the graph V2 is capturing (prepare_dummy_inputs)
         self.schedule = None  # budget "auto": the scheduler's draft counts (draft_schedule.DraftSchedule)
         self.auto_schedule: bool | None = None  # vLLM runs budget "auto"'s schedule (draft_schedule.py)
-        self.flat_wrapped = None  # what V2RunnerView.wrap_flat_drafts replaced, to put back
 
 
 def runner_v2_class():
@@ -65,11 +63,22 @@ def is_runner_v2(runner) -> bool:
 
 def patch_kv_caches_ready(on_kv_caches_ready) -> bool:
     """After Model Runner V2's `initialize_kv_cache` (0.26 `model_runner.py:411`; no profiling pass
-    there) `on_kv_caches_ready(runner)` runs: the caches exist, the round may attach. False on a build
-    without V2 or if already patched."""
+    there) `on_kv_caches_ready(runner)` runs: the caches exist, the round may attach. Before its
+    `execute_model`, the draft count the scheduler gave the next step is recorded for the runner's
+    views (`_Shared.next_drafts`; budget "auto": draft_schedule.py). False on a build without V2 or if
+    already patched."""
     cls = runner_v2_class()
-    return cls is not None and patch_after(cls, "initialize_kv_cache",
-                                           lambda runner, args, kwargs: on_kv_caches_ready(runner))
+    if cls is None:
+        return False
+    patch_before(cls, "execute_model", _record_schedule)
+    return patch_after(cls, "initialize_kv_cache", lambda runner, args, kwargs: on_kv_caches_ready(runner))
+
+
+def _record_schedule(runner, args, kwargs) -> None:
+    shared = runner.__dict__.get(_SHARED)
+    if shared is not None:
+        scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+        shared.next_drafts = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
 
 
 def patch_load_model(on_model_load) -> bool:
@@ -94,7 +103,7 @@ class V2RunnerView(V1RunnerView):
         super().__init__(runner)  # the same runner fields in V2 (settings, device, dtype, max_num_reqs, eager)
         self.speculator = runner.speculator
         if not hasattr(runner, _SHARED):  # the first view of this runner: before the round's hooks
-            setattr(runner, _SHARED, _Shared(runner.rejection_sampler))
+            setattr(runner, _SHARED, _Shared())
         self._shared = getattr(runner, _SHARED)
         self._requests = self._shared.requests
 
@@ -176,10 +185,13 @@ class V2RunnerView(V1RunnerView):
         """V2's rejection sampler with V1's arguments, drafts one-hot (draft_logits None): the drafts
         are the tree's tokens, not samples of the drafter's distribution, so rejection against that
         distribution would not be lossless."""
-        original = self._shared.rs_original
+        from .v2_driver import vllm_class
+
+        rs, shared = self.runner.rejection_sampler, self._shared
+        call = vllm_class(rs).__call__  # V2's own, also once the driver re-typed the sampler
 
         def sample(metadata, draft_probs, logits, sampling_metadata):
-            return original(logits, metadata, None, *self._shared.rs_rest)
+            return call(rs, logits, metadata, None, *shared.rs_rest)
 
         return sample
 
@@ -281,7 +293,7 @@ class V2RunnerView(V1RunnerView):
 
     # -- the drafter -------------------------------------------------------------------------------------
     def drafter_draft_len(self) -> int:
-        return self.speculator.num_speculative_steps  # L while the round drafts (install_round_hooks)
+        return self.speculator.num_speculative_steps  # L while the round drafts (V2Driver)
 
     def drafter_compute_logits(self, hidden_states) -> torch.Tensor:
         return self.speculator.model.compute_logits(hidden_states)
@@ -304,94 +316,53 @@ class V2RunnerView(V1RunnerView):
         """vLLM's own flat DFlash on V2 samples its drafts inside the drafter's FULL graph (0.26
         `dflash/speculator.py` `_generate_draft`), where a wrapped compute_logits is never called:
         after each proposal fn(drafts) rewrites them in place (benchmark oracles). The requests' prompts
-        are tracked for the views, as the round's hooks do. False where DDTree's round runs (it computes
-        the drafter's logits eagerly, so the logits hook reaches it)."""
+        are tracked for the views, as the round's driver does. False where DDTree's round runs (it
+        computes the drafter's logits eagerly, so the logits hook reaches it)."""
         from ..integration.engines import state_of
+        from .v2_driver import FlatOracleSpeculator, TrackedModelState, retype
 
         r, s = self.runner, self.speculator
         if state_of(r) is not None or s is None:
             return False
-        shared, propose = self._shared, s.propose
-
-        def on_propose(input_batch, *args, **kw):
-            drafts = propose(input_batch, *args, **kw)
-            if not kw.get("dummy_run"):
-                shared.batch = input_batch
-                fn(drafts)
-            return drafts
-
-        s.propose = on_propose
-        add, remove = track_requests(r, shared)
-        shared.flat_wrapped = (propose, add, remove)
+        retype(s, FlatOracleSpeculator, _ddtree_shared=self._shared, _ddtree_oracle=fn)
+        retype(r.model_state, TrackedModelState, _ddtree_requests=self._shared)
         return True
 
     def unwrap_flat_drafts(self) -> None:
-        """Undo wrap_flat_drafts, and only that (the round's own hooks sit on the same attributes)."""
-        wrapped, self._shared.flat_wrapped = self._shared.flat_wrapped, None
-        if wrapped is not None:
-            self.speculator.propose, self.runner.add_requests, self.runner._remove_request = wrapped
+        """Undo wrap_flat_drafts, and only that."""
+        from .v2_driver import FlatOracleSpeculator, retyped_as, vllm_class
+
+        s = self.speculator
+        if s is not None and retyped_as(s, FlatOracleSpeculator):
+            for obj in (s, self.runner.model_state):
+                obj.__class__ = vllm_class(obj)
+                for name in ("_ddtree_shared", "_ddtree_oracle", "_ddtree_requests"):
+                    obj.__dict__.pop(name, None)
 
     # -- the round's hooks ---------------------------------------------------------------------------------
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:
         """V2 captures its graphs in `cudagraph_manager.capture(model, ...)` (0.26 `cudagraph_utils.py:
         440-565`): each FULL descriptor's warm-up and capture call `model(**inputs)` (attention metadata
-        set, runtime mode NONE; the capture inside `torch.cuda.graph`), wrapped here to run inside
-        `capture(num_tokens, num_reqs, capturing)`'s tree context, entered outside the graph, with the
-        request count V2 hands `model_state.prepare_dummy_inputs`. FULL graphs of V2's own lengths only:
-        1 + K, and with budget "auto"'s schedule the chain's 1 + L (`query_lens` are not added)."""
+        set, runtime mode NONE; the capture inside `torch.cuda.graph`). The manager is re-typed
+        (v2_driver.retype) so that its capture hands V2 the model inside `_CaptureModel`, which runs
+        those forwards inside `capture(num_tokens, num_reqs, capturing)`'s tree context, with the
+        request count V2 hands `model_state.prepare_dummy_inputs` (recorded by the driver's model
+        state). FULL graphs of V2's own lengths only: 1 + K, and with budget "auto"'s schedule the
+        chain's 1 + L (`query_lens` are not added)."""
+        from .v2_driver import TreeCaptureManager, retype
+
         manager = getattr(self.runner, "cudagraph_manager", None)
         mode = self.runner.vllm_config.compilation_config.cudagraph_mode
         if manager is None or mode is None or not mode.has_full_cudagraphs():
             return set()
-        original, shared, model_state = manager.capture, self._shared, self.runner.model_state
-        dummy = model_state.prepare_dummy_inputs
-
-        def prepare_dummy_inputs(num_reqs, num_tokens):
-            shared.capture_reqs = num_reqs
-            return dummy(num_reqs, num_tokens)
-
-        def capture_with_trees(model, *args, **kw):
-            model_state.prepare_dummy_inputs = prepare_dummy_inputs
-            try:
-                return original(_CaptureModel(model, capture, shared, self._query_len()), *args, **kw)
-            finally:
-                model_state.__dict__.pop("prepare_dummy_inputs", None)
-                shared.capture_reqs = None
-
-        manager.capture = capture_with_trees
+        retype(manager, TreeCaptureManager, _ddtree_capture=(capture, self._shared, self._query_len()))
         lens = {self._query_len()}
         if self.schedules_draft_counts():
             lens.add(1 + self.drafter_draft_len())
         return lens
 
-    def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
-        from .runner_v2_hooks import V2RoundHooks
+    def install_driver(self, round_, draft_len: int) -> None:
+        from .v2_driver import V2Driver
 
-        return V2RoundHooks(self, hooks, draft_len).install()
+        V2Driver(self, round_, draft_len).install()
 
-
-class _CaptureModel:
-    """The model as V2's graph capture calls it: a FULL descriptor's warm-up and capture forwards
-    (attention metadata set, runtime mode NONE) run inside the round's tree context of that size."""
-
-    def __init__(self, model, capture, shared: _Shared, query_len: int):
-        self._model, self._capture, self._shared, self._q = model, capture, shared, query_len
-
-    def __call__(self, **inputs):
-        from vllm.forward_context import get_forward_context
-
-        fc = get_forward_context()
-        cm = None
-        if fc.attn_metadata is not None and fc.cudagraph_runtime_mode.name == "NONE":
-            ids = inputs.get("input_ids")
-            tokens = ids.shape[0] if ids is not None else inputs["positions"].shape[-1]
-            # the descriptor's requests (prepare_dummy_inputs); a capture that passed none: V2's own length
-            reqs = self._shared.capture_reqs or max(tokens // self._q, 1)
-            cm = self._capture(tokens, reqs, torch.cuda.is_current_stream_capturing())
-        if cm is None:
-            return self._model(**inputs)
-        with cm:
-            return self._model(**inputs)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)

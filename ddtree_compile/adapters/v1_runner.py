@@ -20,20 +20,6 @@ _PATCHED = "_ddtree_patched"
 # The opaque `layer_name` argument of vLLM's custom ops, declared by type name in a copied schema.
 OPAQUE_ARG_TYPES = {"layer_name": ("vllm.utils.torch_utils", "LayerName")}
 
-ROUND_HOOKS = {
-    "propose": ("drafter", "propose"),  # DFlash drafts L positions
-    "sample_draft_tokens": ("drafter", "_sample_draft_tokens"),  # the drafter's logits -> tokens
-    "prepare_inputs": ("", "_prepare_inputs"),  # batch layout, positions, slot mapping of a step
-    "model_forward": ("", "_model_forward"),  # the target forward
-    "rejection_sampler": ("", "rejection_sampler"),  # an object: verify logits -> sampled tokens
-    "update_states": ("", "_update_states_after_model_execute"),  # after sampling (hybrids: accepted counts)
-    "propose_draft_token_ids": ("", "propose_draft_token_ids"),  # the drafter's next-round inputs
-}
-# The round's verify bracket, for a runner that runs the target forward itself in forms no wrapper
-# reaches (Model Runner V2): verify_begin(positions tensor the target gets) once the step's inputs are
-# ready, verify_end() once the forward's output is read.
-VERIFY_HOOKS = ("verify_begin", "verify_end")
-
 
 def patch_after(cls, name: str, after) -> bool:
     """Wrap `cls.name` so `after(self, args, kwargs)` runs once the original returned (with
@@ -64,20 +50,6 @@ def _patch(cls, name: str, before=None, after=None) -> bool:
     patched.__doc__ = original.__doc__
     setattr(cls, name, patched)
     return True
-
-
-def replace_round_members(runner, hooks: dict) -> dict:
-    """Replace the members named by ROUND_HOOKS on `runner` (instance level) with `hooks[name]`;
-    returns the originals by the same names. (VERIFY_HOOKS are for runners whose target forward
-    the round does not wrap; V1's `_model_forward` is wrapped.)"""
-    if set(hooks) != {*ROUND_HOOKS, *VERIFY_HOOKS}:
-        raise ValueError(f"round hooks: expected {sorted({*ROUND_HOOKS, *VERIFY_HOOKS})}, got {sorted(hooks)}")
-    originals = {}
-    for name, (path, attr) in ROUND_HOOKS.items():
-        owner = getattr(runner, path) if path else runner
-        originals[name] = getattr(owner, attr)
-        setattr(owner, attr, hooks[name])
-    return originals
 
 
 def contiguous_draft_copies(runner) -> None:

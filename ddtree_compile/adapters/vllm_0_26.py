@@ -7,18 +7,18 @@ PIECEWISE CUDA graphs (attention-only and hybrid targets; tests/gpu, results/gpu
 What differs from 0.32 (everything else is the same code, checked line by line):
 
 - Runner choice: dense attention-only targets default to Model Runner V2
-  (`config/vllm.py:605-622`, `not model_config.is_moe`), which has none of the seven round
-  hooks; hybrids default to V1 (`:613-614`), except with a DFlash drafter mixing sliding and
+  (`config/vllm.py:605-622`, `not model_config.is_moe`), which has none of the seven members
+  the V1 driver replaces; hybrids default to V1 (`:613-614`), except with a DFlash drafter mixing sliding and
   full attention (V2 only). `VLLM_USE_V2_MODEL_RUNNER=0` forces V1 for both (`config/vllm.py:550-553`,
   `envs.py:1922`). V2 engines get the round through runner_v2.py (eager engines; the rest is
   refused once at attach, logged and counted).
 - `initialize_kv_cache(kv_cache_config, is_profiling=False)` (`gpu_model_runner.py:7562`) is
   also called on a throw-away minimal cache for CUDA-graph memory profiling
   (`:6462`, from `profile_cudagraph_memory` `:6576`); the hook attaches on the real call only.
-- The seven round hooks have 0.32's names and signatures (`_prepare_inputs` returns a 2-tuple
-  here, `:1937-1948`; the round passes it through). The target forward reads `positions` from
+- The seven members the V1 driver replaces have 0.32's names and signatures (`_prepare_inputs`
+  returns a 2-tuple here, `:1937-1948`; the driver passes it through). The target forward reads `positions` from
   the persistent `runner.positions` buffer under CUDA graphs (`_preprocess` `:3607`,
-  `compilation/cuda_graph.py:348-354`), so `install_round_hooks` hands the round an original
+  `compilation/cuda_graph.py:348-354`), so `install_driver` hands the round an original
   `_model_forward` that writes the positions it is given into that buffer and restores them
   afterwards (the drafter reads the flat ones, `:5195`).
 - FLASH_ATTN / TRITON_ATTN store `impl.sliding_window` as a (left, right) tuple
@@ -51,7 +51,6 @@ from .forward import (  # noqa: F401  inside the replacement ops: forward contex
 )
 from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapter
     OPAQUE_ARG_TYPES,
-    ROUND_HOOKS,
     V1RunnerView,
     cleanup_distributed,
     contiguous_draft_copies,
@@ -60,7 +59,6 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     model_module_ids,
     patch_after,
     patch_before,
-    replace_round_members,
     sampler_output,
     sampling_unsupported_reason,
     shutdown_engine,
@@ -137,14 +135,14 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def install_round_hooks(runner, hooks: dict) -> dict:
-    """`replace_round_members`, and the returned `model_forward` writes the positions it is called
-    with into the runner's persistent buffer (CUDA graphs replay from fixed addresses) and restores
-    the buffer after the forward."""
-    originals = replace_round_members(runner, hooks)
-    originals["model_forward"] = _static_positions_forward(runner, originals["model_forward"])
+def install_driver(runner, round_, view) -> None:
+    """The V1 driver (v1_driver.py), whose target forward writes the positions it is called with
+    into the runner's persistent buffer (CUDA graphs replay from fixed addresses) and restores the
+    buffer after the forward."""
+    from .v1_driver import V1Driver
+
+    V1Driver(runner, round_, view, wrap_forward=lambda original: _static_positions_forward(runner, original)).install()
     contiguous_draft_copies(runner)
-    return originals
 
 
 def _static_positions_forward(runner, original):
@@ -302,8 +300,8 @@ class RunnerView(V1RunnerView):
     """V1RunnerView plus 0.26's hook installation and the engine features this release's round does
     not serve."""
 
-    def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
-        return install_round_hooks(self.runner, hooks)  # V1 sets the drafter's length per call
+    def install_driver(self, round_, draft_len: int) -> None:
+        install_driver(self.runner, round_, self)  # V1 sets the drafter's length per call
 
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:
         return install_graph_capture(self.runner, capture, query_lens)

@@ -8,7 +8,8 @@ vLLM 0.32 runs the V1 `GPUModelRunner` (`CPUModelRunner` on CPU, a thin subclass
   `GPUModelRunner.initialize_kv_cache` the round is attached to that runner instance (vLLM has no
   registry for speculative methods or runner hooks; the patches are inert unless an engine's
   additional_config holds "ddtree");
-- wraps seven members of each DDTree runner INSTANCE (`install_round_hooks`);
+- drives the round from seven members of each DDTree runner INSTANCE (v1_driver.py), or on Model
+  Runner V2 from V2's own objects (v2_driver.py);
 - reads the runner's batch state through `RunnerView`, and the forward context, layer objects
   and cache tensors through the functions below and those of v1_runner.py (the part of the V1
   runner that 0.26 and 0.32 share).
@@ -29,7 +30,6 @@ from .forward import (  # noqa: F401  inside the replacement ops: forward contex
 )
 from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapter
     OPAQUE_ARG_TYPES,
-    ROUND_HOOKS,
     V1RunnerView,
     cleanup_distributed,
     contiguous_draft_copies,
@@ -38,7 +38,6 @@ from .v1_runner import (  # noqa: F401  the shared V1-runner part of this adapte
     model_module_ids,
     patch_after,
     patch_before,
-    replace_round_members,
     sampler_output,
     sampling_unsupported_reason,
     shutdown_engine,
@@ -106,14 +105,15 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The round's hooks on one runner instance: vLLM 0.32's members, called with 0.32's arguments
+# The round's driver on one runner instance: vLLM 0.32's members, called with 0.32's arguments
 # ---------------------------------------------------------------------------------------------
 
-def install_round_hooks(runner, hooks: dict) -> dict:
-    """`replace_round_members`, and the drafts' host copy kept asynchronous (`contiguous_draft_copies`)."""
-    originals = replace_round_members(runner, hooks)
+def install_driver(runner, round_, view) -> None:
+    """The V1 driver (v1_driver.py), and the drafts' host copy kept asynchronous (`contiguous_draft_copies`)."""
+    from .v1_driver import V1Driver
+
+    V1Driver(runner, round_, view).install()
     contiguous_draft_copies(runner)
-    return originals
 
 
 def install_graph_capture(runner, capture, query_lens=()) -> set[int]:
@@ -130,8 +130,8 @@ class RunnerView(V1RunnerView):
     """V1RunnerView with 0.32's hook installation: 0.32 has no engine feature the shared
     `unsupported_features` misses."""
 
-    def install_round_hooks(self, hooks: dict, draft_len: int) -> dict:
-        return install_round_hooks(self.runner, hooks)  # V1 sets the drafter's length per call
+    def install_driver(self, round_, draft_len: int) -> None:
+        install_driver(self.runner, round_, self)  # V1 sets the drafter's length per call
 
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:
         return install_graph_capture(self.runner, capture, query_lens)

@@ -3,7 +3,7 @@
 V2 replays a FULL graph for a uniform batch up to `max_cudagraph_capture_size` tokens and calls the
 compiled model, without CUDA graphs, for a larger one: users run vLLM's default size (512 tokens, below
 a c = 16 verify of 33-slot trees). The compiled code does not pass through the model's Python `forward`,
-so the round sets its tree verify before the forward, whatever form it takes (adapters/runner_v2_hooks.py).
+so the round sets its tree verify before the forward, whatever form it takes (adapters/v2_driver.py).
 Here the capture sizes stop at 32 tokens: one request's 17-slot tree verifies in a FULL graph, four
 requests' (68 tokens) in the compiled model. Both within the regret gate of no speculation, trees in
 every step, none verified as a fallback chain.

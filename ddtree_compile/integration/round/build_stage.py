@@ -22,20 +22,22 @@ class BuildStage:
         self._captured: tuple | None = None  # (drafter logits [R*L, V], their argmax [R*L])
         self._warmed = False
 
-    def sample_draft_tokens(self, hidden_states, sampling_metadata):
-        """Stands in for the drafter's own sampling: keep the logits, hand back the argmax."""
+    def drafter_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Stands in for the drafter's own sampling: hidden_states [R * L, H] -> logits kept, their
+        argmax [R * L] handed back."""
         logits = self.ctx.view.drafter_compute_logits(hidden_states)
         top1 = logits.argmax(dim=-1)
         self._captured = (logits, top1)  # propose reuses the argmax (one read of [R*L, V] logits, not two)
-        return top1, None
+        return top1
 
-    def propose(self, original_propose, **kw) -> tuple[torch.Tensor, Pending]:
-        """Run the drafter for L positions, build the trees; returns (drafts [R, b], Pending) for the
-        step's bucket of b nodes, or with budget "auto" choosing the chain (drafts [R, L] = the
-        drafter's top-1 chain, Pending)."""
+    def propose(self, run_drafter, roots: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+        """`run_drafter()` runs vLLM's drafter for L positions (its hidden states reach
+        `drafter_logits`); roots [R] are the requests' bonus tokens. Builds the trees; returns (drafts
+        [R, b], Pending) for the step's bucket of b nodes, or with budget "auto" choosing the chain
+        (drafts [R, L] = the drafter's top-1 chain, Pending)."""
         ctx = self.ctx
         t0 = time.perf_counter()
-        R = kw["next_token_ids"].shape[0]
+        R = roots.shape[0]
         kind = TREE
         if ctx.auto is not None:
             ctx.auto.step_ended(t0)
@@ -43,7 +45,7 @@ class BuildStage:
             kind = self._scheduled(kind, R)
         self._captured = None
         t_draft = time.perf_counter()
-        original_propose(num_speculative_tokens=ctx.L, **kw)
+        run_drafter()
         draft_s = time.perf_counter() - t_draft  # vLLM's drafter, flat DFlash's work too: not "build"
         (logits, top1), self._captured = self._captured, None
         logits, top1 = logits.view(R, ctx.L, -1), top1.view(R, ctx.L)
@@ -54,7 +56,7 @@ class BuildStage:
             self._done(kind, R, t0, draft_s)
             return top1, Pending(req_ids, None, top1, [None] * R, auto_chain=True)
         chain = [ctx.chain_reason(r) for r in req_ids]
-        tree = build_tree(logits, ctx.spec).with_root(kw["next_token_ids"])
+        tree = build_tree(logits, ctx.spec).with_root(roots)
         budget = ctx.B if ctx.auto is None else ctx.auto.budget_of(kind)
         if budget < ctx.B:
             tree = tree.prefix(budget)

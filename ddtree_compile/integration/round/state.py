@@ -42,7 +42,7 @@ from .checks import UnsupportedEngine, check_engine, classify_layers, gdn_spec_b
 from .commit_stage import CommitStage
 from .step import Pending, RoundContext, Step
 from .verify_stage import Armed, VerifyStage
-from .walk_stage import TreeSampler, WalkStage
+from .walk_stage import WalkStage
 from .workspace import release as release_workspace
 
 
@@ -96,26 +96,20 @@ class DDTreeRound:
             ctx.auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.settings, spec.budget, draft_len,
                                                        ctx.menu, adapters.current().tp_agree())
         self.max_tokens = self._gdn_state_slots(view, cfg, draft_len) if ctx.hybrid else None
-        self.build, self.verify = BuildStage(ctx), VerifyStage(ctx)
-        self.walk, self.commit = WalkStage(ctx), CommitStage(ctx)
+        self.build_stage, self.verify_stage = BuildStage(ctx), VerifyStage(ctx)
+        self.walk_stage, self.commit_stage = WalkStage(ctx), CommitStage(ctx)
         self.pending: Pending | None = None
         self.step: Step | None = None
         self.armed: Armed | None = None  # the Step whose target forward the runner is running (verify_begin)
         self.round_hooks: list = []  # demo/tests: fn(round, step) after each tree step's commit (host reads)
         self.metrics.kv_layouts = sorted({kv_layout(ctx.layer(n)).name for n in ctx.attn_layers})
-        self._orig = view.install_round_hooks({
-            "propose": self._on_propose, "sample_draft_tokens": self.build.sample_draft_tokens,
-            "prepare_inputs": self._on_prepare_inputs, "model_forward": self._on_model_forward,
-            "rejection_sampler": TreeSampler(self._on_sample, view.vllm_sampler()),
-            "update_states": self._on_update_states, "propose_draft_token_ids": self._on_propose_draft_token_ids,
-            "verify_begin": self._on_verify_begin, "verify_end": self._on_verify_end,
-        }, draft_len)
-        wanted = self.verify.graphs.query_lens()
-        full = view.install_graph_capture(self.verify.graphs.capture, wanted)
+        view.install_driver(self, draft_len)  # the runner's driver calls the phases below
+        wanted = self.verify_stage.graphs.query_lens()
+        full = view.install_graph_capture(self.verify_stage.graphs.capture, wanted)
         if full and wanted - full:
             logger.info("DDTree: no FULL CUDA graphs for %s tokens per request on this runner (vLLM's own: %s): "
                         "those steps run PIECEWISE", sorted(wanted - full), sorted(full))
-        ws = self.verify.workspace
+        ws = self.verify_stage.workspace
         if ws.nbytes:
             logger.info("DDTree: workspace %.2f GiB (GDN records and depth stack, tree-attention scratch; %s during "
                         "vLLM's memory profile)", ws.nbytes / 2**30,
@@ -157,67 +151,80 @@ class DDTreeRound:
     # tests and tools reach the stages' switches through the round
     @property
     def commit_hooks(self) -> list:
-        return self.commit.commit_hooks
+        return self.commit_stage.commit_hooks
 
     @property
     def debug_gdn_records(self) -> bool:
-        return self.verify.debug_gdn_records
+        return self.verify_stage.debug_gdn_records
 
     @debug_gdn_records.setter
     def debug_gdn_records(self, on: bool) -> None:
-        self.verify.debug_gdn_records = on
+        self.verify_stage.debug_gdn_records = on
 
     def close(self) -> None:
         """The engine shuts down: drop the metrics, the device buffers (whoever still holds this round
         or the runner, e.g. vLLM's graph wrappers through the round's hooks, keeps no GPU memory
         alive through them) and this engine's claim on the eager op redirect."""
         self.metrics.close()
-        self.verify.close()
-        self.walk.graphs.close()
-        self.commit.graphs.close()
+        self.verify_stage.close()
+        self.walk_stage.graphs.close()
+        self.commit_stage.graphs.close()
         self.pending = self.step = self.armed = None
         if self._redirected:
             self._redirected = False
             release_eager_redirects()
 
-    # -- the hooks (vLLM 0.32 arguments, see the adapter) ------------------------------------------
-    def _on_propose(self, num_speculative_tokens=None, **kw):
-        drafts, self.pending = self.build.propose(self._orig["propose"], **kw)
+    # -- the round's phases, called by each runner's driver in that runner's order ------------------
+    # (V1: adapters/v1_driver.py, from V1's members; Model Runner V2: adapters/v2_driver.py, from
+    # V2's speculator, model state and rejection sampler). One step: propose (build) -> schedule ->
+    # forward or verify_begin/verify_end (verify) -> sample (walk) -> commit -> drafter_inputs.
+    def propose(self, run_drafter, roots: torch.Tensor) -> torch.Tensor:
+        """roots [R]: each request's bonus token. `run_drafter()` runs vLLM's drafter for the L
+        positions, whose hidden states reach `drafter_logits` on the way. -> drafts [R, b]"""
+        drafts, self.pending = self.build_stage.propose(run_drafter, roots)
         return drafts
 
-    def _on_prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        out = self._orig["prepare_inputs"](scheduler_output, num_scheduled_tokens)
+    def drafter_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [R * L, H] of the drafter's L positions -> their top-1 tokens [R * L]."""
+        return self.build_stage.drafter_logits(hidden_states)
+
+    def schedule(self, scheduled_drafts: dict[str, list[int]], num_scheduled_tokens) -> None:
+        """vLLM prepared the step's inputs: the proposal meets the batch it scheduled -> the Step."""
         pending, self.pending = self.pending, None
-        self.step = self.verify.prepare(pending, self.ctx.view.scheduled_drafts(scheduler_output),
-                                        num_scheduled_tokens)
-        return out
+        self.step = self.verify_stage.prepare(pending, scheduled_drafts, num_scheduled_tokens)
 
-    def _on_model_forward(self, **kw):
+    def forward(self, run_forward, **inputs):
+        """The target forward, for a runner whose forward the round wraps (V1's `_model_forward`)."""
         if self.step is None:
-            if self.verify.graphs.check_plain_forward(self.ctx.view.full_graph_batch()):
+            if self.verify_stage.graphs.check_plain_forward(self.ctx.view.full_graph_batch()):
                 self.metrics.plain_graph_steps += 1
-            return self._orig["model_forward"](**kw)
-        return self.verify.forward(self.step, self._orig["model_forward"], **kw)
+            return run_forward(**inputs)
+        return self.verify_stage.forward(self.step, run_forward, **inputs)
 
-    def _on_verify_begin(self, positions: torch.Tensor) -> None:
+    def verify_begin(self, positions: torch.Tensor) -> None:
         """A runner that runs the target forward itself, in whichever form (Model Runner V2: eager,
         compiled, PIECEWISE graphs or a FULL replay; no Python hook reaches all of them), calls this once
-        the step's inputs are ready, with the positions tensor it hands the target; `_on_verify_end`
-        once the forward's output is read (before sampling)."""
-        self._on_verify_end()  # (a forward whose output was never sampled)
+        the step's inputs are ready, with the positions tensor it hands the target; `verify_end` once
+        the forward's output is read (before sampling)."""
+        self.verify_end()  # (a forward whose output was never sampled)
         if self.step is None:
-            if self.verify.graphs.check_plain_forward(self.ctx.view.full_graph_batch()):
+            if self.verify_stage.graphs.check_plain_forward(self.ctx.view.full_graph_batch()):
                 self.metrics.plain_graph_steps += 1
             return
-        self.armed = self.verify.arm(self.step, positions)
+        self.armed = self.verify_stage.arm(self.step, positions)
 
-    def _on_verify_end(self) -> None:
+    def verify_end(self) -> None:
         armed, self.armed = self.armed, None
         if armed is not None:
-            self.verify.disarm(armed)
+            self.verify_stage.disarm(armed)
+
+    def sample(self, vllm_sample, metadata, draft_probs, logits, sampling_metadata):
+        """The verify's logits -> vLLM's sampler output: tree rows walked, chain rows through
+        `vllm_sample(metadata, draft_probs, logits, sampling_metadata)` (vLLM's rejection sampler)."""
+        return self._on_sample(vllm_sample, metadata, draft_probs, logits, sampling_metadata)
 
     def _on_sample(self, original, metadata, draft_probs, logits, sampling_metadata):
-        out = self.walk.sample(self.step, original, metadata, draft_probs, logits, sampling_metadata)
+        out = self.walk_stage.sample(self.step, original, metadata, draft_probs, logits, sampling_metadata)
         step, P = self.step, self.max_tokens
         if P is None:
             return out
@@ -257,16 +264,18 @@ class DDTreeRound:
         step.walk = dataclasses.replace(w, accepted=accepted, num_accepted=num, tokens=tokens, bonus=bonus,
                                         order=drafter_order(accepted, step.N))
 
-    def _on_update_states(self, output_token_ids, scheduler_output):
+    def commit(self, vllm_update):
+        """The step's accepted paths into vLLM's caches (K/V, GDN state in vLLM's chain layout), then
+        `vllm_update()`, vLLM's own update after sampling (accepted counts from the sampled tokens;
+        with prefix caching, the block-boundary copies, which read the state the commit left).
+        Once per step: a second call only runs `vllm_update`."""
         step = self.step
-        if step is None or step.walk is None or step.committed:  # (V2 may reach here twice a step)
-            return self._orig["update_states"](output_token_ids, scheduler_output)
+        if step is None or step.walk is None or step.committed:
+            return vllm_update()
         t0 = time.perf_counter()
-        # Commit first: the GDN state is left in vLLM's chain layout, so vLLM's own update (accepted
-        # counts from the sampled tokens; with prefix caching, the block-boundary copies) follows as usual
-        self.commit.commit(step)
+        self.commit_stage.commit(step)
         step.committed = True
-        self._orig["update_states"](output_token_ids, scheduler_output)
+        out = vllm_update()
         self.metrics.add_time("commit", time.perf_counter() - t0)
         if step.has_tree:  # (an all-chain Step is a counted whole-step fallback, see verify_stage)
             self.metrics.tree_steps += 1
@@ -274,13 +283,11 @@ class DDTreeRound:
             self.metrics.maybe_log()
             for hook in self.round_hooks:
                 hook(self, step)
+        return out
 
-    def _on_propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
-                                 common_attn_metadata, slot_mappings):
+    def drafter_inputs(self, aux_hidden_states) -> None:
+        """Before the drafter's next proposal: its inputs (the target's hidden states of the step)
+        reordered, accepted path first. The step ends here."""
         step, self.step = self.step, None
         if step is not None and step.walk is not None:
-            self.commit.reorder_drafter_inputs(step, aux_hidden_states)
-        return self._orig["propose_draft_token_ids"](
-            scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
-            aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)
+            self.commit_stage.reorder_drafter_inputs(step, aux_hidden_states)

@@ -147,21 +147,6 @@ class WalkStage:
                                  within=within, largest=largest)
 
 
-class TreeSampler:
-    """Stands in for the runner's rejection sampler: calls `sample(original, *args)`, and forwards
-    every other attribute to the original."""
-
-    def __init__(self, sample, original):
-        self._sample = sample
-        self.original = original
-
-    def __call__(self, metadata, draft_probs, logits, sampling_metadata):
-        return self._sample(self.original, metadata, draft_probs, logits, sampling_metadata)
-
-    def __getattr__(self, name):
-        return getattr(self.original, name)
-
-
 def _accepted_within(path: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
     """[M, R]: accepted nodes of each request's path (slot indices [R, W], root first, -1 padded)
     within the tree's first b nodes, per budget b of `budgets` ([M, 1, 1] on the path's device).
