@@ -10,8 +10,8 @@ What differs from 0.32 (everything else is the same code, checked line by line):
   (`config/vllm.py:605-622`, `not model_config.is_moe`), which has none of the seven members
   the V1 driver replaces; hybrids default to V1 (`:613-614`), except with a DFlash drafter mixing sliding and
   full attention (V2 only). `VLLM_USE_V2_MODEL_RUNNER=0` forces V1 for both (`config/vllm.py:550-553`,
-  `envs.py:1922`). V2 engines get the round through runner_v2.py (eager engines; the rest is
-  refused once at attach, logged and counted).
+  `envs.py:1922`). V2 engines get the round through runner_v2.py and v2_driver.py (what V2
+  cannot serve is refused once at attach, logged and counted: `V2RunnerView.unsupported_features`).
 - `initialize_kv_cache(kv_cache_config, is_profiling=False)` (`gpu_model_runner.py:7562`) is
   also called on a throw-away minimal cache for CUDA-graph memory profiling
   (`:6462`, from `profile_cudagraph_memory` `:6576`); the hook attaches on the real call only.

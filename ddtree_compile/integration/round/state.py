@@ -1,4 +1,4 @@
-"""One DDTree round inside vLLM's V1 model runner, as four stages that hand each other values:
+"""One DDTree round inside vLLM's model runner, as four stages that hand each other values:
 
     build_stage   drafter logits -> trees                              -> Pending
     verify_stage  Pending + vLLM's scheduled batch -> tree metadata, target forward -> Step
@@ -6,9 +6,11 @@
     commit_stage  Step -> K/V compaction, GDN state + conv window, drafter inputs reordered
 
 `attach(runner, cfg)` (the adapter calls it once the runner's KV caches exist) validates the
-settings against the engine and installs `DDTreeRound`'s hooks on that runner instance through the
-adapter (adapters/vllm_0_32.py names the vLLM members they replace). The round holds only the
-value in flight between hooks: the Pending of the last proposal and the Step being verified.
+settings against the engine and builds `DDTreeRound`, whose phase methods (propose, drafter_logits,
+schedule, forward or verify_begin / verify_end, sample, commit, drafter_inputs) the runner's driver
+calls in the runner's own order (adapters/v1_driver.py: V1's members; adapters/v2_driver.py: Model
+Runner V2's objects). The round holds only the value in flight between phases: the Pending of the
+last proposal and the Step being verified.
 
 Request kinds in a step: a TREE row is walked by us; a CHAIN row (a request that needs sampling
 features the walk does not implement: penalties, logprobs, top-k/p, structured output, ...) gets a
@@ -221,10 +223,7 @@ class DDTreeRound:
     def sample(self, vllm_sample, metadata, draft_probs, logits, sampling_metadata):
         """The verify's logits -> vLLM's sampler output: tree rows walked, chain rows through
         `vllm_sample(metadata, draft_probs, logits, sampling_metadata)` (vLLM's rejection sampler)."""
-        return self._on_sample(vllm_sample, metadata, draft_probs, logits, sampling_metadata)
-
-    def _on_sample(self, original, metadata, draft_probs, logits, sampling_metadata):
-        out = self.walk_stage.sample(self.step, original, metadata, draft_probs, logits, sampling_metadata)
+        out = self.walk_stage.sample(self.step, vllm_sample, metadata, draft_probs, logits, sampling_metadata)
         step, P = self.step, self.max_tokens
         if P is None:
             return out
