@@ -87,7 +87,7 @@ class RunnerView(abc.ABC):
     def has_drafter(self) -> bool:
         """The engine runs a DFlash drafter whose logits the round (and the test harnesses) can read."""
 
-    # -- the round's hooks on this runner --------------------------------------------------------
+    # -- the round's driver on this runner -------------------------------------------------------
     @abc.abstractmethod
     def install_driver(self, round_, draft_len: int) -> None:
         """Make this runner instance drive `round_` (integration/round/state.py DDTreeRound): call its

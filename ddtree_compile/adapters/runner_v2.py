@@ -27,11 +27,10 @@ from .draft_schedule import DraftSchedule, runs_auto_schedule
 from .v1_runner import V1RunnerView, model_features_unsupported, patch_after, patch_before
 
 _SHARED = "_ddtree_v2"  # on the runner instance: what every view of that runner reads (_Shared)
-_PATCHED_SCHEDULE = "_ddtree_schedule"
 
 
 class _Shared:
-    """Per runner, set by the round's hooks and read by every view of the runner (the round's, a test
+    """Per runner, set by the round's driver (v2_driver.py) and read by every view of the runner (the round's, a test
     harness's): V2 keeps a request's SamplingParams and prompt nowhere on the host, and passes the
     step's InputBatch as an argument instead of holding it."""
 
@@ -102,7 +101,7 @@ class V2RunnerView(V1RunnerView):
     def __init__(self, runner):
         super().__init__(runner)  # the same runner fields in V2 (settings, device, dtype, max_num_reqs, eager)
         self.speculator = runner.speculator
-        if not hasattr(runner, _SHARED):  # the first view of this runner: before the round's hooks
+        if not hasattr(runner, _SHARED):  # the first view of this runner: before the round's driver
             setattr(runner, _SHARED, _Shared())
         self._shared = getattr(runner, _SHARED)
         self._requests = self._shared.requests
@@ -339,7 +338,7 @@ class V2RunnerView(V1RunnerView):
                 for name in ("_ddtree_shared", "_ddtree_oracle", "_ddtree_requests"):
                     obj.__dict__.pop(name, None)
 
-    # -- the round's hooks ---------------------------------------------------------------------------------
+    # -- the round's driver on this runner ------------------------------------------------------------------
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:
         """V2 captures its graphs in `cudagraph_manager.capture(model, ...)` (0.26 `cudagraph_utils.py:
         440-565`): each FULL descriptor's warm-up and capture call `model(**inputs)` (attention metadata
