@@ -132,7 +132,7 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The round's hooks on one runner instance
+# The round's driver on one runner instance
 # ---------------------------------------------------------------------------------------------
 
 

@@ -165,7 +165,7 @@ class DDTreeRound:
 
     def close(self) -> None:
         """The engine shuts down: drop the metrics, the device buffers (whoever still holds this round
-        or the runner, e.g. vLLM's graph wrappers through the round's hooks, keeps no GPU memory
+        or the runner, e.g. vLLM's graph wrappers through the runner's driver, keeps no GPU memory
         alive through them) and this engine's claim on the eager op redirect."""
         self.metrics.close()
         self.verify_stage.close()
