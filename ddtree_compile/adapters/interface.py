@@ -124,20 +124,17 @@ class RunnerView(abc.ABC):
         only how many). `scheduler_output` is what the runner's prepare-inputs hook was called with."""
 
     # -- the sampler's inputs and output -----------------------------------------------------------
+    # `batch`: the step's verify inputs as the runner's driver hands them to the round's `sample`
     @abc.abstractmethod
-    def vllm_sampler(self):
-        """vLLM's own rejection sampler (chain rows, fallbacks)."""
-
-    @abc.abstractmethod
-    def sampling_temperature(self, sampling_metadata) -> torch.Tensor | None:
+    def sampling_temperature(self, batch) -> torch.Tensor | None:
         """Per-request temperatures [R] of the step, or None when every request is greedy."""
 
     @abc.abstractmethod
-    def spec_batch(self, spec_metadata) -> SpecBatch | None:
+    def spec_batch(self, batch) -> SpecBatch | None:
         """The verify's drafts, or None on a step that verifies none."""
 
     @abc.abstractmethod
-    def drafts_per_request(self, spec_metadata) -> list[int] | None:
+    def drafts_per_request(self, batch) -> list[int] | None:
         """The verify's draft count per request, read on the host (no device work), or None on a step
         that verifies none."""
 

@@ -37,7 +37,6 @@ class _Shared:
     def __init__(self):
         self.requests: dict = {}  # req_id -> (SamplingParams, prompt token ids)
         self.batch = None  # the InputBatch of the step in flight
-        self.rs_rest: tuple = ()  # the rejection sampler's arguments after draft_logits (0.32: invalid_drafts)
         self.attn_metadata: dict = {}  # layer name -> metadata of the step (model_state.prepare_attn)
         self.cg_mode = None  # (InputBatch, CUDA-graph mode) of the last model_state.prepare_attn
         self.next_drafts: int | None = None  # drafts per request the scheduler gave the next step (auto)
@@ -180,21 +179,7 @@ class V2RunnerView(V1RunnerView):
         return {q: [-1] * int(n) for q, n in zip(scheduler_output.req_ids[:R], per_req[:R]) if n > 0}
 
     # -- the sampler's inputs and output ---------------------------------------------------------------
-    def vllm_sampler(self):
-        """V2's rejection sampler with V1's arguments, drafts one-hot (draft_logits None): the drafts
-        are the tree's tokens, not samples of the drafter's distribution, so rejection against that
-        distribution would not be lossless."""
-        from .v2_driver import vllm_class
-
-        rs, shared = self.runner.rejection_sampler, self._shared
-        call = vllm_class(rs).__call__  # V2's own, also once the driver re-typed the sampler
-
-        def sample(metadata, draft_probs, logits, sampling_metadata):
-            return call(rs, logits, metadata, None, *shared.rs_rest)
-
-        return sample
-
-    def sampling_temperature(self, sampling_metadata) -> torch.Tensor | None:
+    def sampling_temperature(self, batch) -> torch.Tensor | None:
         R = self.batch.num_reqs
         host = self.temperatures_host(R)
         if not (host >= 1e-5).any():
@@ -202,10 +187,10 @@ class V2RunnerView(V1RunnerView):
         temp = self.runner.sampler.sampling_states.temperature.gpu[self.batch.idx_mapping[:R]]
         return torch.where(temp < 1e-5, torch.zeros_like(temp), temp)
 
-    def spec_batch(self, spec_metadata):
+    def spec_batch(self, batch):
         from .interface import SpecBatch
 
-        b = spec_metadata  # the InputBatch
+        b = batch  # the InputBatch
         ks = self.drafts_per_request(b)
         if ks is None:
             return None
@@ -217,8 +202,8 @@ class V2RunnerView(V1RunnerView):
         draft_tokens = b.input_ids[rows.to(b.input_ids.device, non_blocking=True)]
         return SpecBatch(ks, draft_tokens, b.logits_indices)
 
-    def drafts_per_request(self, spec_metadata) -> list[int] | None:
-        b = spec_metadata  # the InputBatch: V2 keeps the counts on the host (numpy)
+    def drafts_per_request(self, batch) -> list[int] | None:
+        b = batch  # the InputBatch: V2 keeps the counts on the host (numpy)
         if not b.num_draft_tokens or b.num_draft_tokens_per_req is None:
             return None
         return [int(k) for k in b.num_draft_tokens_per_req[: b.num_reqs]]

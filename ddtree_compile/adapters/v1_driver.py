@@ -15,6 +15,8 @@ with calls of the round's phases (integration/round/state.py) around V1's own:
 
 from __future__ import annotations
 
+from .v1_runner import V1Verify
+
 # The V1 members the driver replaces: name -> (owner path on the runner, attribute)
 ROUND_MEMBERS = {
     "propose": ("drafter", "propose"),  # DFlash drafts L positions
@@ -41,7 +43,7 @@ class V1Driver:
     def install(self) -> None:
         members = {"propose": self.propose, "sample_draft_tokens": self.sample_draft_tokens,
                    "prepare_inputs": self.prepare_inputs, "model_forward": self.model_forward,
-                   "rejection_sampler": TreeSampler(self.round.sample, self.orig["rejection_sampler"]),
+                   "rejection_sampler": TreeSampler(self.round, self.orig["rejection_sampler"]),
                    "update_states": self.update_states, "propose_draft_token_ids": self.propose_draft_token_ids}
         for name, (path, attr) in ROUND_MEMBERS.items():
             setattr(getattr(self.runner, path) if path else self.runner, attr, members[name])
@@ -78,11 +80,14 @@ class TreeSampler:
     """V1's `rejection_sampler` member: called as V1 calls it, it runs the round's `sample` with V1's
     own sampler for the chain rows; every other attribute is V1's sampler's (V1 reads some)."""
 
-    def __init__(self, sample, original):
-        self._sample, self.original = sample, original
+    def __init__(self, round_, original):
+        self._round, self.original = round_, original
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata):
-        return self._sample(self.original, metadata, draft_probs, logits, sampling_metadata)
+        def vllm_sample(lg):
+            return self.original(metadata, draft_probs, lg, sampling_metadata)
+
+        return self._round.sample(logits, V1Verify(metadata, sampling_metadata), vllm_sample)
 
     def __getattr__(self, name):
         return getattr(self.original, name)

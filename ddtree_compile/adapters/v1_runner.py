@@ -8,6 +8,8 @@ and docs/vllm_0_26.md (0.26) cite the lines.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .engine import engine_settings
@@ -16,6 +18,14 @@ from .gdn_state import gdn_state_slots, limit_accepted
 from .interface import RunnerView, SpecBatch
 
 _PATCHED = "_ddtree_patched"
+
+
+@dataclasses.dataclass(frozen=True)
+class V1Verify:
+    """A V1 step's verify inputs, as V1 hands them to its rejection sampler (the round's `batch`)."""
+
+    spec_metadata: object  # SpecDecodeMetadata, or None on a step without drafts
+    sampling_metadata: object  # SamplingMetadata
 
 # The opaque `layer_name` argument of vLLM's custom ops, declared by type name in a copied schema.
 OPAQUE_ARG_TYPES = {"layer_name": ("vllm.utils.torch_utils", "LayerName")}
@@ -134,18 +144,16 @@ class V1RunnerView(RunnerView):
     def scheduled_drafts(self, scheduler_output) -> dict[str, list[int]]:
         return scheduler_output.scheduled_spec_decode_tokens
 
-    def vllm_sampler(self):
-        return self.runner.rejection_sampler
+    def sampling_temperature(self, batch: V1Verify) -> torch.Tensor | None:
+        sm = batch.sampling_metadata
+        return None if sm.all_greedy or sm.temperature is None else sm.temperature
 
-    def sampling_temperature(self, sampling_metadata) -> torch.Tensor | None:
-        temp = sampling_metadata.temperature
-        return None if sampling_metadata.all_greedy or temp is None else temp
-
-    def spec_batch(self, spec_metadata) -> SpecBatch | None:
-        ks = self.drafts_per_request(spec_metadata)
+    def spec_batch(self, batch: V1Verify) -> SpecBatch | None:
+        ks, spec_metadata = self.drafts_per_request(batch), batch.spec_metadata
         return None if ks is None else SpecBatch(ks, spec_metadata.draft_token_ids, spec_metadata.logits_indices)
 
-    def drafts_per_request(self, spec_metadata) -> list[int] | None:
+    def drafts_per_request(self, batch: V1Verify) -> list[int] | None:
+        spec_metadata = batch.spec_metadata
         if spec_metadata is None or spec_metadata.max_spec_len == 0:
             return None
         return list(spec_metadata.num_draft_tokens)

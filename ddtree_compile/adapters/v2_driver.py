@@ -78,7 +78,6 @@ class V2Driver:
 
     def install(self) -> None:
         r = self.r
-        self.vllm_sample = self.view.vllm_sampler()
         retype(r.model_state, DDTreeModelState, _ddtree=self, _ddtree_requests=self.shared)
         retype(self.s, DDTreeSpeculator, _ddtree=self)
         retype(r.rejection_sampler, DDTreeRejectionSampler, _ddtree=self)
@@ -171,10 +170,17 @@ class DDTreeSpeculator:
 
 class DDTreeRejectionSampler:
     def __call__(self, logits, input_batch, draft_logits=None, *rest):
+        """(0.26: three arguments; 0.32: and `invalid_drafts`.) Chain rows go to V2's own sampler with
+        one-hot drafts (draft_logits None): the drafts are the tree's tokens, not samples of the
+        drafter's distribution, so rejection against that distribution would not be lossless."""
         d = self._ddtree
         d.round.verify_end()  # the verify's forward ran: its logits are here
-        d.shared.batch, d.shared.rs_rest = input_batch, rest
-        return d.round.sample(d.vllm_sample, input_batch, None, logits, input_batch)
+        d.shared.batch = input_batch
+
+        def vllm_sample(lg):
+            return vllm_class(self).__call__(self, lg, input_batch, None, *rest)
+
+        return d.round.sample(logits, input_batch, vllm_sample)
 
 
 class FlatOracleSpeculator:

@@ -220,10 +220,11 @@ class DDTreeRound:
         if armed is not None:
             self.verify_stage.disarm(armed)
 
-    def sample(self, vllm_sample, metadata, draft_probs, logits, sampling_metadata):
+    def sample(self, logits: torch.Tensor, batch, vllm_sample):
         """The verify's logits -> vLLM's sampler output: tree rows walked, chain rows through
-        `vllm_sample(metadata, draft_probs, logits, sampling_metadata)` (vLLM's rejection sampler)."""
-        out = self.walk_stage.sample(self.step, vllm_sample, metadata, draft_probs, logits, sampling_metadata)
+        `vllm_sample(logits)` (vLLM's own rejection sampler on the step's drafts, one-hot). `batch`: the
+        step's verify inputs as the driver has them (V1: `V1Verify`; V2: the InputBatch), for the view."""
+        out = self.walk_stage.sample(self.step, vllm_sample, batch, logits)
         step, P = self.step, self.max_tokens
         if P is None:
             return out
@@ -234,7 +235,7 @@ class DDTreeRound:
         if step is not None and step.N > P and any(step.chain_rows):
             self._cap_walk(step, P)
             return self._cap_tokens(out, P)
-        ks = self.ctx.view.drafts_per_request(metadata) if step is None else None  # (host values)
+        ks = self.ctx.view.drafts_per_request(batch) if step is None else None  # (host values)
         if ks is not None and max(ks) >= P:
             return self._cap_tokens(out, P)
         return out

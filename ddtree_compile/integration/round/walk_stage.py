@@ -25,20 +25,22 @@ class WalkStage:
         # the greedy all-tree step's device work (walk kernel, padding, metrics) as one graph per shape
         self.graphs = StageGraphs(ctx, "walk", ctx.cfg.round_graphs)
 
-    def sample(self, step: Step | None, original, metadata, draft_probs, logits, sampling_metadata):
-        """The sampled tokens of the step ([path tokens, bonus, -1...] per request); fills step.walk."""
+    def sample(self, step: Step | None, vllm_sample, batch, logits):
+        """The sampled tokens of the step ([path tokens, bonus, -1...] per request); fills step.walk.
+        `vllm_sample(logits)`: vLLM's rejection sampler on the step's drafts; `batch`: the step's
+        verify inputs as the runner's driver hands them (the view reads them)."""
         if step is None:
-            return self._sample_chain_step(original, metadata, draft_probs, logits, sampling_metadata)
+            return self._sample_chain_step(vllm_sample, batch, logits)
         ctx = self.ctx
         t0 = time.perf_counter()
         R, N = step.R, step.N
         chain_out = None
         if not step.has_tree:  # a whole-step fallback (FULL graphs): as _sample_chain_step would
-            chain_out = self._sample_chain_step(original, metadata, draft_probs, logits.clone(), sampling_metadata)
+            chain_out = self._sample_chain_step(vllm_sample, batch, logits.clone())
         elif any(step.chain_rows):
-            chain_out = original(metadata, draft_probs, logits.clone(), sampling_metadata)
+            chain_out = vllm_sample(logits.clone())
         logits3 = logits[: R * N].view(R, N, -1)
-        temp = ctx.view.sampling_temperature(sampling_metadata)
+        temp = ctx.view.sampling_temperature(batch)
         if temp is None and chain_out is None:  # the usual step: greedy, every row a tree
             t = step.tree
             copied = {"target": logits3.argmax(-1), "tokens": t.tokens, "parents": t.parents, "depths": t.depths,
@@ -75,26 +77,26 @@ class WalkStage:
         logprobs = ctx.view.sampled_tokens(chain_out)[1] if chain_out is not None else None
         return ctx.view.sampler_output(tokens.to(torch.int32), logprobs)
 
-    def _sample_chain_step(self, original, metadata, draft_probs, logits, sampling_metadata):
+    def _sample_chain_step(self, vllm_sample, batch, logits):
         """A plain chain verify (whole-step fallback, warm-up): vLLM's sampler, except that rows which
         sample with a temperature and need no unsupported feature are drawn by the same seeded
         sample-and-walk as tree rows, on chain-shaped trees. vLLM 0.32's CPU random rejection kernel
         is not lossless for DFlash's drafts (tests/test_e2e_sampling.py measures it), and this keeps
         a request's samples independent of how its rounds were batched."""
         ctx = self.ctx
-        temp = ctx.view.sampling_temperature(sampling_metadata)
-        spec = ctx.view.spec_batch(metadata) if temp is not None else None  # (greedy: vLLM's sampler as is)
+        temp = ctx.view.sampling_temperature(batch)
+        spec = ctx.view.spec_batch(batch) if temp is not None else None  # (greedy: vLLM's sampler as is)
         if spec is None:
-            return original(metadata, draft_probs, logits, sampling_metadata)
+            return vllm_sample(logits)
         ks = spec.drafts_per_request
         R = len(ks)
         host_temp = ctx.view.temperatures_host(R)
         req_ids = ctx.view.req_ids(R)
         redo = [k > 0 and float(t) > 0 and ctx.chain_reason(q) is None for k, t, q in zip(ks, host_temp, req_ids)]
         if not any(redo):
-            return original(metadata, draft_probs, logits, sampling_metadata)
-        logits_in = logits.clone()  # the original may update logits in place
-        out = original(metadata, draft_probs, logits, sampling_metadata)
+            return vllm_sample(logits)
+        logits_in = logits.clone()  # vLLM's sampler may update logits in place
+        out = vllm_sample(logits)
         K = max(ks)
         N = K + 1
         rows, drafts, cu = [], [], 0
