@@ -119,9 +119,10 @@ class RunnerView(abc.ABC):
     def temperatures_host(self, R: int): ...
 
     @abc.abstractmethod
-    def scheduled_drafts(self, scheduler_output) -> dict[str, list[int]]:
+    def scheduled_drafts(self, scheduled) -> dict[str, list[int]]:
         """Request id -> the drafts the scheduler put in this step (absent: none; the round reads
-        only how many). `scheduler_output` is what the runner's prepare-inputs hook was called with."""
+        only how many). `scheduled`: what the runner prepared the step's inputs from, as its driver
+        has it (V1: the SchedulerOutput; V2: the InputBatch)."""
 
     # -- the sampler's inputs and output -----------------------------------------------------------
     # `batch`: the step's verify inputs as the runner's driver hands them to the round's `sample`

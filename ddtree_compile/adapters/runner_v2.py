@@ -169,14 +169,15 @@ class V2RunnerView(V1RunnerView):
     def temperatures_host(self, R: int):
         return self.runner.sampler.sampling_states.temperature.np[self.batch.idx_mapping_np[:R]]
 
-    def scheduled_drafts(self, scheduler_output) -> dict[str, list[int]]:
-        """`scheduler_output` is the InputBatch (V2's prepare-inputs hook gets no scheduler output);
-        the drafts themselves live on the device, so the lists hold placeholders of the right length."""
-        per_req = scheduler_output.num_draft_tokens_per_req
-        if not scheduler_output.num_draft_tokens or per_req is None:
+    def scheduled_drafts(self, scheduled) -> dict[str, list[int]]:
+        """`scheduled` is the InputBatch (V2's model state prepares the inputs from it); the drafts
+        themselves live on the device, so the lists hold placeholders of the right length."""
+        b = scheduled
+        per_req = b.num_draft_tokens_per_req
+        if not b.num_draft_tokens or per_req is None:
             return {}
-        R = scheduler_output.num_reqs
-        return {q: [-1] * int(n) for q, n in zip(scheduler_output.req_ids[:R], per_req[:R]) if n > 0}
+        R = b.num_reqs
+        return {q: [-1] * int(n) for q, n in zip(b.req_ids[:R], per_req[:R]) if n > 0}
 
     # -- the sampler's inputs and output ---------------------------------------------------------------
     def sampling_temperature(self, batch) -> torch.Tensor | None:

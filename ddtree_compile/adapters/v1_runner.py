@@ -141,8 +141,8 @@ class V1RunnerView(RunnerView):
     def temperatures_host(self, R: int):
         return self.runner.input_batch.temperature_cpu[:R]
 
-    def scheduled_drafts(self, scheduler_output) -> dict[str, list[int]]:
-        return scheduler_output.scheduled_spec_decode_tokens
+    def scheduled_drafts(self, scheduled) -> dict[str, list[int]]:
+        return scheduled.scheduled_spec_decode_tokens  # (the SchedulerOutput)
 
     def sampling_temperature(self, batch: V1Verify) -> torch.Tensor | None:
         sm = batch.sampling_metadata
