@@ -30,11 +30,12 @@ ROUND_MEMBERS = {
 
 
 class V1Driver:
-    """The round's phases from V1's members. `wrap_forward(original)`: a release line's wrapper of
-    V1's `_model_forward` (0.26: positions moved into the runner's persistent buffer)."""
+    """The round's phases from V1's members, the drafter drafting `draft_len` positions per call.
+    `wrap_forward(original)`: a release line's wrapper of V1's `_model_forward` (0.26: positions moved
+    into the runner's persistent buffer)."""
 
-    def __init__(self, runner, round_, view, wrap_forward=None):
-        self.runner, self.round, self.view = runner, round_, view
+    def __init__(self, runner, round_, view, draft_len: int, wrap_forward=None):
+        self.runner, self.round, self.view, self.L = runner, round_, view, draft_len
         self.orig = {name: getattr(getattr(runner, path) if path else runner, attr)
                      for name, (path, attr) in ROUND_MEMBERS.items()}
         if wrap_forward is not None:
@@ -49,9 +50,9 @@ class V1Driver:
             setattr(getattr(self.runner, path) if path else self.runner, attr, members[name])
 
     # V1's arguments (0.32's names; 0.26's are the same for these members)
-    def propose(self, num_speculative_tokens=None, **kw):
-        L = self.round.ctx.L
-        return self.round.propose(lambda: self.orig["propose"](num_speculative_tokens=L, **kw), kw["next_token_ids"])
+    def propose(self, num_speculative_tokens=None, **kw):  # (V1 takes the draft length per call)
+        return self.round.propose(lambda: self.orig["propose"](num_speculative_tokens=self.L, **kw),
+                                  kw["next_token_ids"])
 
     def sample_draft_tokens(self, hidden_states, sampling_metadata):
         return self.round.drafter_logits(hidden_states), None

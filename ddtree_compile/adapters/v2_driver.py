@@ -160,8 +160,8 @@ class DDTreeSpeculator:
     def _generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
                         cudagraph_runtime_mode=None):
         """The speculator's forward as V2 runs and captures it: the drafter, then its L sampled
-        positions' hidden states into `hidden` (a fixed address for the graphs). V2's own samples
-        the drafts here; the round's tree is built from the logits after it."""
+        positions' hidden states into `hidden` (a fixed address for the graphs). V2's own would
+        sample the drafts here; the round computes their logits after it (`drafter_logits`)."""
         run = (num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp)
         out = self._run_model(*run) if cudagraph_runtime_mode is None else self._run_model(*run, cudagraph_runtime_mode)
         n = num_reqs * self._ddtree.L

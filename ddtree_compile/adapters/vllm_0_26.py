@@ -136,13 +136,14 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def install_driver(runner, round_, view) -> None:
+def install_driver(runner, round_, view, draft_len: int) -> None:
     """The V1 driver (v1_driver.py), whose target forward writes the positions it is called with
     into the runner's persistent buffer (CUDA graphs replay from fixed addresses) and restores the
     buffer after the forward."""
     from .v1_driver import V1Driver
 
-    V1Driver(runner, round_, view, wrap_forward=lambda original: _static_positions_forward(runner, original)).install()
+    V1Driver(runner, round_, view, draft_len,
+             wrap_forward=lambda original: _static_positions_forward(runner, original)).install()
     contiguous_draft_copies(runner)
 
 
@@ -302,7 +303,7 @@ class RunnerView(V1RunnerView):
     not serve."""
 
     def install_driver(self, round_, draft_len: int) -> None:
-        install_driver(self.runner, round_, self)  # V1 sets the drafter's length per call
+        install_driver(self.runner, round_, self, draft_len)
 
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:
         return install_graph_capture(self.runner, capture, query_lens)

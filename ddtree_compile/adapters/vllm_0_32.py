@@ -109,11 +109,11 @@ def install_memory_profile_hook(on_memory_profile) -> bool:
 # The round's driver on one runner instance: vLLM 0.32's members, called with 0.32's arguments
 # ---------------------------------------------------------------------------------------------
 
-def install_driver(runner, round_, view) -> None:
+def install_driver(runner, round_, view, draft_len: int) -> None:
     """The V1 driver (v1_driver.py), and the drafts' host copy kept asynchronous (`contiguous_draft_copies`)."""
     from .v1_driver import V1Driver
 
-    V1Driver(runner, round_, view).install()
+    V1Driver(runner, round_, view, draft_len).install()
     contiguous_draft_copies(runner)
 
 
@@ -132,7 +132,7 @@ class RunnerView(V1RunnerView):
     `unsupported_features` misses."""
 
     def install_driver(self, round_, draft_len: int) -> None:
-        install_driver(self.runner, round_, self)  # V1 sets the drafter's length per call
+        install_driver(self.runner, round_, self, draft_len)
 
     def install_graph_capture(self, capture, query_lens=()) -> set[int]:
         return install_graph_capture(self.runner, capture, query_lens)
