@@ -87,7 +87,7 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, l
 
     hybrid = args.target != "tiny" or args.tiny_kind != "qwen3"
     # the reference run's 32 extra tokens, and room for the deepest verify near the end
-    max_len = args.prompt_len + args.max_tokens + 32 + 2 * max(args.budgets + [args.flat_len, args.auto_budget]) + 64
+    max_len = args.prompt_len + args.max_tokens + 32 + 2 * max(args.budgets + [args.flat_len, *args.auto_budget]) + 64
     kw = models.tiny_llm_kwargs(target, max_num_seqs=max_seqs, seed=0, disable_log_stats=False, max_model_len=max_len,
                                 max_num_batched_tokens=max(2048, max_seqs * 80))
     if args.device == "cuda":

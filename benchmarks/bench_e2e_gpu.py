@@ -200,7 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="16,22,32,64", type=lambda s: [int(x) for x in s.split(",") if x])
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--flat-len", type=int, default=15, help="flat DFlash's draft tokens = DDTree's draft length L")
-    ap.add_argument("--auto-budget", type=int, default=32, help='budget "auto": its tree bucket')
+    ap.add_argument("--auto-budget", default=[32], type=lambda s: [int(x) for x in s.split(",") if x],
+                    help='budget "auto": its tree bucket, or a menu of them (8,16,32)')
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=64)

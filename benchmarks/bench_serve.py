@@ -73,7 +73,7 @@ def deepest_verify(args) -> int:
     """The most drafts any mode of the run verifies per request (every server gets room for it: one
     max_model_len for all, as one user's command would have)."""
     budgets = [budget_of(m) for m in modes_of(args)]
-    return max([args.flat_len] + [args.auto_budget if b == "auto" else b for b in budgets if b is not None])
+    return max([args.flat_len] + [max(args.auto_budget) if b == "auto" else b for b in budgets if b is not None])
 
 
 def write_models(args) -> tuple[pathlib.Path, pathlib.Path]:
@@ -115,7 +115,8 @@ def server_args(args, mode: str, drafter, cuda: bool, share: int) -> list[str]:
     if budget is not None:
         block = {"budget": budget, "top_k": args.top_k}
         if budget == "auto":
-            block["auto_budget"] = args.auto_budget
+            menu = args.auto_budget
+            block["auto_budget"] = menu[0] if len(menu) == 1 else menu  # (as a user writes it)
         extra["ddtree"] = block
     if extra:
         out += ["--additional-config", json.dumps(extra)]
@@ -132,7 +133,7 @@ def expected_tokens_per_round(args, profile, mode: str) -> tuple[float, float]:
     budget = budget_of(mode)
     if budget is None:
         return 0.9 * chain, 1.1 * chain
-    tree = oracle.simulate(profile, args.auto_budget if budget == "auto" else budget, args.top_k, args.flat_len)
+    tree = oracle.simulate(profile, max(args.auto_budget) if budget == "auto" else budget, args.top_k, args.flat_len)
     return (0.9 * chain if budget == "auto" else 0.9 * tree), 1.1 * tree
 
 
@@ -346,7 +347,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", default="flat,auto", help="comma list: flat (vLLM's), auto, ddtree<B>")
     ap.add_argument("--flat-len", type=int, default=15, help="the user's num_speculative_tokens (DFlash's L)")
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--auto-budget", type=int, default=32, help='budget "auto": its tree bucket')
+    ap.add_argument("--auto-budget", default=[32], type=lambda s: [int(x) for x in s.split(",") if x],
+                    help='budget "auto": its tree bucket, or a menu of them (8,16,32)')
     ap.add_argument("--profile", default="sglang_plus22", help="an oracle profile of --profiles")
     ap.add_argument("--profiles", default="benchmarks/oracle_profiles.json")
     ap.add_argument("--concurrency", default="1,4,16,64", help="vllm bench serve --max-concurrency values")

@@ -7,10 +7,11 @@ siblings (`conv_anc`, gdn_meta.py).
 
 State layout is vLLM's chain spec layout: `conv_state` is the [lines, dim, state_len] view of the
 cache (vLLM's default SD layout is [lines, state_len, dim]: pass `.transpose(-1, -2)`), with
-state_len = W - 2 + N (N = B + 1 tokens per request, i.e. vLLM's W - 1 + num_spec with
-num_spec = B). Request r's line is `state_indices[r, 0]` (line <= 0 is vLLM's null block: zero
-history, nothing written) and its committed window is columns [o, o + W - 1), o =
-num_accepted[r] - 1. Like vLLM's `causal_conv1d_update`, the step rewrites the line to
+state_len >= W - 2 + N (N = B + 1 tokens per request; vLLM's lines hold W - 1 + num_spec columns, so a
+tree of B = num_spec nodes fills them and a smaller bucket of budget "auto"'s menu, or a chain of
+fewer drafts, leaves the columns past W - 2 + N as they were: the next step reads none of them).
+Request r's line is `state_indices[r, 0]` (line <= 0 is vLLM's null block: zero history, nothing
+written) and its committed window is columns [o, o + W - 1), o = num_accepted[r] - 1. Like vLLM's `causal_conv1d_update`, the step rewrites the line to
 [window[1:], x_0 .. x_B], so the accepted-path commit can rebuild the window from the line alone.
 """
 
@@ -33,9 +34,9 @@ def check_conv_args(x, weight, bias, conv_state, state_indices, num_accepted, co
         raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
     if bias is not None and bias.shape != (D,):
         raise ValueError(f"bias must be [dim] = [{D}] or None, got {tuple(bias.shape)}")
-    if conv_state.dim() != 3 or conv_state.shape[1] != D or conv_state.shape[2] != W - 2 + N:
-        raise ValueError(f"conv_state must be [lines, dim, state_len] = [*, {D}, {W - 2 + N}] "
-                         f"(state_len = W - 2 + N), got {tuple(conv_state.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[1] != D or conv_state.shape[2] < W - 2 + N:
+        raise ValueError(f"conv_state must be [lines, dim, state_len] = [*, {D}, >= {W - 2 + N}] "
+                         f"(state_len >= W - 2 + N), got {tuple(conv_state.shape)}")
     if state_indices.dim() != 2 or state_indices.shape[0] != R or state_indices.dtype != torch.int32:
         raise ValueError(f"state_indices must be int32 [R={R}, NS], got {state_indices.dtype} "
                          f"{tuple(state_indices.shape)}")
@@ -94,4 +95,4 @@ def tree_conv1d_ref(x, weight, bias, conv_state, state_indices, num_accepted, co
     out.copy_(acc.view(R * N, D))
     new = torch.cat([hist[:, :, 1:], xr.transpose(1, 2)], 2).to(conv_state.dtype)
     if bool(valid.any()):
-        conv_state[lines[valid]] = new[valid]
+        conv_state[lines[valid], :, : W - 2 + N] = new[valid]

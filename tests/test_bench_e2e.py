@@ -225,7 +225,7 @@ def test_bench_attention_config_reaches_every_engine_and_names_the_option(bench,
 
     engine_kwargs = importlib.import_module("_e2e_engine").engine_kwargs
     args = types.SimpleNamespace(target="tiny", tiny_kind="qwen3", prompt_len=8, max_tokens=8, budgets=[8], flat_len=4,
-                                 auto_budget=8, device="cpu", attention_config={"backend": "TRITON_ATTN"})
+                                 auto_budget=[8], device="cpu", attention_config={"backend": "TRITON_ATTN"})
     kw = engine_kwargs("/models/t", args, 2, None, {})
     assert kw["attention_config"] == {"backend": "TRITON_ATTN"}
     args.attention_config = None
@@ -317,7 +317,7 @@ def test_modes_take_a_loop_and_the_summary_compares_with_the_old_baseline(bench,
     engine = importlib.import_module("_e2e_engine")
     assert [engine.loop_of(m, args) for m in ("flat", "flat@v1sync")] == ["v2async", "v1sync"]
     kw_args = types.SimpleNamespace(target="tiny", tiny_kind="qwen3", prompt_len=8, max_tokens=8, budgets=[8],
-                                    flat_len=4, auto_budget=8, device="cpu")
+                                    flat_len=4, auto_budget=[8], device="cpu")
     assert "async_scheduling" not in engine.engine_kwargs("/t", kw_args, 2, None, {}, "v2async")
     assert engine.engine_kwargs("/t", kw_args, 2, None, {}, "v2sync")["async_scheduling"] is False
     for argv, why in ((["--modes", "flat@v3"], "unknown loop(s) ['v3']; allowed: v2async, v2sync, v1sync"),

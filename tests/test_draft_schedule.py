@@ -10,14 +10,15 @@ from ddtree_compile.adapters import draft_schedule
 
 def test_budget_auto_gets_vllms_draft_schedule_where_v2_runs_it_in_the_async_loop():
     """adapters/engine_args.adjust_vllm_config: budget "auto" on Model Runner V2 with async scheduling, one
-    worker, no data parallelism gets vLLM's per-batch-size draft counts (the tree's K for every batch size,
-    the chain's L past max_num_seqs for V2's graphs); nowhere else, and a user's own schedule is kept."""
+    worker, no data parallelism gets vLLM's per-batch-size draft counts (the largest tree's K for every
+    batch size; the chain's L and each smaller bucket's count past max_num_seqs, for V2's graphs; a bucket
+    of L nodes left out: its count is the chain's); nowhere else, and a user's own schedule is kept."""
     from types import SimpleNamespace as NS
 
     from ddtree_compile.adapters import engine_args as switch
 
-    def vc(auto=True, v2=True, async_=True, dp=1, world=1, schedule=None):
-        ddtree = {"budget": "auto", "auto_budget": 32, "draft_len": 15} if auto else {"budget": 32, "draft_len": 15}
+    def vc(auto=True, v2=True, async_=True, dp=1, world=1, schedule=None, menu=32):
+        ddtree = {"budget": "auto", "auto_budget": menu, "draft_len": 15} if auto else {"budget": 32, "draft_len": 15}
         return NS(additional_config={"ddtree": ddtree}, use_v2_model_runner=v2,
                   speculative_config=NS(num_speculative_tokens=32, num_speculative_tokens_per_batch_size=schedule),
                   scheduler_config=NS(async_scheduling=async_, max_num_seqs=16),
@@ -27,6 +28,10 @@ def test_budget_auto_gets_vllms_draft_schedule_where_v2_runs_it_in_the_async_loo
     notes = switch.adjust_vllm_config(c, None)
     assert c.speculative_config.num_speculative_tokens_per_batch_size == [(1, 16, 32), (17, 17, 15)], notes
     assert len(notes) == 1 and "budget \"auto\"" in notes[0], notes
+    c = vc(menu=[8, 15, 16, 32])
+    switch.adjust_vllm_config(c, None)
+    assert c.speculative_config.num_speculative_tokens_per_batch_size == [(1, 16, 32), (17, 17, 15), (18, 18, 8),
+                                                                          (19, 19, 16)]
     for other in (vc(auto=False), vc(async_=False), vc(dp=2), vc(world=2)):
         switch.adjust_vllm_config(other, True)
         assert other.speculative_config.num_speculative_tokens_per_batch_size is None
@@ -39,11 +44,32 @@ def test_budget_auto_gets_vllms_draft_schedule_where_v2_runs_it_in_the_async_loo
     assert mine.speculative_config.num_speculative_tokens_per_batch_size == [(1, 16, 4)]
 
 
+def test_the_round_follows_a_schedule_whose_counts_it_serves():
+    """Model Runner V2 under async scheduling: budget "auto"'s own schedule, or a user's whose every count
+    is the chain's L or a tree bucket (the budget, or budget "auto"'s menu); not one with other counts,
+    nor in the synchronous loop (no scheduler's count reaches the round there)."""
+    from types import SimpleNamespace as NS
+
+    def runs(schedule, budget=32, menu=None, async_=True, K=32):
+        ddtree = {"budget": "auto", "auto_budget": menu, "draft_len": 15} if menu else {"budget": budget,
+                                                                                       "draft_len": 15}
+        vc = NS(speculative_config=NS(num_speculative_tokens=K, num_speculative_tokens_per_batch_size=schedule))
+        return draft_schedule.runs_draft_schedule(vc, NS(additional_config={"ddtree": ddtree}, async_scheduling=async_))
+
+    assert runs(draft_schedule.auto_schedule((8, 15, 16, 32), 15, 16), menu=[8, 15, 16, 32])
+    assert runs([(1, 4, 32), (5, 16, 15)]) and runs([(1, 4, 32), (5, 16, 15)], menu=[8, 32])
+    assert runs([(1, 2, 32), (3, 4, 8), (5, 16, 15)], menu=[8, 32])
+    assert not runs([(1, 2, 32), (3, 4, 8), (5, 16, 15)])  # (8: no bucket of a fixed budget 32)
+    assert not runs([(1, 16, 4)]) and not runs([(1, 4, 32), (5, 16, 15)], async_=False)
+    assert not runs(None) and not runs([(1, 16, 32)], K=40)  # (vLLM's slots must be the largest bucket's)
+
+
 def test_a_choice_rewrites_the_batch_sizes_of_its_bucket():
     """The round's policy decides per batch bucket (R .. 2R - 1); the scheduler looks up the exact batch size."""
-    s = draft_schedule.DraftSchedule(budget=32, draft_len=15)
+    s = draft_schedule.DraftSchedule()
     s._lookup = [0] + [32] * 16  # (what the scheduler built for max_num_seqs 16)
-    assert s.choose(5, chain=True) and s.lookup()[1:] == [32] * 3 + [15] * 4 + [32] * 9
-    assert s.choose(16, chain=True) and s.lookup()[16] == 15
-    assert s.choose(4, chain=False) and s.lookup()[1:8] == [32] * 7
-    assert s.written == {32: 1, 15: 2}
+    assert s.choose(5, 15) and s.lookup()[1:] == [32] * 3 + [15] * 4 + [32] * 9
+    assert s.choose(16, 15) and s.lookup()[16] == 15
+    assert s.choose(4, 32) and s.lookup()[1:8] == [32] * 7
+    assert s.choose(2, 8) and s.lookup()[1:8] == [32, 8, 8] + [32] * 4  # a smaller bucket's count
+    assert s.written == {32: 1, 15: 2, 8: 1}

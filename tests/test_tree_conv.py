@@ -113,6 +113,27 @@ def test_per_path_oracle_and_line_rewrite(impl):
             torch.testing.assert_close(cs[line], want_line, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_lines_longer_than_the_verify(impl):
+    """vLLM sizes the conv lines for num_speculative_tokens drafts (W - 1 + K columns); a smaller tree
+    bucket of budget "auto", or a chain of fewer drafts, verifies N < K + 1 slots on them: the same
+    outputs and the same first W - 2 + N columns as on lines of its own size, the rest untouched."""
+    W, N, D, extra = 4, 7, 24, 5
+    parents, x, weight, bias, conv_state, si, na = make_case(W, N, D, torch.float32, "SD", seed=8)
+    meta = build_gdn_meta(parents, W)
+    fn = tree_conv1d_ref if impl == "ref" else tree_conv1d_triton
+    tail = torch.randn(conv_state.shape[0], D, extra, generator=torch.Generator().manual_seed(1))
+    longer = torch.cat([conv_state, tail], 2)  # the committed window sits in the first columns
+    runs = []
+    for cs in (conv_state.clone(), longer.clone()):
+        out = poison(torch.empty_like(x))
+        fn(x, weight, bias, cs, si, na, meta.conv_anc, out, True)
+        runs.append((out, cs))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(runs[1][1][:, :, : W - 2 + N], runs[0][1], rtol=0, atol=0)
+    torch.testing.assert_close(runs[1][1][:, :, W - 2 + N:], tail, rtol=0, atol=0)
+
+
 def test_bad_arguments_rejected():
     parents, x, weight, bias, conv_state, si, na = make_case(4, 6, 8, torch.float32, "SD", seed=1)
     meta = build_gdn_meta(parents, 4)

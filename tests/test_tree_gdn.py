@@ -109,6 +109,32 @@ def test_triton_matches_reference_fp32(strategy):
     check_oracle(case, tri[0], H, K, 1e-4)
 
 
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_snapshots_on_lines_for_more_drafts(impl):
+    """vLLM gives each request 1 + K state lines (K = num_speculative_tokens); a smaller tree bucket, or a
+    chain of fewer drafts, has N < 1 + K slots: the committed state may sit past column N (the last
+    step committed more), snapshots go to the first N lines, the others stay as they were."""
+    H, HV, K, V, N, extra = 2, 4, 16, 16, 7, 4
+    case = list(make_case(N, H, HV, K, V, ("bushy", "deep", "chain"), seed=9))
+    parents, si = case[0], case[7]
+    R = parents.shape[0]
+    more = (1000 + torch.arange(R * extra, dtype=torch.int32)).view(R, extra)
+    si_long = torch.cat([si, torch.where(si[:, :1] > 0, more, 0)], 1)
+    ssm = case[6]
+    case[6] = torch.cat([ssm, torch.randn(1000 + R * extra - ssm.shape[0], *ssm.shape[1:])])
+    case[7] = si_long
+    case[8] = torch.tensor([N + extra, 2, N + 1], dtype=torch.int32)  # committed at columns N+3, 1, N
+    meta = build_gdn_meta(parents, 4)
+    fn = tree_gdn_ref if impl == "ref" else (lambda *a: tree_gdn_triton(*a, block_v=8))
+    out, ssm_after, _, _ = run(fn, tuple(case), meta, H, K, True, False)
+    check_oracle(tuple(case), out, H, K, 1e-4)
+    untouched = si_long[:, N:][si_long[:, N:] > 0].long()
+    torch.testing.assert_close(ssm_after[untouched], case[6][untouched], rtol=0, atol=0)
+    live = (parents >= 0) | (torch.arange(N) == 0)
+    written = si_long[:, :N][(si_long[:, :N] > 0) & live].long()
+    assert not torch.equal(ssm_after[written], case[6][written])
+
+
 def test_triton_bf16_kv_major_single_line():
     """bf16 inputs and state in CPU vLLM's [K, V] layout; records with one state line per request."""
     H, HV, K, V = 1, 2, 16, 8

@@ -1,5 +1,5 @@
-"""Budget "auto" on Model Runner V2: the tree or the chain per step, through vLLM's own per-batch-size
-draft counts (dynamic speculative decoding: `speculative_config.num_speculative_tokens_per_batch_size`).
+"""Budget "auto" on Model Runner V2: a tree bucket of its menu or the chain per step, through vLLM's own
+per-batch-size draft counts (dynamic speculative decoding: `speculative_config.num_speculative_tokens_per_batch_size`).
 
 V2 under async scheduling learns a step's draft count from the scheduler, not from the drafter: the
 scheduler leaves `lookup[batch size]` placeholder drafts per request for the next step
@@ -8,11 +8,14 @@ that count in the step's SchedulerOutput (`num_spec_tokens_to_schedule`). V2 cap
 every count of the schedule (0.26 `cudagraph_utils.py:196-218`). So:
 
 - at start-up (engine_args.adjust_vllm_config) an auto engine on V2 with async scheduling gets the
-  schedule `[(1, M, B), (M + 1, M + 1, L)]`: every batch size verifies the tree's B slots at first,
-  and the entry past max_num_seqs = M makes V2 capture flat DFlash's 1 + L graphs too (it is never
-  looked up);
+  schedule `[(1, M, B), (M + 1, M + 1, L), (M + 2, M + 2, b_1), ...]`: every batch size verifies the
+  largest tree's B slots at first, and the entries past max_num_seqs = M (never looked up) make V2
+  capture FULL graphs for flat DFlash's 1 + L tokens and each smaller bucket's 1 + b_i too (0.26
+  `cudagraph_utils.py:196-218` takes every entry's count; 0.32 reads the dense lookup, which drops
+  them: a 0.32+ GPU line would put them inside 1..M);
 - the round reads the count the scheduler gave the next step (`next_draft_count`) and proposes that:
-  L drafts are the drafter's chain (flat DFlash's step: its graphs, vLLM's sampler), B the tree;
+  L drafts are the drafter's chain (flat DFlash's step: its graphs, vLLM's sampler), b a tree bucket.
+  So the counts must differ: a bucket of exactly L nodes is not served here (round/auto_budget.serveable_menu);
 - the round's policy (round/auto_budget.py) writes its choice per batch bucket into the scheduler's
   lookup (`DraftSchedule.choose`), which applies from the next schedule on: a host list, no sync.
 
@@ -22,28 +25,33 @@ one GPU worker); elsewhere (workers of their own: tensor parallel) auto is refus
 
 from __future__ import annotations
 
+import collections
 import weakref
 
 _SCHEDULERS: list = []  # weak references to this process's schedulers with a dynamic draft schedule
 
 
-def auto_schedule(budget: int, draft_len: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
-    """The start-up schedule of an auto engine on V2 (module docstring)."""
-    return [(1, max_num_seqs, budget), (max_num_seqs + 1, max_num_seqs + 1, draft_len)]
+def auto_schedule(menu: tuple, draft_len: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
+    """The start-up schedule of an auto engine on V2 (module docstring): menu ascending, its last the
+    largest bucket B; a bucket of L nodes is left out (its count is the chain's)."""
+    smaller = [b for b in menu[:-1] if b != draft_len]
+    M = max_num_seqs
+    return [(1, M, menu[-1])] + [(M + 1 + i, M + 1 + i, k) for i, k in enumerate([draft_len, *smaller])]
 
 
-def is_auto_schedule(speculative_config, budget: int, draft_len: int, max_num_seqs: int) -> bool:
-    got = getattr(speculative_config, "num_speculative_tokens_per_batch_size", None)
-    return got is not None and [tuple(map(int, e)) for e in got] == auto_schedule(budget, draft_len, max_num_seqs)
-
-
-def runs_auto_schedule(vllm_config, settings, max_num_seqs: int) -> bool:
-    """vLLM runs DDTree's auto schedule (engine_args.adjust_vllm_config) in the async loop."""
+def runs_draft_schedule(vllm_config, settings) -> bool:
+    """vLLM runs a per-batch-size draft schedule in the async loop whose every count is one the round
+    serves: the chain's L or a tree bucket (budget "auto"'s menu, else the budget). Budget "auto"'s own
+    (engine_args.adjust_vllm_config), or a user's that fits: the round follows its counts (and with
+    budget "auto" rewrites them as it measures)."""
     from ..integration import config as config_mod
 
     cfg, spec = config_mod.parse(settings.additional_config), vllm_config.speculative_config
-    return (cfg is not None and settings.async_scheduling and spec is not None
-            and is_auto_schedule(spec, spec.num_speculative_tokens, cfg.draft_len or 0, max_num_seqs))
+    got = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+    if cfg is None or not settings.async_scheduling or not got or not cfg.draft_len:
+        return False
+    L, menu = cfg.draft_len, cfg.budget_menu(cfg.draft_len)
+    return menu[-1] == spec.num_speculative_tokens and {int(e[2]) for e in got} <= {L, *menu}
 
 
 def install() -> None:
@@ -67,10 +75,10 @@ class DraftSchedule:
     """The scheduler's lookup of this process, as the round writes it (found at first use: the
     scheduler is built after the workers)."""
 
-    def __init__(self, budget: int, draft_len: int, vllm_config=None):
-        self.B, self.L, self.vllm_config = budget, draft_len, vllm_config
+    def __init__(self, vllm_config=None):
+        self.vllm_config = vllm_config
         self._lookup: list[int] | None = None
-        self.written = {budget: 0, draft_len: 0}  # choices written, by draft count (tests, the snapshot)
+        self.written: collections.Counter = collections.Counter()  # choices written, by draft count (tests)
 
     def lookup(self) -> list[int] | None:
         """The lookup of the scheduler built from this engine's config (the engine core hands the worker
@@ -82,14 +90,15 @@ class DraftSchedule:
                 self._lookup = mine[-1].dynamic_sd_lookup
         return self._lookup
 
-    def choose(self, R: int, chain: bool) -> bool:
-        """Batch sizes of R's bucket (R .. 2R - 1, as round/auto_budget buckets them) verify the chain
-        or the tree from the next schedule on; False where no scheduler shares this process."""
+    def choose(self, R: int, count: int) -> bool:
+        """Batch sizes of R's bucket (R .. 2R - 1, as round/auto_budget buckets them) get `count` drafts
+        per request (the chain's L or a tree bucket's b) from the next schedule on; False where no
+        scheduler shares this process."""
         lookup = self.lookup()
         if lookup is None:
             return False
         lo = 1 << (max(R, 1).bit_length() - 1)
-        k = self.L if chain else self.B
+        k = count
         self.written[k] += 1
         if lo < len(lookup) and lookup[lo] != k:  # (the bucket is written whole: one entry tells)
             lookup[lo:min(2 * lo, len(lookup))] = [k] * (min(2 * lo, len(lookup)) - lo)

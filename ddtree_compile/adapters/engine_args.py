@@ -92,14 +92,16 @@ def adjust_vllm_config(vllm_config, user_async) -> list[str]:
         return ["async scheduling off: vLLM picked the V1 model runner, whose round runs in the synchronous "
                 "loop (Model Runner V2 serves it with async scheduling: VLLM_USE_V2_MODEL_RUNNER=1)"]
     K, L = spec.num_speculative_tokens, cfg.draft_len
-    if (cfg.auto and vllm_config.use_v2_model_runner and sc.async_scheduling and L and K > L
+    menu = cfg.budget_menu(L) if cfg.auto and L else ()
+    if (menu and vllm_config.use_v2_model_runner and sc.async_scheduling and K > L and menu[-1] == K
             and vllm_config.parallel_config.data_parallel_size == 1 and vllm_config.parallel_config.world_size == 1
             and getattr(spec, "num_speculative_tokens_per_batch_size", False) is None):
         from .draft_schedule import auto_schedule
 
-        spec.num_speculative_tokens_per_batch_size = schedule = auto_schedule(K, L, sc.max_num_seqs)
+        spec.num_speculative_tokens_per_batch_size = schedule = auto_schedule(menu, L, sc.max_num_seqs)
+        trees = "/".join(str(b) for b in menu if b != L)
         return [f"speculative_config.num_speculative_tokens_per_batch_size = {schedule} (budget \"auto\" on Model "
-                f"Runner V2: the tree's {K} drafts or the chain's {L} per batch size, chosen as the engine runs)"]
+                f"Runner V2: a tree of {trees} drafts or the chain's {L} per batch size, chosen as the engine runs)"]
     return []
 
 

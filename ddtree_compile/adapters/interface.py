@@ -69,8 +69,8 @@ class RunnerView(abc.ABC):
         step, logged once, counted), or None."""
 
     def schedules_draft_counts(self) -> bool:
-        """The scheduler gives each step budget "auto"'s draft count: the tree's or the chain's, no
-        smaller bucket (draft_schedule.py)."""
+        """The scheduler gives each step budget "auto"'s draft count: a tree bucket's or the chain's
+        (draft_schedule.py)."""
         return False
 
     def next_draft_count(self) -> int | None:
@@ -78,10 +78,24 @@ class RunnerView(abc.ABC):
         "auto" on Model Runner V2: draft_schedule.py), else None: the drafts the round proposes."""
         return None
 
-    def choose_draft_count(self, R: int, chain: bool) -> bool:
-        """Budget "auto"'s choice for batches of R's bucket, handed to a scheduler that decides the draft
-        count (next_draft_count); False where there is none to hand it to."""
+    def choose_draft_count(self, R: int, count: int) -> bool:
+        """Budget "auto"'s choice for batches of R's bucket (`count` drafts per request: the chain's L or
+        a tree bucket's b), handed to a scheduler that decides the draft count (next_draft_count); False
+        where there is none to hand it to."""
         return False
+
+    def gdn_takes_short_drafts(self) -> bool:
+        """Whether vLLM's own GatedDeltaNet verify takes fewer drafts per request than
+        num_speculative_tokens (budget "auto"'s chain steps); where not, the round verifies them as
+        chain-shaped trees through its templates, and repairs the conv lines of the rows vLLM verified
+        itself (`gdn_short_spec_rows`)."""
+        return True
+
+    def gdn_short_spec_rows(self, layer_name: str, num_spec: int) -> list[tuple[int, int]]:
+        """(state line, query length) of the spec-decode rows of the forward just run (its GDN metadata,
+        this layer's KV cache group) whose query is shorter than 1 + num_spec; host values, read only
+        where `gdn_takes_short_drafts` is False (CPU: no device to sync)."""
+        return []
 
     @abc.abstractmethod
     def has_drafter(self) -> bool:

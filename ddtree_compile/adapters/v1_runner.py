@@ -116,9 +116,6 @@ class V1RunnerView(RunnerView):
         return model_features_unsupported(mc, cc)
 
     def budget_auto_unsupported(self) -> str | None:
-        if self.settings.is_hybrid and not self.gdn_takes_short_drafts():
-            return ("budget 'auto' on a hybrid (GatedDeltaNet) target: its chain steps need vLLM's GDN verify to "
-                    "take fewer drafts than num_speculative_tokens, which this platform's kernels do not")
         return None
 
     def has_drafter(self) -> bool:
@@ -266,6 +263,15 @@ class V1RunnerView(RunnerView):
 
     def limit_accepted(self, max_tokens: int) -> None:
         limit_accepted(self.runner, max_tokens)
+
+    def gdn_short_spec_rows(self, layer_name: str, num_spec: int) -> list[tuple[int, int]]:
+        g = self._attn_metadata().get(self.layer(layer_name).prefix)
+        n = getattr(g, "num_spec_decodes", 0)
+        if not n:
+            return []
+        qsl = g.spec_query_start_loc[: n + 1].tolist()
+        lines = g.spec_state_indices_tensor[:n, 0].tolist()
+        return [(line, b - a) for line, a, b in zip(lines, qsl, qsl[1:]) if line > 0 and 0 < b - a < 1 + num_spec]
 
     def gdn_spec_addressing(self, layer_name: str, R: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(state_indices [R, 1+K], num_accepted [R]) of a pure spec-decode GDN batch: vLLM's own

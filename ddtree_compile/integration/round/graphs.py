@@ -40,7 +40,7 @@ from .step import RoundContext
 
 class GraphBuckets:
     def __init__(self, ctx: RoundContext, gdn_verify, chain, attn_scratch):
-        """gdn_verify(rows, records) -> the GdnVerify of a batch of `rows` (verify_stage: the
+        """gdn_verify(rows, N, records) -> the GdnVerify of a batch of `rows` N-slot trees (verify_stage: the
         workspace's stack and records); chain: (parents [N], depths [N], ancestor bits [N, W]) of
         the chain-shaped tree of the largest bucket (verify_stage); attn_scratch: the workspace's
         tree-attention scratch (None: the op needs none here)."""
@@ -57,7 +57,7 @@ class GraphBuckets:
         """The uniform query lengths to capture FULL graphs of: every tree bucket's slots, the chain's
         L + 1 with budget "auto" (flat DFlash's verify)."""
         ctx = self.ctx
-        return {verify_tokens(b) for b in ctx.menu} | ({chain_tokens(ctx.L)} if ctx.auto is not None else set())
+        return {verify_tokens(b) for b in ctx.menu} | ({chain_tokens(ctx.L)} if ctx.chain_steps else set())
 
     def holds_trees(self, N: int) -> bool:
         """Whether some FULL graph of N-slot batches holds the tree ops (a forward of such a batch must
@@ -82,10 +82,7 @@ class GraphBuckets:
             parents, depths, bits, lens = self._buffers(N)[1]
             gdn = None
             if self.ctx.hybrid:  # records always: the graph writes them whether or not a test reads them
-                if N != self.ctx.N:  # (hybrids serve the largest bucket only: auto_budget.serveable_menu)
-                    raise RuntimeError(f"DDTree: a hybrid's FULL graph of {N}-slot trees (the workspace's GDN "
-                                       f"records hold {self.ctx.N} slots)")
-                gdn = self._gdn_verify(rows, records=True)
+                gdn = self._gdn_verify(rows, N, records=True)
             self._metas[N, rows] = TreeVerifyMetadata(ancestor_bits=bits[:rows], depths=depths[:rows],
                                                       parents=parents[:rows], context_lens=lens[:rows],
                                                       attn_scratch=self._attn_scratch, gdn=gdn)
@@ -124,7 +121,7 @@ class GraphBuckets:
         N, rest = divmod(num_tokens, max(num_reqs, 1))
         tree = not rest and N - 1 in ctx.menu and 0 < num_reqs <= ctx.view.max_num_reqs
         if not tree:
-            if not rest and N == chain_tokens(ctx.L) and ctx.auto is not None:
+            if not rest and N == chain_tokens(ctx.L) and ctx.chain_steps:
                 if capturing:
                     self.chain_captured.add(num_reqs)
                     ctx.metrics.chain_graph_sizes = sorted(self.chain_captured)

@@ -90,19 +90,21 @@ class DDTreeRound:
             logger.warning("DDTree: %s; verifying the tree of auto_budget=%d nodes every step.", reason, spec.budget)
             ctx.menu = ctx.menu[-1:]  # every step the largest bucket: no smaller bucket to estimate
         elif cfg.auto:
-            ctx.menu, reason = serveable_menu(ctx.menu, ctx.hybrid, view.schedules_draft_counts())
+            ctx.menu, reason = serveable_menu(ctx.menu, draft_len, view.schedules_draft_counts())
             if reason is not None:
                 PROCESS_STARTUP_FALLBACKS[reason] += 1
-                logger.warning("DDTree: %s; budget \"auto\" chooses between the tree of %d nodes and the chain.",
-                               reason, spec.budget)
+                logger.warning("DDTree: %s; budget \"auto\" chooses among trees of %s nodes and the chain.",
+                               reason, "/".join(map(str, ctx.menu)))
             ctx.auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.settings, spec.budget, draft_len,
                                                        ctx.menu, adapters.current().tp_agree())
+        ctx.chain_steps = ctx.auto is not None or view.schedules_draft_counts()
         self.max_tokens = self._gdn_state_slots(view, cfg, draft_len) if ctx.hybrid else None
         self.build_stage, self.verify_stage = BuildStage(ctx), VerifyStage(ctx)
         self.walk_stage, self.commit_stage = WalkStage(ctx), CommitStage(ctx)
         self.pending: Pending | None = None
         self.step: Step | None = None
         self.armed: Armed | None = None  # the Step whose target forward the runner is running (verify_begin)
+        self._plain = False  # a forward without a Step is running (verify_begin .. verify_end)
         self.round_hooks: list = []  # demo/tests: fn(round, step) after each tree step's commit (host reads)
         self.metrics.kv_layouts = sorted({kv_layout(ctx.layer(n)).name for n in ctx.attn_layers})
         view.install_driver(self, draft_len)  # the runner's driver calls the phases below
@@ -200,7 +202,9 @@ class DDTreeRound:
         if self.step is None:
             if self.verify_stage.graphs.check_plain_forward(self.ctx.view.full_graph_batch()):
                 self.metrics.plain_graph_steps += 1
-            return run_forward(**inputs)
+            out = run_forward(**inputs)
+            self.verify_stage.repair_plain_forward()  # (inside the forward's context: its metadata)
+            return out
         return self.verify_stage.forward(self.step, run_forward, **inputs)
 
     def verify_begin(self, positions: torch.Tensor) -> None:
@@ -208,10 +212,12 @@ class DDTreeRound:
         compiled, PIECEWISE graphs or a FULL replay; no Python hook reaches all of them), calls this once
         the step's inputs are ready, with the positions tensor it hands the target; `verify_end` once
         the forward's output is read (before sampling)."""
+        self._plain = False
         self.verify_end()  # (a forward whose output was never sampled)
         if self.step is None:
             if self.verify_stage.graphs.check_plain_forward(self.ctx.view.full_graph_batch()):
                 self.metrics.plain_graph_steps += 1
+            self._plain = True
             return
         self.armed = self.verify_stage.arm(self.step, positions)
 
@@ -219,6 +225,9 @@ class DDTreeRound:
         armed, self.armed = self.armed, None
         if armed is not None:
             self.verify_stage.disarm(armed)
+        plain, self._plain = self._plain, False
+        if plain:  # (the runner's metadata is still this forward's: verify_begin clears it first)
+            self.verify_stage.repair_plain_forward()
 
     def sample(self, logits: torch.Tensor, batch, vllm_sample):
         """The verify's logits -> vLLM's sampler output: tree rows walked, chain rows through

@@ -17,6 +17,7 @@ from ...core.tree import TreeBatch, WalkResult
 from ..metrics import logger
 from ..tree_context import TreeVerifyMetadata
 from .checks import unsupported_reason
+from .workspace import max_slots
 
 
 @dataclass
@@ -71,6 +72,7 @@ class RoundContext:
         self.L = draft_len
         self.B = spec.budget  # the largest tree bucket: vLLM's draft slots, the round's buffers
         self.N = spec.num_slots
+        self.max_slots = max_slots(cfg, draft_len)  # the widest verify through the templates (workspace.py)
         self.menu = cfg.budget_menu(draft_len)  # the tree buckets a step may verify (budget "auto")
         self.max_depth = max(self.L, self.B)
         self.device = view.device
@@ -79,6 +81,8 @@ class RoundContext:
         self.hybrid = bool(self.gdn_layers)
         self.metrics = metrics
         self.auto = None  # budget "auto": the per-step tree-or-chain policy (auto_budget.py), set by the round
+        # steps may verify the drafter's chain by choice (budget "auto", the scheduler's draft counts): set by the round
+        self.chain_steps = False
         self.kv_groups = self._groups(self.attn_layers)
         self.gdn_groups = self._groups(self.gdn_layers)
         self._reasons: dict[str, str | None] = {}

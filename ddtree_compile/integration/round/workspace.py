@@ -13,12 +13,13 @@ itself. The buffers:
                                                     (templates/tree_attention.py), shared by every
                                                     attention layer and every batch size
 
-(R = max_num_seqs, N = B + 1; the GDN buffers on hybrid targets only.) One set per engine, sized
-for the largest batch: a batch of R' requests uses the first R' rows of the GDN buffers and the
-partials of its own bucket at fixed offsets of the scratch, so every CUDA graph reads the same
-addresses, and the graphs share them because vLLM never replays two at once. Allocated by an op
-inside a FULL graph's capture instead, a buffer would be held by the graph pool once per batch
-bucket, outside the memory plan vLLM has already used to size the KV cache.
+(R = max_num_seqs, N = B + 1, or with budget "auto" 1 + max(B, L): `max_slots`; the GDN buffers on
+hybrid targets only.) One set per engine, sized for the largest batch and bucket: a batch of R'
+requests of N' slots uses the first R' x N' slots of each layer's GDN records (`records`) and the
+first R' rows of the stack, the partials of its own bucket at fixed offsets of the scratch, so every
+CUDA graph reads the same addresses, and the graphs share them because vLLM never replays two at once.
+Allocated by an op inside a FULL graph's capture instead, a buffer would be held by the graph pool once
+per batch bucket, outside the memory plan vLLM has already used to size the KV cache.
 
 `reserve` (the adapter's memory-profile hook, before vLLM measures its peak) allocates the bytes
 `plan` computes, so the KV cache is sized around them; `Workspace` (the verify stage, at attach)
@@ -33,6 +34,7 @@ import torch
 
 from ... import adapters
 from ...core import buckets
+from ...core.buckets import verify_tokens
 from ...templates import tree_attention
 
 _RESERVE = "_ddtree_reserve"  # on the runner instance: the bytes held from profiling to attach
@@ -71,6 +73,14 @@ def shapes(view, layers: dict, N: int) -> dict:
     return out
 
 
+def max_slots(cfg, draft_len: int) -> int:
+    """The most tokens per request a verify through the templates has: the largest tree's B + 1, or
+    with budget "auto" also the chain's L + 1 (a chain verified as a chain-shaped tree where vLLM's
+    GDN verify cannot take it: verify_stage)."""
+    budget = cfg.tree_spec(draft_len).budget
+    return verify_tokens(max(budget, draft_len) if cfg.auto else budget)
+
+
 def nbytes(shapes: dict) -> int:
     return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
 
@@ -86,7 +96,7 @@ def plan(runner, cfg) -> int:
         layers = classify_layers(view)
     except UnsupportedEngine:
         return 0
-    return nbytes(shapes(view, layers, cfg.tree_spec(draft_len).budget + 1))
+    return nbytes(shapes(view, layers, max_slots(cfg, draft_len)))
 
 
 def reserve(runner, cfg) -> int:
@@ -116,7 +126,7 @@ class Workspace:
     def __init__(self, ctx):
         A = adapters.current()
         self.reserved = release(ctx.view.runner)
-        planned = shapes(ctx.view, {"attention": ctx.attn_layers, "gdn": ctx.gdn_layers}, ctx.N)
+        planned = shapes(ctx.view, {"attention": ctx.attn_layers, "gdn": ctx.gdn_layers}, ctx.max_slots)
         self.per_layer, self.per_group, self.all_layers, self.stack = {}, {}, None, None
         if ctx.hybrid:
             # one buffer for every GDN layer, in KV cache group order: a group's layers are a slice of
@@ -134,9 +144,23 @@ class Workspace:
         tensors = [*(self.all_layers or ()), self.stack, self.attn_scratch]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def records(self, rows: int):
+    def records(self, rows: int, N: int):
         """({layer prefix: (rec_kv, rec_gb)}, {group: stacked [layers, rows, N, ...]}, every layer's
-        (rec_kv, rec_gb) in group order) of the first rows."""
-        every = None if self.all_layers is None else tuple(t[:, :rows] for t in self.all_layers)
-        return ({k: (kv[:rows], gb[:rows]) for k, (kv, gb) in self.per_layer.items()},
-                {g: (kv[:, :rows], gb[:, :rows]) for g, (kv, gb) in self.per_group.items()}, every)
+        (rec_kv, rec_gb) in group order) of the first rows, for trees of N <= the largest bucket's slots."""
+        every = None if self.all_layers is None else tuple(_slots(t, rows, N, 1) for t in self.all_layers)
+        return ({k: (_slots(kv, rows, N, 0), _slots(gb, rows, N, 0)) for k, (kv, gb) in self.per_layer.items()},
+                {g: (_slots(kv, rows, N, 1), _slots(gb, rows, N, 1)) for g, (kv, gb) in self.per_group.items()},
+                every)
+
+
+def _slots(t: torch.Tensor, rows: int, N: int, axis: int) -> torch.Tensor:
+    """t [..., R, N_max, *rest] (axis: where R is) -> [..., rows, N, *rest], each leading index's first
+    rows x N entries packed: contiguous per layer, as the templates read records, at fixed addresses
+    for every bucket (a smaller bucket of budget "auto"'s menu uses the front of the largest's rows)."""
+    if N > t.shape[axis + 1] or rows > t.shape[axis]:
+        raise ValueError(f"GDN records of {rows} rows x {N} slots do not fit the workspace's {tuple(t.shape)}")
+    rest = tuple(t.shape[axis + 2:])
+    inner = math.prod(rest)
+    return t.as_strided(tuple(t.shape[:axis]) + (rows, N) + rest,
+                        t.stride()[:axis] + (N * inner, inner) + torch.empty(rest, device="meta").stride(),
+                        t.storage_offset())
