@@ -70,19 +70,20 @@ def test_round_makes_no_host_tensors_but_through_h2d(tmp_path, kind, budget):
             state = engines.find_state(llm)
             propose = state.build_stage.propose
 
-            def build_without_the_drafter(run_drafter, roots):  # the drafter is vLLM's (flat DFlash's too)
+            def build_without_the_drafter(run_drafter, R, roots):  # the drafter is vLLM's (flat DFlash's too)
                 def drafter():
                     current.append("vllm")
                     try:
                         return run_drafter()
                     finally:
                         current.pop()
-                return propose(drafter, roots)
+                return propose(drafter, R, roots)
 
             state.build_stage.propose = build_without_the_drafter
             # a step without a tree (budget "auto"'s chain) is sampled by vLLM's own sampler: not the round's
             walk_label = lambda step, *_: "walk" if step is not None else "vllm"  # noqa: E731
             for obj, name, label in ((state.build_stage, "propose", "build"),
+                                     (state.build_stage, "drafter_topk", "build.topk"),  # (inside the drafter)
                                      (state.verify_stage, "prepare", "verify.prepare"),
                                      (state.verify_stage, "_forward_metadata", "verify.metadata"),
                                      (state.walk_stage, "sample", walk_label), (state.commit_stage, "commit", "commit"),

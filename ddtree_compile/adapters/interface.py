@@ -105,7 +105,7 @@ class RunnerView(abc.ABC):
     @abc.abstractmethod
     def install_driver(self, round_, draft_len: int) -> None:
         """Make this runner instance drive `round_` (integration/round/state.py DDTreeRound): call its
-        phases (propose, drafter_logits, schedule, forward or verify_begin/verify_end, sample, commit,
+        phases (propose, drafter_topk, schedule, forward or verify_begin/verify_end, sample, commit,
         drafter_inputs) in the runner's own order, the drafter drafting `draft_len` positions
         (V1: v1_driver.py; Model Runner V2: v2_driver.py)."""
 

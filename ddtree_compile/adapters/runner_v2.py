@@ -297,6 +297,11 @@ class V2RunnerView(V1RunnerView):
     def unwrap_drafter_logits(self) -> None:
         self.speculator.model.__dict__.pop("compute_logits", None)
 
+    def drafter_hooked(self) -> bool:
+        """A drafter hook (integration/drafter_logits.py) wraps compute_logits: eager Python, which a
+        replay of the drafter's CUDA graph skips (the driver then runs it after the graph)."""
+        return "compute_logits" in self.speculator.model.__dict__
+
     def wrap_flat_drafts(self, fn) -> bool:
         """vLLM's own flat DFlash on V2 samples its drafts inside the drafter's FULL graph (0.26
         `dflash/speculator.py` `_generate_draft`), where a wrapped compute_logits is never called:

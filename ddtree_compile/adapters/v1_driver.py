@@ -4,8 +4,8 @@ V1 declares no extension point for a speculator's round: its step reaches the dr
 and the sampler through the seven members below, which the driver replaces on the runner INSTANCE
 with calls of the round's phases (integration/round/state.py) around V1's own:
 
-    drafter.propose              round.propose(V1's drafter for L positions, roots) -> drafts
-      drafter._sample_draft_tokens round.drafter_logits(hidden states) -> top-1
+    drafter.propose              round.propose(V1's drafter for L positions, R, roots) -> drafts
+      drafter._sample_draft_tokens round.drafter_topk(the drafter's logits) -> top-1
     _prepare_inputs              V1's; round.schedule(scheduled drafts)
     _model_forward               round.forward(V1's forward)        (the tree verify)
     rejection_sampler            round.sample(V1's rejection sampler, ...)
@@ -51,11 +51,16 @@ class V1Driver:
 
     # V1's arguments (0.32's names; 0.26's are the same for these members)
     def propose(self, num_speculative_tokens=None, **kw):  # (V1 takes the draft length per call)
-        return self.round.propose(lambda: self.orig["propose"](num_speculative_tokens=self.L, **kw),
-                                  kw["next_token_ids"])
+        roots, sampled = kw["next_token_ids"], []
+
+        def run_drafter():  # V1's drafter for L positions: its drafts are the top-1 (sample_draft_tokens)
+            sampled.append(self.orig["propose"](num_speculative_tokens=self.L, **kw))
+
+        proposal = self.round.propose(run_drafter, roots.shape[0], lambda: roots)
+        return sampled[0] if proposal.chain else proposal.drafts
 
     def sample_draft_tokens(self, hidden_states, sampling_metadata):
-        return self.round.drafter_logits(hidden_states), None
+        return self.round.drafter_topk(self.view.drafter_compute_logits(hidden_states)), None
 
     def prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = self.orig["prepare_inputs"](scheduler_output, num_scheduled_tokens)

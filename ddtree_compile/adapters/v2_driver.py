@@ -13,8 +13,9 @@ the round's phases (integration/round/state.py) at V2's own points (docs/runner_
       (the target forward: V2's own, eager, compiled, PIECEWISE or a FULL replay)
     rejection_sampler(...)         round.verify_end; round.sample -> V2's SamplerOutput
     model_state.postprocess_state  round.commit(V2's postprocess)
-    speculator.propose             round.drafter_inputs; round.propose(V2's drafter, roots) -> drafts
-      speculator._generate_draft     V2's drafter forward (a graph or eager); the L positions' hidden states kept
+    speculator.propose             round.drafter_inputs; round.propose(V2's drafter, R, roots) -> drafts
+      speculator._generate_draft     V2's drafter forward and its drafts, as V2 runs and captures it (a
+                                     graph or eager): the logits -> round.drafter_topk -> top-1 drafts
     cudagraph_manager.capture      FULL uniform-decode graphs captured with a tree verify (runner_v2.py)
 
 Why re-typed and not declared: V2's declared hooks for these (`model.get_model_state_cls()`,
@@ -62,8 +63,9 @@ class V2Driver:
         r, s = self.r, self.s
         # The speculator drafts L positions from now on, its CUDA graphs too (re-made for 1 + L queries
         # per request before V2 captures them, `dflash/speculator.py:100-124`); the scheduler keeps
-        # K = B draft slots. Its forward (a graph or eager) leaves the hidden states of the L sampled
-        # positions in `hidden`; the logits are computed after it, eagerly, for the tree build.
+        # K = B draft slots. Where V2 samples the drafts (`_generate_draft`, inside its drafter graph)
+        # the round takes their top-k; the L positions' hidden states are kept in `hidden` too, for
+        # a test or benchmark drafter hook after a graph replay (`DDTreeSpeculator.propose`).
         s.num_speculative_steps, s.num_query_per_req = draft_len, 1 + draft_len
         # The drafter drafts L positions at every step, tree or chain: its graph manager must not take
         # budget "auto"'s per-batch-size draft counts (draft_schedule.py) as its query lengths (0.26
@@ -75,6 +77,7 @@ class V2Driver:
         finally:
             spec.num_speculative_tokens_per_batch_size = schedule
         self.hidden = torch.empty(r.max_num_reqs * draft_len, s.hidden_size, dtype=s.dtype, device=s.device)
+        self.sampled = False  # sample_draft's Python ran in this proposal (an eager drafter; not a graph replay)
 
     def install(self) -> None:
         r = self.r
@@ -146,26 +149,38 @@ class DDTreeSpeculator:
         # accepted path first
         d.round.commit(lambda: None)
         d.round.drafter_inputs([last_hidden_states, *(aux_hidden_states or ())])
-        roots = d.roots(input_batch, last_sampled)
+        R, drafts = input_batch.num_reqs, []
 
-        def run_drafter():  # V2's drafter (its graph or eager forward), then the L positions' logits
-            vllm_class(self).propose(self, *call, **kw)
-            d.round.drafter_logits(d.hidden[: roots.shape[0] * d.L])
+        def run_drafter():  # V2's drafter: its graph or eager forward, its drafts and their top-k
+            d.sampled = False
+            drafts.append(vllm_class(self).propose(self, *call, **kw))  # (draft_tokens[:R])
+            if not d.sampled and d.view.drafter_hooked():
+                # a test or benchmark drafter hook (eager Python: a graph replay skipped it), after the graph
+                top1 = d.round.drafter_topk(d.view.drafter_compute_logits(d.hidden[: R * d.L]))
+                drafts[0][:, : d.L] = top1.view(R, d.L)
 
-        drafts = d.round.propose(run_drafter, roots)
-        R = input_batch.num_reqs
-        self.draft_tokens[:R, : drafts.shape[1]] = drafts
-        return self.draft_tokens[:R]
+        proposal = d.round.propose(run_drafter, R, lambda: d.roots(input_batch, last_sampled))
+        if not proposal.chain:  # (a chain step's drafts are V2's, in place)
+            drafts[0][:, : proposal.drafts.shape[1]] = proposal.drafts
+        return drafts[0]
 
     def _generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
                         cudagraph_runtime_mode=None):
-        """The speculator's forward as V2 runs and captures it: the drafter, then its L sampled
-        positions' hidden states into `hidden` (a fixed address for the graphs). V2's own would
-        sample the drafts here; the round computes their logits after it (`drafter_logits`)."""
+        """The speculator's forward and drafts as V2 runs and captures them (0.26 `dflash/speculator.py:233`,
+        0.32 `:282`; a FULL graph or eager): the drafter, then its L sampled positions' LM head once,
+        the round's top-k of those logits (`drafter_topk`), and their top-1, V2's greedy drafts (the
+        argmax, same tie rule), into `draft_tokens`. V2's own writes all K draft columns, where the
+        round drafts L; a probabilistic draft method's sampled drafts are not made (the chain rows are
+        verified one-hot: any drafts are lossless)."""
+        d = self._ddtree
+        d.sampled = True
         run = (num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp)
         out = self._run_model(*run) if cudagraph_runtime_mode is None else self._run_model(*run, cudagraph_runtime_mode)
-        n = num_reqs * self._ddtree.L
-        self._ddtree.hidden[:n].copy_(out[self.sample_indices[:n]])
+        n = num_reqs * d.L
+        hidden = out[self.sample_indices[:n]]
+        d.hidden[:n].copy_(hidden)
+        top1 = d.round.drafter_topk(self.model.compute_logits(hidden))
+        self.draft_tokens[:num_reqs, : d.L] = top1.view(num_reqs, d.L)
 
 
 class DDTreeRejectionSampler:

@@ -41,6 +41,25 @@ def draft_topk(draft_logits: torch.Tensor, spec: TreeSpec) -> tuple[torch.Tensor
     return logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True), ids
 
 
+def topk_of(draft_logits: torch.Tensor, spec: TreeSpec, impl: str = "auto",
+            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draft_topk` of every position of logits [R, L, V]: the Triton kernel (templates/draft_topk.py)
+    for CUDA tensors where it serves the shape, else the torch reference; written into `out`
+    ((log-probs fp32, ids int64) [R, L, k]) when given. Device work only (a CUDA graph may hold it)."""
+    check_impl(impl)
+    k = min(spec.top_k, draft_logits.shape[-1], spec.budget)
+    if _triton_topk(draft_logits, spec, impl):
+        from ddtree_compile.templates.draft_topk import draft_topk_triton
+
+        return draft_topk_triton(draft_logits, spec.temperature, k, out=out)
+    lp, ids = draft_topk(draft_logits, spec)
+    if out is None:
+        return lp, ids
+    out[0].copy_(lp)
+    out[1].copy_(ids)
+    return out
+
+
 def _stable_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     """Ids of the k largest x per row in (value desc, id asc) order (-0.0 ties with +0.0)."""
     if x.device.type == "cpu":  # a host-side branch is free here: skip the int64 key unless it matters

@@ -1,6 +1,8 @@
-"""Build: the drafter's L positions -> per-depth logits -> `build_tree` -> Pending; the scheduler
-gets the node tokens of this step's bucket (B, or with budget "auto" the menu's choice: a prefix of
-the B-node tree) as the request's drafts."""
+"""Build: the drafter's L positions -> their logits (vLLM's LM head) -> per-position top-k, where vLLM
+samples the drafts (`drafter_topk`: inside the drafter's CUDA graph on Model Runner V2; its top-1 are
+flat DFlash's drafts) -> `build_tree` -> Pending; the scheduler gets the node tokens of this step's
+bucket (B, or with budget "auto" the menu's choice: a prefix of the B-node tree) as the request's
+drafts, or on a chain step the drafter's top-1 as they are."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import time
 
 import torch
 
-from ...core.build import build_tree
+from ...core.build import build_tree, topk_of
 from ..metrics import logger
 from .auto_budget import CHAIN, TREE, tree_kind
-from .step import Pending, RoundContext
+from .step import Pending, Proposal, RoundContext
 
 _WARM_BYTES = 1 << 30  # the largest dummy logits the warm-up allocates (once, freed after)
 
@@ -19,44 +21,56 @@ _WARM_BYTES = 1 << 30  # the largest dummy logits the warm-up allocates (once, f
 class BuildStage:
     def __init__(self, ctx: RoundContext):
         self.ctx = ctx
-        self._captured: tuple | None = None  # (drafter logits [R*L, V], their argmax [R*L])
+        R, k = ctx.view.max_num_reqs, min(ctx.spec.top_k, ctx.spec.budget)
+        # the drafter's top-k per position ([max requests, L, k]: log-probs fp32, token ids), written by
+        # `drafter_topk` at fixed addresses (a drafter CUDA graph writes them on every replay)
+        self.topk_lp = torch.zeros(R, ctx.L, k, dtype=torch.float32, device=ctx.device)
+        self.topk_ids = torch.zeros(R, ctx.L, k, dtype=torch.int64, device=ctx.device)
+        self._logits_like: tuple | None = None  # (dtype, vocabulary, row pitch) of the drafter's logits (warm-up)
         self._warmed = False
 
-    def drafter_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Stands in for the drafter's own sampling: hidden_states [R * L, H] -> logits kept, their
-        argmax [R * L] handed back."""
-        logits = self.ctx.view.drafter_compute_logits(hidden_states)
-        top1 = logits.argmax(dim=-1)
-        self._captured = (logits, top1)  # propose reuses the argmax (one read of [R*L, V] logits, not two)
-        return top1
+    def drafter_topk(self, logits: torch.Tensor) -> torch.Tensor:
+        """Where vLLM samples the drafts from the drafter's logits [R * L, V] (its LM head's, once): their
+        top-k per position into `topk_lp` / `topk_ids`, their top-1 [R * L] handed back (the argmax:
+        both rank (logit desc, id asc)), which are flat DFlash's drafts. Device work only: on Model
+        Runner V2 it runs inside the drafter's CUDA graph."""
+        ctx = self.ctx
+        R = logits.shape[0] // ctx.L
+        lg = logits.view(R, ctx.L, -1)
+        if self._logits_like is None:
+            self._logits_like = (lg.dtype, lg.shape[-1], lg.stride(1) if lg.stride(2) == 1 else lg.shape[-1])
+        topk_of(lg, ctx.spec, out=(self.topk_lp[:R], self.topk_ids[:R]))
+        return self.topk_ids[:R, :, 0].reshape(-1)
 
-    def propose(self, run_drafter, roots: torch.Tensor) -> tuple[torch.Tensor, Pending]:
-        """`run_drafter()` runs vLLM's drafter for L positions (its hidden states reach
-        `drafter_logits`); roots [R] are the requests' bonus tokens. Builds the trees; returns (drafts
-        [R, b], Pending) for the step's bucket of b nodes, or where budget "auto" or the scheduler's
-        draft count takes the chain (drafts [R, L] = the drafter's top-1 chain, Pending)."""
+    def propose(self, run_drafter, R: int, roots) -> tuple[Proposal, Pending]:
+        """`run_drafter()` runs vLLM's drafter for L positions of R requests (its logits reach
+        `drafter_topk` on the way); `roots()` -> [R] the requests' bonus tokens (read for trees only).
+        Builds the trees; returns (Proposal, Pending): the drafts [R, b] of the step's bucket of b
+        nodes, or where budget "auto" or the scheduler's draft count takes the chain, none: vLLM's
+        drafter sampled them, the top-1 (Proposal.chain; no tensor work here)."""
         ctx = self.ctx
         t0 = time.perf_counter()
-        R = roots.shape[0]
         kind = TREE
         if ctx.auto is not None:
             ctx.auto.step_ended(t0)
             kind = ctx.auto.choose(R)
         kind = self._scheduled(kind, R)
-        self._captured = None
         t_draft = time.perf_counter()
         run_drafter()
         draft_s = time.perf_counter() - t_draft  # vLLM's drafter, flat DFlash's work too: not "build"
-        (logits, top1), self._captured = self._captured, None
-        logits, top1 = logits.view(R, ctx.L, -1), top1.view(R, ctx.L)
         if not self._warmed:
-            self._warm_up(logits)
+            self._warm_up()
         req_ids = ctx.view.req_ids(R)
         if kind == CHAIN:  # flat DFlash's drafts, verified by vLLM: no tree built, flat's own work
             self._done(kind, R, t0, draft_s)
-            return top1, Pending(req_ids, None, top1, [None] * R, auto_chain=True)
+            return Proposal(None, chain=True), Pending(req_ids, None, None, [None] * R, auto_chain=True)
+        top1 = self.topk_ids[:R, :, 0]  # [R, L] (a view: the next proposal rewrites it, after this step's walk)
         chain = [ctx.chain_reason(r) for r in req_ids]
-        tree = build_tree(logits, ctx.spec).with_root(roots)
+        depth = ctx.spec.depth_limit(ctx.L)
+        lp, ids = self.topk_lp[:R, :depth], self.topk_ids[:R, :depth]
+        if depth < ctx.L:  # (rows past the depth limit are never used; the kernels read rows contiguously)
+            lp, ids = lp.contiguous(), ids.contiguous()
+        tree = build_tree((lp, ids), ctx.spec).with_root(roots())
         budget = ctx.B if ctx.auto is None else ctx.auto.budget_of(kind)
         if budget < ctx.B:
             tree = tree.prefix(budget)
@@ -68,7 +82,7 @@ class BuildStage:
             drafts = torch.where(rows.unsqueeze(1), chained, drafts)
             tree.tokens[:, 1:] = drafts
         self._done(kind, R, t0, draft_s)
-        return drafts, Pending(req_ids, tree, top1, chain)
+        return Proposal(drafts, chain=False), Pending(req_ids, tree, top1, chain)
 
     def _scheduled(self, kind: str, R: int) -> str:
         """Where the scheduler decides the next step's draft count (Model Runner V2 under async
@@ -92,36 +106,41 @@ class BuildStage:
                      k, ctx.L, "/".join(map(str, ctx.menu)))
         return TREE
 
-    def _warm_up(self, logits: torch.Tensor) -> None:
-        """Once, at the first proposal on CUDA: the top-k kernel's variants of every batch size
-        compiled now (templates/draft_topk.variant_batches), not at the first step of a batch size
-        not seen before, where a compile costs that step ~0.3-1 s. Dummy logits of the real dtype,
-        vocabulary and row pitch, sliced from one buffer."""
+    def _warm_up(self) -> None:
+        """Once, at the first proposal on CUDA: the top-k kernel's variants of every batch size (of
+        all L positions, as `drafter_topk` calls it) and the tree build's compiled now
+        (templates/draft_topk.variant_batches), not at the first step of a batch size not seen before,
+        where a compile costs that step ~0.3-1 s (a drafter CUDA graph's batch sizes were compiled at
+        its capture; an eager drafter's were not). Dummy logits of the real dtype, vocabulary and row
+        pitch, sliced from one buffer."""
         from ...templates.draft_topk import variant_batches
 
         self._warmed = True
         ctx = self.ctx
-        if logits.device.type != "cuda":
+        if ctx.device.type != "cuda" or self._logits_like is None:
             return
         t0 = time.perf_counter()
-        _, L, V = logits.shape
-        sizes = variant_batches(ctx.view.max_num_reqs, ctx.spec.depth_limit(L), V, logits.device)
-        width = logits.stride(1) if logits.stride(2) == 1 and logits.stride(1) >= V else V  # the real row pitch
-        row_bytes = L * width * logits.element_size()
+        dtype, V, width = self._logits_like
+        L = ctx.L
+        sizes = variant_batches(ctx.view.max_num_reqs, L, V, ctx.device)
+        row_bytes = L * max(width, V) * dtype.itemsize
         skipped = [r for r in sizes if r * row_bytes > _WARM_BYTES]
         sizes = [r for r in sizes if r * row_bytes <= _WARM_BYTES]
         if sizes:
-            buf = torch.zeros(max(sizes), L, width, dtype=logits.dtype, device=logits.device)[..., :V]
+            buf = torch.zeros(max(sizes), L, max(width, V), dtype=dtype, device=ctx.device)[..., :V]
+            lp, ids = torch.empty_like(self.topk_lp), torch.empty_like(self.topk_ids)
+            depth = ctx.spec.depth_limit(L)
             for r in sizes:
-                build_tree(buf[:r], ctx.spec)
+                topk_of(buf[:r], ctx.spec, out=(lp[:r], ids[:r]))
+                build_tree((lp[:r, :depth].contiguous(), ids[:r, :depth].contiguous()), ctx.spec)
             del buf
         logger.info("DDTree: tree build warmed up for batch sizes %s (one per top-k kernel variant) in %.2f s%s",
                     sizes, time.perf_counter() - t0,
                     f"; not {skipped} (dummy logits over {_WARM_BYTES >> 20} MiB)" if skipped else "")
 
     def _done(self, kind: str, R: int, t0: float, draft_s: float) -> None:
-        """The proposal's host time in two phases: "draft" (the drafter's forward and its logits, as vLLM
-        runs them) and "build" (DDTree's own: the policy, the top-k, the tree)."""
+        """The proposal's host time in two phases: "draft" (the drafter's forward, its logits and their
+        top-k, where vLLM samples its drafts) and "build" (DDTree's own: the policy, the tree)."""
         t1 = time.perf_counter()
         self.ctx.metrics.add_time("draft", draft_s)
         self.ctx.metrics.add_time("build", t1 - t0 - draft_s)

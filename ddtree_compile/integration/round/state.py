@@ -6,7 +6,7 @@
     commit_stage  Step -> K/V compaction, GDN state + conv window, drafter inputs reordered
 
 `attach(runner, cfg)` (the adapter calls it once the runner's KV caches exist) validates the
-settings against the engine and builds `DDTreeRound`, whose phase methods (propose, drafter_logits,
+settings against the engine and builds `DDTreeRound`, whose phase methods (propose, drafter_topk,
 schedule, forward or verify_begin / verify_end, sample, commit, drafter_inputs) the runner's driver
 calls in the runner's own order (adapters/v1_driver.py: V1's members; adapters/v2_driver.py: Model
 Runner V2's objects). The round holds only the value in flight between phases: the Pending of the
@@ -42,7 +42,7 @@ from .auto_budget import serveable_menu
 from .build_stage import BuildStage
 from .checks import UnsupportedEngine, check_engine, classify_layers, gdn_spec_blocks, validate
 from .commit_stage import CommitStage
-from .step import Pending, RoundContext, Step
+from .step import Pending, Proposal, RoundContext, Step
 from .verify_stage import Armed, VerifyStage
 from .walk_stage import WalkStage
 from .workspace import release as release_workspace
@@ -182,15 +182,18 @@ class DDTreeRound:
     # (V1: adapters/v1_driver.py, from V1's members; Model Runner V2: adapters/v2_driver.py, from
     # V2's speculator, model state and rejection sampler). One step: propose (build) -> schedule ->
     # forward or verify_begin/verify_end (verify) -> sample (walk) -> commit -> drafter_inputs.
-    def propose(self, run_drafter, roots: torch.Tensor) -> torch.Tensor:
-        """roots [R]: each request's bonus token. `run_drafter()` runs vLLM's drafter for the L
-        positions, whose hidden states reach `drafter_logits` on the way. -> drafts [R, b]"""
-        drafts, self.pending = self.build_stage.propose(run_drafter, roots)
-        return drafts
+    def propose(self, run_drafter, num_reqs: int, roots) -> Proposal:
+        """`run_drafter()` runs vLLM's drafter for the L positions of num_reqs requests, whose logits
+        reach `drafter_topk` on the way; `roots()` -> [R] each request's bonus token (read for trees).
+        -> the next step's drafts (Proposal)."""
+        proposal, self.pending = self.build_stage.propose(run_drafter, num_reqs, roots)
+        return proposal
 
-    def drafter_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [R * L, H] of the drafter's L positions -> their top-1 tokens [R * L]."""
-        return self.build_stage.drafter_logits(hidden_states)
+    def drafter_topk(self, logits: torch.Tensor) -> torch.Tensor:
+        """Where vLLM samples the drafts: logits [R * L, V] of the drafter's L positions (its LM head's)
+        -> their top-1 tokens [R * L], the top-k kept for the build. Device work only (a drafter CUDA
+        graph may hold it)."""
+        return self.build_stage.drafter_topk(logits)
 
     def schedule(self, scheduled_drafts: dict[str, list[int]], num_scheduled_tokens) -> None:
         """vLLM prepared the step's inputs: the proposal meets the batch it scheduled -> the Step."""

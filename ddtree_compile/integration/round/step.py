@@ -20,6 +20,14 @@ from .checks import unsupported_reason
 from .workspace import max_slots
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """What the build hands the runner's driver for the next step."""
+
+    drafts: torch.Tensor | None  # [R, b] the tree bucket's node tokens; None on a chain step
+    chain: bool  # the drafts are the drafter's top-1 chain, as vLLM's drafter sampled them itself
+
+
 @dataclass
 class Pending:
     """Trees proposed at the end of a step, verified by the next one."""
@@ -27,9 +35,10 @@ class Pending:
     req_ids: list[str]
     tree: TreeBatch | None  # [R, n + 1] for this step's bucket of n nodes, slot 0 = the bonus token the
     # drafter started from; None: auto_chain
-    top1: torch.Tensor  # [R, L] the drafter's argmax per depth (flat DFlash's chain)
+    top1: torch.Tensor | None  # [R, L] the drafter's argmax per depth (flat DFlash's chain; a view of the
+    # build's top-k); None: auto_chain
     chain: list[str | None]  # per row: fallback reason (verify as a chain) or None (tree)
-    auto_chain: bool = False  # budget "auto" chose the chain: the drafts are top1, vLLM verifies them
+    auto_chain: bool = False  # budget "auto" or the draft schedule took the chain: the drafts are top1
 
     def __post_init__(self):
         self.index = {r: i for i, r in enumerate(self.req_ids)}
