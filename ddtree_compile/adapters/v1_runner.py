@@ -265,7 +265,8 @@ class V1RunnerView(RunnerView):
         limit_accepted(self.runner, max_tokens)
 
     def gdn_short_spec_rows(self, layer_name: str, num_spec: int) -> list[tuple[int, int]]:
-        g = self._attn_metadata().get(self.layer(layer_name).prefix)
+        md = self._attn_metadata()  # (None in a dummy forward)
+        g = md.get(self.layer(layer_name).prefix) if isinstance(md, dict) else None
         n = getattr(g, "num_spec_decodes", 0)
         if not n:
             return []

@@ -77,7 +77,7 @@ class V2Driver:
         finally:
             spec.num_speculative_tokens_per_batch_size = schedule
         self.hidden = torch.empty(r.max_num_reqs * draft_len, s.hidden_size, dtype=s.dtype, device=s.device)
-        self.sampled = False  # sample_draft's Python ran in this proposal (an eager drafter; not a graph replay)
+        self.sampled = False  # _generate_draft's Python ran in this proposal (an eager drafter, not a graph replay)
 
     def install(self) -> None:
         r = self.r

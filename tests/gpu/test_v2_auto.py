@@ -40,7 +40,7 @@ def auto(gpu_env, tmp_path_factory):
     return {"engine": info, **out}
 
 
-def test_auto_runs_every_bucket_and_the_chain_on_v2_with_async_scheduling(auto, record):
+def test_auto_runs_tree_and_chain_steps_on_v2_with_async_scheduling(auto, record):
     info, total = auto["engine"], auto.get("counters_total", {})
     record(runner=info.get("runner"), start_s=info["start_s"], schedule=info["schedule"],
            graph_buckets=total.get("graph_buckets"), chain_graph_sizes=total.get("chain_graph_sizes"),
