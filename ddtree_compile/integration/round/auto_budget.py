@@ -75,9 +75,9 @@ On CUDA (vLLM 0.26, V1 runner) every kind has FULL CUDA graphs per batch bucket:
 the largest tree (1 + K = B + 1 tokens per request), and the adapter's for the smaller buckets and
 the chain (round/graphs.py); the chain's hold vLLM's own ops, so a chain step's GPU time is flat
 DFlash's (H200, 4B shape: within 1%); its host time is 3-5% more (vLLM is sized for B drafts: the
-GDN state-index padding, adapters/gdn_slots.py; benchmark mode `autochain`). Model Runner V2
-captures its own length only: there the other kinds run PIECEWISE, which their measured costs then
-carry.
+GDN state-index padding, adapters/gdn_slots.py; benchmark mode `autochain`). On Model Runner V2
+vLLM's own per-batch-size draft counts carry the kind (adapters/draft_schedule.py), and V2 captures
+FULL graphs for every count of that schedule.
 """
 
 from __future__ import annotations
