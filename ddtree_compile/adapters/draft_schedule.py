@@ -98,8 +98,7 @@ class DraftSchedule:
         if lookup is None:
             return False
         lo = 1 << (max(R, 1).bit_length() - 1)
-        k = count
-        self.written[k] += 1
-        if lo < len(lookup) and lookup[lo] != k:  # (the bucket is written whole: one entry tells)
-            lookup[lo:min(2 * lo, len(lookup))] = [k] * (min(2 * lo, len(lookup)) - lo)
+        self.written[count] += 1
+        if lo < len(lookup) and lookup[lo] != count:  # (the bucket is written whole: one entry tells)
+            lookup[lo:min(2 * lo, len(lookup))] = [count] * (min(2 * lo, len(lookup)) - lo)
         return True
