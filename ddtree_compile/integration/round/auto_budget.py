@@ -14,9 +14,9 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   chain would have committed 1 + the accepted nodes that lie on the drafter's top-1 chain. The
   chain is in every tree (chain_seed) and the walk leaves it only where the target disagrees with
   it, so under greedy verification that is exactly what flat DFlash would have accepted from the
-  same drafts (with sampling, an estimate). The counters live on the
-  device; every few decisions they are copied (non-blocking, pinned) and read once
-  that copy's event has completed: no host sync on the hot path, the statistics lag a few steps.
+  same drafts (with sampling, an estimate). The counters live on the device; every few decisions
+  they are copied (non-blocking, pinned) and read once that copy's event has completed: no host
+  sync on the hot path, the statistics lag a few steps.
 - cost(R) is the wall time of one engine step of that kind at batch bucket R (1, 2, 4, ...): the
   precompile cost table gives the prior (cli/precompile.py: round_ms of every bucket and of the
   chain from `--auto-budget`'s engine; or of fixed budgets, the chain's at budget L), then, from
@@ -26,58 +26,45 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   round is free of host syncs, so the host waits for the tree's verify wherever vLLM next syncs,
   outside any window around the verify, while vLLM's chain verify syncs inside it: a window around
   the verify would undercount the tree's step and not the chain's. The faster half because
-  interference (a first-call compile, a stall, an idle engine between requests) only ever adds time:
-  with a mean, a few stalls among few samples would hold a kind's cost up for many steps. Its mean,
-  not one order statistic: the lower quartile of 9 steps differed from the fixed-budget engines'
-  mean steps by -22% to +11% on the H100 (CHANGELOG), more than the tree-vs-chain
-  margins at c = 4, and both kinds' costs carry the same downward bias, which the comparison
-  cancels. A cycle is timed only when the step before it was a clean step of the same kind and batch
-  bucket: a cycle also holds what the step before left it (the host's wait for that step's verify,
-  the drafter's run over that step's verified tokens), so a chain step after a tree step is charged
-  part of the tree's work and the other way round. On the H100 (4B shape, c = 1) single probes timed
-  that way read the tree at 11-13 ms and the chain at 13-17 ms per step, where the engines' steady
-  steps took 15.5 and 11.5 ms, and auto kept the tree under the +4% profile at 0.84x flat DFlash. So
-  a probe is two steps of its kind, the second timed. Under async scheduling (Model Runner V2) the host
-  runs a step ahead of the device, so a cycle waits for the device work of the step two before it: a
-  cycle is timed only after two steps of its kind, and a probe is three (`depth`). With one step, on an
-  H200 (4B shape, c = 16) the chain's probes read 1.02-1.23x the neighbouring tree steps, where its own
-  steps took 10.8 ms against the tree's 17.5: auto kept the tree in 55-64% of steps at 0.61-0.75x.
+  interference (a first-call compile, a stall, an idle engine between requests) only ever adds time;
+  its mean, not one order statistic (a lower quartile of few steps strayed by -22% to +11% on an
+  H100), and both kinds' costs carry the same downward bias, which the comparison cancels. A cycle
+  also holds what the step before left it (the host's wait for that step's verify, the drafter's
+  run over its verified tokens), so it is timed only after `depth` clean steps of its own kind and
+  batch bucket, and a probe is depth + 1 steps: depth 1, or 2 under async scheduling (Model Runner
+  V2), where the host runs a step ahead of the device (single probes misread both kinds on an H100
+  and an H200: CHANGELOG).
 - Which kind is faster is read from neighbouring steps. A losing kind is timed only at its probes,
   the winner at every step, and between the two the host's speed changes (on two H200s the same flat
-  DFlash step took 10.9 ms in one cell and 15.3 ms in the next, CHANGELOG), and so
-  does the batch inside its bucket (bucket 16 holds 16..31 requests: a c = 64 run's tail read the
-  chain's step there at 29.9 ms, the c = 16 cell at 17.4): the costs then compare different hosts
-  and batches. So a probe's timed step is also compared with the winner's timed steps right before
-  and after it (depth + 1 steps apart: one host speed, nearly one batch), and once there are _MIN_PAIRS
-  such ratios a kind's cost in the choice (and in its probe gap) is the last winner's cost times the
-  median ratio; the kinds' own costs stand until then. Only the ratio decides, so it does not matter
-  which of the two costs is stale.
+  DFlash step took 10.9 ms in one cell and 15.3 ms in the next) and so does the batch inside its
+  bucket (16 holds 16..31 requests). So a probe's timed step is also compared with the winner's timed
+  steps right before and after it (depth + 1 steps apart: one host speed, nearly one batch). Once a
+  pair of kinds has _MIN_PAIRS such ratios (a median: one stall cannot move it), the costs in the
+  choice (and in the probe gaps) are one consistent set: the log-costs that best fit, by least
+  squares, every such pair's median log-ratio (weight 1) and the kinds' own costs (weight
+  _OWN_WEIGHT: they set the level, and the cost of a kind no ratio reaches). With three kinds or
+  more the medians need not agree around a cycle, and costs read against the last winner (before)
+  made each winner's view prefer the next: on an H200 (4B shape, menu 8/16/32, c = 16) the decisions
+  rotated tree:16, chain, tree:8 step after step, where no step could be timed to end it. One fit
+  serves every comparison: the choice does not depend on which kind won last.
 - A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried.
   While one kind wins at a bucket, every other kind is probed there now and then (each bucket keeps
-  its own probe clocks, as its own costs: a kind taken at c=1 says nothing of its cost at c=16,
-  where the H100 run kept a chain cost of two warm-up stalls for good): the largest tree so that
-  every kind's acceptance keeps being measured (a drafter can get better, a workload can change),
-  the others so that a cost whose samples were stalls is measured again (a kind that loses is never
-  timed again without a probe). A probe is n = depth + 1 steps of its kind, the last timed. How often:
-  as often as probes cost at most _PROBE_SHARE of the rate. A step of kind k instead of the winner w
-  takes cost_k for E_k tokens, which w commits in E_k / rate_w = cost_w * E_k / E_w, so a probe
-  loses n * cost_w * (cost_k / cost_w - E_k / E_w) and k is probed every
+  its own probe clocks, as its own costs): the largest tree so that every kind's acceptance keeps
+  being measured (a drafter can get better, a workload can change), the others so that a cost whose
+  samples were stalls is measured again. How often: as often as probes cost at most _PROBE_SHARE of
+  the rate. A step of kind k instead of the winner w takes cost_k for E_k tokens, which w commits in
+  cost_w * E_k / E_w, so a probe of n steps loses n * cost_w * (cost_k / cost_w - E_k / E_w): every
       gap_k = n * (cost_k / cost_w - E_k / E_w) / _PROBE_SHARE
   steps, within probe_interval .. probe_interval * _PROBE_MAX (every probe_interval while fewer than
-  _SETTLED of k's steps at that bucket were timed: a table's prior or warm-up stalls). The
-  closer the race, the more often the loser is re-measured. On the H100's 4B shape under the +4%
-  profile (tree 14.5 ms and 4.83 tokens, chain 12.7 ms and 4.76 at c = 1) the tree is probed every
-  ~25 steps, at c = 16 (26.7 and 19.7 ms) every ~62. A back-off to 256 steps instead kept auto on
-  the chain for most of a cell after the acceptance rose (+4% -> +22% profile: 1.10x flat where
-  budget 32 read 1.17x, CHANGELOG).
+  _SETTLED of k's steps at that bucket were timed: a table's prior or warm-up stalls). The closer
+  the race, the more often the loser is re-measured (a fixed back-off to 256 steps kept auto on the
+  chain for most of a cell after the acceptance rose: CHANGELOG).
 
 On CUDA (vLLM 0.26, V1 runner) every kind has FULL CUDA graphs per batch bucket: vLLM's own for
-the largest tree (1 + K = B + 1 tokens per request), and the adapter's for the smaller buckets and
-the chain (round/graphs.py); the chain's hold vLLM's own ops, so a chain step's GPU time is flat
-DFlash's (H200, 4B shape: within 1%); its host time is 3-5% more (vLLM is sized for B drafts: the
-GDN state-index padding, adapters/gdn_slots.py; benchmark mode `autochain`). On Model Runner V2
-vLLM's own per-batch-size draft counts carry the kind (adapters/draft_schedule.py), and V2 captures
-FULL graphs for every count of that schedule.
+the largest tree (B + 1 tokens per request), the adapter's for the smaller buckets and the chain
+(round/graphs.py; the chain's hold vLLM's own ops). On Model Runner V2 vLLM's own per-batch-size
+draft counts carry the kind (adapters/draft_schedule.py), and V2 captures FULL graphs for every
+count of that schedule.
 """
 
 from __future__ import annotations
@@ -103,7 +90,8 @@ _MIN_SAMPLES = 2  # measured steps before they replace the table's prior (or mak
 _SETTLED = 4  # measured steps before a losing kind's probes are priced (until then: every probe_interval)
 _PROBE_SHARE = 0.01  # of the rate that probes of a losing kind may cost
 _PROBE_MAX = 16  # a losing kind is probed at least every probe_interval * this steps
-_MIN_PAIRS = 3  # such comparisons before they replace the kinds' own costs (a median: one stall cannot move it)
+_MIN_PAIRS = 3  # such comparisons of a pair of kinds before their median ratio enters the costs' fit
+_OWN_WEIGHT = 1e-3  # the kinds' own log-costs in that fit, against 1 for each pair's median log-ratio
 _TRACE = 48  # the last steps kept for the snapshot: each decision's kind, each timed step's kind, bucket and ms
 
 
@@ -176,9 +164,7 @@ class AutoBudget:
         self.draft_s: float | None = None  # seconds per proposal (drafter + tree build), both kinds
         self._next: tuple | None = None  # (kind, R, its proposal's start) for the next step
         self._began: tuple | None = None  # the same, once that step started clean after one of its kind
-        # steps a cycle holds device work of: 1, or 2 under async scheduling (module docstring); a cycle is
-        # timed after `depth` clean steps of its kind and bucket, and a probe is depth + 1 steps
-        self.depth = depth
+        self.depth = depth  # a cycle is timed after `depth` clean steps of its kind (module docstring)
         self._prev = collections.deque(maxlen=depth)  # (kind, bucket) of the last clean steps; emptied if unclean
         self._clean = False  # the step now running started clean
         self._again: tuple | None = None  # (a probe's kind, its steps still to take)
@@ -187,7 +173,6 @@ class AutoBudget:
         self._step = 0  # steps ended, to tell which timed steps were neighbours
         self._last: dict[int, dict] = {}  # bucket -> kind -> (step, seconds) of its last timed step there
         self._pairs: dict = {}  # (kind, other, bucket) -> the last _WINDOW log(its step / other's neighbouring step)
-        self._ref: dict[int, str] = {}  # bucket -> the kind chosen as best at the last decision there
         self.min_pairs = _MIN_PAIRS  # (benchmarks/sim_auto_budget.py --no-pairs: out of reach, the costs alone)
         self.forced: str | None = None  # a kind every step takes (precompile times each kind this way)
         self._chosen = collections.deque(maxlen=_TRACE)  # the kinds of the last decisions ("t", "c", "t:8")
@@ -220,9 +205,8 @@ class AutoBudget:
         for k in (CHAIN, *self.kinds[1:-1]):  # then every other kind's cost
             if self.costs.get((k, b)) is None:
                 return k
-        ref = self._ref.get(b) or self._best(b, {k: self.costs[(k, b)] for k in self.kinds})
-        costs = {k: self._cost(k, b, ref) for k in self.kinds}
-        best = self._ref[b] = self._best(b, costs)
+        costs = self._fitted_costs(b)
+        best = self._best(b, costs)
         for k in self.kinds:  # the largest tree first: its probes also measure every kind's acceptance
             if k == best:
                 continue
@@ -242,14 +226,35 @@ class AutoBudget:
     def _best(self, b: int, costs: dict) -> str:
         return max(self.kinds, key=lambda k: (self.tokens[k] / costs[k], -self.kinds.index(k)))
 
-    def _cost(self, k: str, b: int, ref: str) -> float:
-        """k's cost at bucket b for the choice against `ref` (the last winner there, whose cost is fresh):
-        ref's cost times the median ratio of k's timed steps to ref's neighbouring ones, once there are
-        _MIN_PAIRS of them, else k's own cost (module docstring)."""
-        pairs = self._pairs.get((k, ref, b), ())
-        if k == ref or len(pairs) < self.min_pairs:
-            return self.costs[(k, b)]
-        return self.costs[(ref, b)] * math.exp(statistics.median(pairs))
+    def _fitted_costs(self, b: int) -> dict:
+        """Every kind's cost at bucket b for the choice: exp of the log-costs x that minimize
+        sum over pairs (x_k - x_j - median log(k's step / j's neighbouring step))^2 + _OWN_WEIGHT *
+        sum over kinds (x_k - log k's own cost)^2, over the pairs with _MIN_PAIRS ratios or more
+        (module docstring). A few kinds: the normal equations, eliminated on the host."""
+        kinds, n = self.kinds, len(self.kinds)
+        a = [[_OWN_WEIGHT * (i == j) for j in range(n)] for i in range(n)]
+        y = [_OWN_WEIGHT * math.log(self.costs[(k, b)]) for k in kinds]
+        for i in range(n):
+            for j in range(i + 1, n):
+                pairs = self._pairs.get((kinds[i], kinds[j], b), ())
+                if len(pairs) >= self.min_pairs:
+                    m = statistics.median(pairs)
+                    a[i][i] += 1.0
+                    a[j][j] += 1.0
+                    a[i][j] -= 1.0
+                    a[j][i] -= 1.0
+                    y[i] += m
+                    y[j] -= m
+        for c in range(n):  # (symmetric positive definite: elimination needs no pivoting)
+            for r in range(c + 1, n):
+                f = a[r][c] / a[c][c]
+                for q in range(c, n):
+                    a[r][q] -= f * a[c][q]
+                y[r] -= f * y[c]
+        x = [0.0] * n
+        for c in reversed(range(n)):
+            x[c] = (y[c] - sum(a[c][q] * x[q] for q in range(c + 1, n))) / a[c][c]
+        return {k: math.exp(v) for k, v in zip(kinds, x)}
 
     def _probe_gap(self, k: str, best: str, b: int, costs: dict) -> int:
         """Steps between probes of the losing kind k at bucket b (module docstring)."""
