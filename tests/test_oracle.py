@@ -85,6 +85,51 @@ def test_draft_logits_place_the_truth_at_the_drawn_rank_without_host_reads():
     assert (freq - want).abs().max() < 0.035, freq
 
 
+class _View:
+    """What the oracle reads of a runner: the step's requests, their prompts, the bonus positions."""
+
+    def __init__(self, prompts, bonus):
+        self.prompts, self.bonus = prompts, bonus
+
+    def req_ids(self, R):
+        return [str(i) for i in range(R)]
+
+    def prompt_token_ids(self, req_id):
+        return self.prompts[int(req_id)]
+
+    def drafter_root_positions(self, R):
+        return self.bonus[:R]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_oracles_top_k_lists_are_its_logits_top_k(dtype, temperature):
+    """Where DDTree's drafter graph replays past the logits hook (Model Runner V2 on a GPU), the round
+    takes the oracle's top-k lists as they are (BuildStage.hook_topk): the ids of `draft_topk` of the
+    oracle's logits in the model's dtype, and their log-probs, without [R, L, V] logits."""
+    from ddtree_compile.core.build import draft_topk
+    from ddtree_compile.core.spec import TreeSpec
+
+    V, k = 64, 4
+    ref = {(1, 2): [1, 2] + list(range(10, 40)), (3,): [3] + list(range(40, 50)), (9, 9): [9, 9, 5]}
+    profile = oracle.Profile("p", (0.3, 0.4, 0.1, 0.05, 0.08, 0.02))  # ranks not in log-prob order
+    od = oracle.OracleDrafter(ref, profile, seed=5)
+    od._view = _View([[1, 2], [3], [7], [9, 9]], torch.tensor([5, 8, 0, 1]))  # row 2: not in the reference
+    R, cpu = 4, torch.device("cpu")
+    got = od._draft_topk(R, L, k, temperature, V, dtype, cpu)
+    od._dev = None  # (the same rank draws again)
+    logits = od.draft_logits(od._device_state(cpu), od._rows_on(R, cpu), od._view.bonus, L, V).to(dtype)
+    lp, ids = draft_topk(logits, TreeSpec(budget=16, top_k=k, temperature=temperature))
+    assert torch.equal(got[1], ids)
+    torch.testing.assert_close(got[0], lp, rtol=0, atol=1e-5)
+    # lists the candidates alone cannot order: more slots than candidates, ties, an impossible rank
+    assert od._draft_topk(R, L, 7, temperature, V, dtype, cpu) is None
+    for probs in ((0.4, 0.2, 0.2, 0.1), (0.5, 0.3, 0.0, 0.1)):
+        other = oracle.OracleDrafter(ref, oracle.Profile("p", probs), seed=5)
+        other._view = od._view
+        assert other._draft_topk(R, L, k, temperature, V, dtype, cpu) is None
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _ddtree_plugin():
     plugin.register()

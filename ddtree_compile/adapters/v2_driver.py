@@ -155,8 +155,12 @@ class DDTreeSpeculator:
             d.sampled = False
             drafts.append(vllm_class(self).propose(self, *call, **kw))  # (draft_tokens[:R])
             if not d.sampled and d.view.drafter_hooked():
-                # a test or benchmark drafter hook (eager Python: a graph replay skipped it), after the graph
-                top1 = d.round.drafter_topk(d.view.drafter_compute_logits(d.hidden[: R * d.L]))
+                # a test or benchmark drafter hook (eager Python: a graph replay skipped it), after the
+                # graph: its own top-k lists where it has them (no [R * L, V] logits), else its logits'
+                fn = d.view.drafter_hook_topk()
+                top1 = d.round.hook_topk(fn, R) if fn is not None else None
+                if top1 is None:
+                    top1 = d.round.drafter_topk(d.view.drafter_compute_logits(d.hidden[: R * d.L]))
                 drafts[0][:, : d.L] = top1.view(R, d.L)
 
         proposal = d.round.propose(run_drafter, R, lambda: d.roots(input_batch, last_sampled))

@@ -43,7 +43,7 @@ class DrafterLogitsHook:
         # capture sizes) calls compute_logits before V2's propose has handed the view its batch
         if self._flat_drafts is not None and view.wrap_flat_drafts(self._flat_drafts):
             return self
-        view.wrap_drafter_logits(self._compute_logits)
+        view.wrap_drafter_logits(self._compute_logits, self._draft_topk)
         return self
 
     def uninstall(self) -> None:
@@ -56,6 +56,12 @@ class DrafterLogitsHook:
     # (Model Runner V2: no compute_logits call is reached there) set a method fn(drafts [R, L]) that
     # rewrites the drafts in place with what their logits' top-1 would be.
     _flat_drafts = None
+
+    # Subclasses that know their top-k lists without logits set a method fn(R, L, k, temperature, V,
+    # dtype, device) -> (log-probs fp32, ids int64) [R, L, k] ranked as the logits' top-k, or None:
+    # where DDTree's drafter graph replays past compute_logits (Model Runner V2), the round takes them
+    # after the graph instead of [R * L, V] logits and their top-k, eager work the product has not.
+    _draft_topk = None
 
     def _compute_logits(self, original, hidden_states):
         raise NotImplementedError

@@ -168,6 +168,29 @@ class OracleDrafter(DrafterLogitsHook):
         drafts.copy_(self.candidates(state, self._rows_on(R, drafts.device), self._view.drafter_root_positions(R),
                                      L, V)[..., 0].to(drafts.dtype))
 
+    def _draft_topk(self, R: int, L: int, k: int, temperature: float, V: int, dtype, device):
+        """DDTree on Model Runner V2 (its drafter's graph replays past `_compute_logits`): the top-k
+        lists `topk_of` would take of `draft_logits` in `dtype`, made from the candidates alone, as
+        `_flat_drafts` makes flat DFlash's drafts: no [R, L, V] logits after the graph, which the
+        product's round does not make either. None (the logits then) where a rank outside the
+        candidates or a tie between them would need the full vocabulary to order."""
+        key = (k, temperature, V, dtype, device)
+        if getattr(self, "_topk_key", None) != key:  # (made once: a copy to the device per round would sync)
+            low = torch.tensor(LOW).to(dtype).float() / temperature
+            vals = self.profile.logits_row().to(dtype).float() / temperature
+            kk = vals.shape[0]
+            self._topk_key, self._topk_const = key, None
+            if k <= kk and len(set(vals.tolist())) == kk and bool((vals > low).all()):
+                order = torch.sort(vals, descending=True, stable=True).indices[:k]
+                lse = torch.logsumexp(torch.cat([vals, (low + math.log(V - kk)).view(1)]), 0)
+                self._topk_const = (order.to(device), (vals[order] - lse).to(device))
+        if self._topk_const is None:
+            return None
+        order, lp = self._topk_const
+        state = self._device_state(device)
+        cand = self.candidates(state, self._rows_on(R, device), self._view.drafter_root_positions(R), L, V)
+        return lp.expand(R, L, k), cand[..., order]
+
     def _rows_on(self, R: int, device) -> torch.Tensor:
         rows = torch.tensor(self._rows(R), dtype=torch.int64)
         if device.type == "cuda":  # pinned + non_blocking: an async copy, the host does not wait for the GPU

@@ -42,6 +42,21 @@ class BuildStage:
         topk_of(lg, ctx.spec, out=(self.topk_lp[:R], self.topk_ids[:R]))
         return self.topk_ids[:R, :, 0].reshape(-1)
 
+    def hook_topk(self, fn, R: int) -> torch.Tensor | None:
+        """A drafter hook's own top-k lists in place of its logits' (`drafter_topk`), where a drafter
+        graph replayed past the hook: fn(R, L, k, temperature, V, dtype, device) -> (log-probs fp32,
+        ids int64) [R, L, k] as `topk_of` would rank the logits it stands for, or None. -> their
+        top-1 [R * L], or None (the hook has none: its logits then)."""
+        if self._logits_like is None:  # (set by the drafter's first top-k: its capture or warm-up)
+            return None
+        dtype, V, _ = self._logits_like
+        got = fn(R, self.ctx.L, self.topk_ids.shape[-1], self.ctx.spec.temperature, V, dtype, self.ctx.device)
+        if got is None:
+            return None
+        self.topk_lp[:R].copy_(got[0])
+        self.topk_ids[:R].copy_(got[1])
+        return self.topk_ids[:R, :, 0].reshape(-1)
+
     def propose(self, run_drafter, R: int, roots) -> tuple[Proposal, Pending]:
         """`run_drafter()` runs vLLM's drafter for L positions of R requests (its logits reach
         `drafter_topk` on the way); `roots()` -> [R] the requests' bonus tokens (read for trees only).

@@ -195,6 +195,11 @@ class DDTreeRound:
         graph may hold it)."""
         return self.build_stage.drafter_topk(logits)
 
+    def hook_topk(self, fn, R: int) -> torch.Tensor | None:
+        """A test or benchmark drafter hook's own top-k lists after a drafter graph that skipped it
+        (BuildStage.hook_topk): their top-1 [R * L], or None (then `drafter_topk` of its logits)."""
+        return self.build_stage.hook_topk(fn, R)
+
     def schedule(self, scheduled_drafts: dict[str, list[int]], num_scheduled_tokens) -> None:
         """vLLM prepared the step's inputs: the proposal meets the batch it scheduled -> the Step."""
         pending, self.pending = self.pending, None
