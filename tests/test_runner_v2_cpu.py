@@ -125,7 +125,7 @@ with tempfile.TemporaryDirectory() as tmp:
                              for p, s in zip(prompts, sp)]
         r["seeded_again"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
     # -- budget "auto" in the default loop: vLLM's per-batch-size draft counts carry its choice ------------
-    auto = {"auto_budget": 8, "top_k": 3, "probe_interval": 2}
+    auto = {"auto_budget": [3, 8], "top_k": 3, "probe_interval": 2}
     with e2e.engine(**models.tiny_llm_kwargs(target, **kw, speculative_config=flat,
                                              additional_config={"ddtree": {"budget": "auto", **auto}})) as llm:
         state, runner = engines.find_state(llm), engines.find_runner(llm)
@@ -138,8 +138,9 @@ with tempfile.TemporaryDirectory() as tmp:
         # the seeded batch of the fixed budget above, under the policy's own mix of kinds, then held to the chain
         seeded = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
         out["auto_v2"]["seeded"], out["auto_v2"]["seeded_counters"] = counted(llm, seeded)
-        state.ctx.auto.forced = "chain"
-        out["auto_v2"]["seeded_chain"], out["auto_v2"]["seeded_chain_counters"] = counted(llm, seeded)
+        for kind in ("chain", "tree:3"):
+            state.ctx.auto.forced = kind
+            out["auto_v2"]["seeded_" + kind], out["auto_v2"]["seeded_counters_" + kind] = counted(llm, seeded)
         state.ctx.auto.forced = None
     # -- a user's own per-batch-size draft counts (the tree's 8 up to 2 requests, the chain's 4 above) --------
     mine = dict(flat, num_speculative_tokens_per_batch_size=[(1, 2, 8), (3, 4, 4)])
@@ -314,15 +315,16 @@ def test_multimodal_hybrid_rotary_positions_of_every_tree_node(run):
 
 
 def test_budget_auto_in_the_default_loop_chooses_tree_and_chain_steps(run):
-    """Budget "auto" on V2 with async scheduling: vLLM's per-batch-size draft counts start at the tree's
-    for every batch size (plus the chain's entry past max_num_seqs, for V2's graphs); the round's
-    policy rewrote the scheduler's lookup, so steps of both kinds ran: trees walked by the round and
-    chains of the drafter's L drafts verified by vLLM's own sampler. Greedy equals no speculation."""
+    """Budget "auto" over the menu 3 / 8 on V2 with async scheduling: vLLM's per-batch-size draft
+    counts start at the largest tree's for every batch size (plus the chain's and the smaller
+    bucket's entries past max_num_seqs, for V2's graphs); the round's policy rewrote the scheduler's
+    lookup with every count, so trees walked by the round and chains of the drafter's L drafts verified
+    by vLLM's own sampler ran. Greedy equals no speculation."""
     r = run["auto_v2"]
     assert r["attached"] and [len(t) for t in r["tokens"]] == [48] * 3, r
     M = r["schedule"][0][1]
-    assert [tuple(e) for e in r["schedule"]] == [(1, M, 8), (M + 1, M + 1, 4)], r["schedule"]
-    assert r["written"]["4"] > 0 and r["written"]["8"] > 0, r  # the policy wrote both counts into vLLM's lookup
+    assert [tuple(e) for e in r["schedule"]] == [(1, M, 8), (M + 1, M + 1, 4), (M + 2, M + 2, 3)], r["schedule"]
+    assert all(r["written"][k] > 0 for k in ("3", "4", "8")), r  # every count, into vLLM's lookup
     assert r["policy"]["depth"] == 2, r["policy"]  # async scheduling: a cycle holds the step two before's device work
     c = r["counters"]
     assert c["tree_steps"] > 3 and c["auto_chain_steps"] > 3, (c, r["policy"])  # and vLLM scheduled both
@@ -344,13 +346,18 @@ def test_a_users_draft_schedule_whose_counts_fit_is_followed(run):
 
 def test_budget_auto_seeded_output_does_not_depend_on_the_step_kinds(run):
     """A chain step draws its seeded rows with the tree walk's position-keyed noise (walk_stage
-    `_sample_chain_step`), so which kind each step took does not change a seeded request's tokens, only
-    the verify's numerics could (float32 here): the seeded batch of the fixed budget (a tree every step)
-    equals budget "auto"'s, under its own mix of kinds and held to the chain."""
+    `_sample_chain_step`), and a smaller bucket's tree is a prefix of the largest's, walked the same
+    way, so which kind each step took does not change a seeded request's tokens; only the verify's
+    numerics could (float32 here; in bf16 a verify of another shape rounds the logits otherwise, as
+    greedy outputs differ from no speculation on the GPU: its regret gates). The seeded batch of the
+    fixed budget (a tree of 8 every step) equals budget "auto"'s, under its own mix of kinds, held to
+    the chain and held to the tree of 3."""
     r, fixed = run["auto_v2"], run["qwen3"]["seeded_batched"]
-    chain = r["seeded_chain_counters"]
+    chain, small = r["seeded_counters_chain"], r["seeded_counters_tree:3"]
     assert chain["auto_chain_steps"] > chain["tree_steps"], (chain, r["seeded_counters"])  # mostly chains
+    assert small["budget_steps"].get("3", 0) > small["auto_chain_steps"], small  # mostly trees of 3
     e2e.assert_same(r["seeded_chain"], fixed, f"seeded, auto held to the chain vs budget 8 (counters {chain})")
+    e2e.assert_same(r["seeded_tree:3"], fixed, f"seeded, auto held to the tree of 3 vs budget 8 (counters {small})")
     e2e.assert_same(r["seeded"], fixed, f"seeded, auto vs budget 8 (counters {r['seeded_counters']})")
 
 
