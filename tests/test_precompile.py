@@ -30,6 +30,35 @@ def test_batch_buckets_and_bad_input():
                   "--llm-kwargs", "[1]"])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_timing_drafters_top_k_lists_are_its_logits_top_k(dtype):
+    """Where the round's drafter graph replays past the logits hook (Model Runner V2 on a GPU), the round
+    takes the timing drafter's top-k lists as they are: the ids of `draft_topk` of its logits in the
+    model's dtype (the candidate, then equal logits by id) and their log-probs, without [R, L, V] logits."""
+    import torch
+
+    from ddtree_compile.core.build import draft_topk
+    from ddtree_compile.core.spec import TreeSpec
+
+    class View:
+        def drafter_draft_len(self):
+            return 5
+
+        def drafter_root_positions(self, R):
+            return torch.tensor([0, 3, 17, 43])[:R]  # 43: candidates 2 and 1 at its last depths
+
+    R, L, V, k, dt = 4, 5, 50, 4, getattr(torch, dtype)
+    drafter = precompile.NeverRightDrafter()
+    drafter._view = View()
+    logits = drafter._compute_logits(lambda h: torch.zeros(R * L, V, dtype=dt), None).view(R, L, V)
+    for temperature in (1.0, 0.5):
+        lp, ids = draft_topk(logits, TreeSpec(budget=16, top_k=k, temperature=temperature))
+        got = drafter._draft_topk(R, L, k, temperature, V, dt, torch.device("cpu"))
+        assert torch.equal(got[1], ids)
+        torch.testing.assert_close(got[0], lp, rtol=0, atol=1e-5)
+    assert (ids[..., 0] <= 2).any()  # (candidates among the lowest ids: the skip is exercised)
+
+
 def test_precompile_writes_the_cost_table(tmp_path, monkeypatch):
     plugin.register()
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))

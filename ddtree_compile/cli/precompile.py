@@ -45,13 +45,30 @@ class NeverRightDrafter(DrafterLogitsHook):
         logits = original(hidden_states)  # the drafter's own forward and LM head still run
         L = self._view.drafter_draft_len()
         R, V = logits.shape[0] // L, logits.shape[-1]
-        dev = logits.device
-        pos = self._view.drafter_root_positions(R).to(dev, torch.int64).unsqueeze(1)
-        pos = pos + torch.arange(1, L + 1, device=dev)  # [R, L] position of each draft
-        cand = 1 + (pos * 7919) % max(V - 2, 1)  # in [1, V - 2]
-        out = torch.full((R, L, V), _LOW, dtype=torch.float32, device=dev)
+        cand = self._candidates(R, L, V, logits.device)
+        out = torch.full((R, L, V), _LOW, dtype=torch.float32, device=logits.device)
         out.scatter_(2, cand.unsqueeze(-1), _CAND)
         return out.view(R * L, V).to(logits.dtype)
+
+    def _draft_topk(self, R: int, L: int, k: int, temperature: float, V: int, dtype, device):
+        """Where the round's drafter graph replays past `_compute_logits` (Model Runner V2): the top-k
+        those logits in `dtype` have, from the positions alone (no [R, L, V] logits, which the
+        product's round does not make either, so the table times its steps): the candidate, then the
+        lowest other ids (equal logits rank the lower id first)."""
+        key = (k, temperature, V, dtype, device)
+        if getattr(self, "_topk_key", None) != key:  # (made once: a copy to the device per round would sync)
+            cand_lg, low = (torch.tensor(x).to(dtype).float() / temperature for x in (_CAND, _LOW))
+            lse = torch.logaddexp(cand_lg, low + math.log(V - 1))
+            self._topk_key = key
+            self._topk_lp = torch.cat([(cand_lg - lse).view(1), (low - lse).expand(k - 1)]).to(device)
+        cand = self._candidates(R, L, V, device).unsqueeze(-1)  # [R, L, 1]
+        rest = torch.arange(k - 1, device=device)
+        return self._topk_lp.expand(R, L, k), torch.cat([cand, (rest + (rest >= cand)).expand(R, L, k - 1)], -1)
+
+    def _candidates(self, R: int, L: int, V: int, dev) -> torch.Tensor:
+        """[R, L] the one candidate at each draft's position, in [1, V - 2]."""
+        pos = self._view.drafter_root_positions(R).to(dev, torch.int64).unsqueeze(1)
+        return 1 + ((pos + torch.arange(1, L + 1, device=dev)) * 7919) % max(V - 2, 1)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
