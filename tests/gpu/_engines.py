@@ -262,6 +262,30 @@ def host_syncs(llm, prompts) -> dict:
     return {"ddtree": ours, "other": sum(where.values()) - ours, "where": dict(where.most_common(12))}
 
 
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")  # (Triton: cuLaunch*)
+
+
+def launches(llm, prompts) -> dict:
+    """One greedy batch under torch's profiler: CUDA kernels launched outside CUDA graphs and graph
+    replays, per DDTree tree step (every launch of the process: vLLM's, torch's and DDTree's), and
+    host-to-device copies, from the CUDA runtime and driver calls the profiler records."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ddtree_compile.integration import metrics
+
+    before = metrics.collect(llm)[0]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        generate(llm, prompts)
+    steps = metrics.counters_delta(metrics.collect(llm)[0], before)["tree_steps"]
+    calls = collections.Counter(e.name for e in prof.events() if e.name.startswith(("cuda", "cu")))
+    per = (lambda n: round(n / steps, 2)) if steps else (lambda n: None)
+    return {"tree_steps": steps, "kernels_per_step": per(sum(calls[c] for c in LAUNCH_CALLS)),
+            "graphs_per_step": per(calls["cudaGraphLaunch"]), "memcpy_per_step": per(calls["cudaMemcpyAsync"]),
+            "calls": dict(calls.most_common(12))}
+
+
 def _package_path(filename: str) -> str:
     """A source file as its package path (vllm/..., torch/..., ddtree_compile/...): no machine path."""
     m = re.search(r"(?:^|/)((?:vllm|torch|ddtree_compile|triton)/.*)$", filename)

@@ -69,6 +69,10 @@ def hybrid(models_dir, qwen3):  # after qwen3: the one compiled V2 engine of thi
         replays = _count_drafter_replays(llm)
         out = E.ddtree_runs(llm, ref, prompts, state_check=True)
         out["host_syncs"] = E.host_syncs(llm, prompts["text"])
+        try:  # (its own test fails on an error here, not the module's others)
+            out["launches"] = E.launches(llm, prompts["text"])
+        except Exception as e:  # noqa: BLE001
+            out["launches"] = {"error": repr(e)}
     return {"reference_engine": ref_info, "engine": info, "drafter_graph_replays": replays[0], **out}
 
 
@@ -95,6 +99,17 @@ def test_the_round_adds_no_host_sync_under_async_scheduling(hybrid, record):
     recorded: the loop's output copy is its one per step)."""
     record(host_syncs=hybrid["host_syncs"])
     assert hybrid["host_syncs"]["ddtree"] == 0, hybrid["host_syncs"]
+
+
+def test_launches_per_tree_step_are_measured(hybrid, record):
+    """Kernels launched outside CUDA graphs and graph replays per tree step of a warm greedy batch
+    (torch's profiler; every launch of the process). Recorded for the round's launch budget (issue
+    goal: at most 10 eager launches of DDTree's per tree step); asserted: the steps replayed graphs
+    (the drafter's and the verify's at least), and the count covers tree steps."""
+    n = hybrid["launches"]
+    record(launches=n)
+    assert "error" not in n, n
+    assert n["tree_steps"] > 10 and n["graphs_per_step"] >= 2, n
 
 
 def test_hybrid_seeded_sampling_independent_of_the_batch(hybrid, record):
