@@ -43,13 +43,14 @@ def auto(gpu_env, tmp_path_factory):
 
 
 def _seeded_by_kind(llm, state, prompts: list) -> dict:
-    """Seeded sampling (temperature 1, one seed) with every step held to one kind, twice per kind:
-    whether each kind repeats its tokens, and per request the first token where a kind's differ from
-    the largest tree's (None: equal)."""
+    """Seeded sampling (temperature 1, one seed) with every step held to one kind, twice per kind after
+    a first run (V2 takes a choice a step later, from the scheduler's lookup: the first run's first
+    steps may take the kind held before): whether each kind repeats its tokens, and per request the
+    first token where a kind's differ from the largest tree's (None: equal)."""
     runs = {}
     for kind in state.ctx.auto.kinds:
         state.ctx.auto.forced = kind
-        runs[kind] = [[g["tokens"] for g in E.generate(llm, prompts, temperature=1.0, seed=1234)] for _ in range(2)]
+        runs[kind] = [[g["tokens"] for g in E.generate(llm, prompts, temperature=1.0, seed=1234)] for _ in range(3)][1:]
     state.ctx.auto.forced = None
 
     def first_divergence(a, b):
