@@ -315,11 +315,9 @@ def test_multimodal_hybrid_rotary_positions_of_every_tree_node(run):
 
 
 def test_budget_auto_in_the_default_loop_chooses_tree_and_chain_steps(run):
-    """Budget "auto" over the menu 3 / 8 on V2 with async scheduling: vLLM's per-batch-size draft
-    counts start at the largest tree's for every batch size (plus the chain's and the smaller
-    bucket's entries past max_num_seqs, for V2's graphs); the round's policy rewrote the scheduler's
-    lookup with every count, so trees walked by the round and chains of the drafter's L drafts verified
-    by vLLM's own sampler ran. Greedy equals no speculation."""
+    """Budget "auto" over 3 / 8 on V2, async scheduling: vLLM's draft counts start at the largest tree's
+    (plus the chain's and the smaller bucket's past max_num_seqs, for V2's graphs); the policy wrote
+    every count into the scheduler's lookup: trees and vLLM-verified chains ran, greedy lossless."""
     r = run["auto_v2"]
     assert r["attached"] and [len(t) for t in r["tokens"]] == [48] * 3, r
     M = r["schedule"][0][1]
@@ -345,13 +343,10 @@ def test_a_users_draft_schedule_whose_counts_fit_is_followed(run):
 
 
 def test_budget_auto_seeded_output_does_not_depend_on_the_step_kinds(run):
-    """A chain step draws its seeded rows with the tree walk's position-keyed noise (walk_stage
-    `_sample_chain_step`), and a smaller bucket's tree is a prefix of the largest's, walked the same
-    way, so which kind each step took does not change a seeded request's tokens; only the verify's
-    numerics could (float32 here; in bf16 a verify of another shape rounds the logits otherwise, as
-    greedy outputs differ from no speculation on the GPU: its regret gates). The seeded batch of the
-    fixed budget (a tree of 8 every step) equals budget "auto"'s, under its own mix of kinds, held to
-    the chain and held to the tree of 3."""
+    """Chain steps draw seeded rows with the walk's position-keyed noise (walk_stage `_sample_chain_step`)
+    and a smaller bucket's tree is a prefix of the largest's: the kinds leave a seeded request's tokens
+    alone, only the verify's numerics could (float32 here; bf16: CHANGELOG). The seeded batch of budget 8
+    equals budget "auto"'s, under its own mix of kinds, held to the chain and to the tree of 3."""
     r, fixed = run["auto_v2"], run["qwen3"]["seeded_batched"]
     chain, small = r["seeded_counters_chain"], r["seeded_counters_tree:3"]
     assert chain["auto_chain_steps"] > chain["tree_steps"], (chain, r["seeded_counters"])  # mostly chains
