@@ -173,3 +173,26 @@ def test_the_gpu_evidence_holds_no_superseded_record():
     fake = {"test_v2.py": {"finished": "1"}, "test_v2.py::test_qwen3_eager_on_v2": {"finished": "2"},
             "test_v2.py::test_gone": {"finished": "2"}}
     assert list(conftest.prune(fake)) == ["test_v2.py::test_qwen3_eager_on_v2"], conftest.prune(fake)
+
+
+def test_device_commands_results_merge_by_test_id(tmp_path):
+    """tests/gpu/merge_results.py: each device command's own results file merged into the evidence, the
+    later entry of a test winning, entries of tests that no longer exist pruned."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("gpu_merge", TESTS / "gpu" / "merge_results.py")
+    merge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge)
+    into = tmp_path / "gpu_suite.json"
+    a, b = "test_v2.py::test_qwen3_eager_on_v2", "test_kernels.py::test_gdn_resume_against_its_reference"
+    into.write_text(json.dumps({"what": "w", "updated": "1", "tests": {a: {"finished": "1", "outcome": "failed"}}}))
+    parts = [tmp_path / "p1.json", tmp_path / "p2.json"]
+    parts[0].write_text(json.dumps({"updated": "3", "tests": {a: {"finished": "3", "outcome": "passed"},
+                                                               "test_v2.py::test_gone": {"finished": "3"}}}))
+    parts[1].write_text(json.dumps({"updated": "2", "tests": {a: {"finished": "2", "outcome": "failed"},
+                                                               b: {"finished": "2", "outcome": "passed"}}}))
+    doc = merge.merge(parts, into)
+    assert doc == json.loads(into.read_text())
+    assert doc["updated"] == "3" and doc["what"] == "w"
+    assert doc["tests"] == {b: {"finished": "2", "outcome": "passed"}, a: {"finished": "3", "outcome": "passed"}}
