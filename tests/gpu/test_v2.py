@@ -8,8 +8,9 @@ Only one compiled V2 engine per process: vLLM 0.26 crashes on a second one (its 
 so `make test-gpu` runs every module in its own process and the compiled engine comes last here.
 Checks: the regret gates against no speculation, trees that branch, (compiled) every tree verify a
 FULL-graph replay and the drafter's own FULL graphs (captured for its L positions) replayed, (hybrid)
-the committed GDN state equal to a float32 replay, seeded sampling, and no host sync from DDTree's
-code in a warm step (torch's sync debug mode).
+the committed GDN state equal to a float32 replay, seeded sampling, no host sync from DDTree's
+code in a warm step (torch's sync debug mode), and the kernels launched outside CUDA graphs and the
+graph replays per tree step (torch's profiler).
 """
 
 from __future__ import annotations
