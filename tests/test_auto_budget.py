@@ -343,14 +343,16 @@ def test_buckets_priors_and_what_is_not_timed():
 
 
 def test_the_snapshot_keeps_the_last_decisions_and_timed_steps():
-    """What the choice rested on, step by step, for a benchmark row to show: the kinds decided and each
-    timed step's kind, bucket and milliseconds (a step after one of another kind is not timed)."""
+    """What the choice rested on, for a benchmark row to show: the decisions per kind and batch bucket,
+    the last kinds decided and each timed step's kind, bucket and milliseconds (a step after one of
+    another kind is not timed)."""
     m, p = _policy(probe=4)
     kinds = [p.choose(4) for _ in range(3)]
     _steps(p, ab.TREE, 4, 0.0, 0.010, n=2)  # the second is timed: 10 ms verify + the drafting
     _steps(p, ab.CHAIN, 4, 5.0, 0.006, n=1)  # after a tree step: not timed
     snap = p.snapshot()
     assert snap["chosen"][:3] == kinds and len(snap["chosen"]) >= 3
+    assert snap["decisions_at"] == {f"{k}@4": kinds.count(k) for k in set(kinds)}  # (per batch bucket)
     assert len(snap["timed"]) == 1 and snap["timed"][0][1:3] == [ab.TREE, 4], snap["timed"]
     assert snap["timed"][0][3] == pytest.approx(1e3 * p._samples[(ab.TREE, 4)][-1])
     json.dumps(snap)  # (benchmark rows carry it)

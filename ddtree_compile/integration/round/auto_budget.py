@@ -60,11 +60,9 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   the race, the more often the loser is re-measured (a fixed back-off to 256 steps kept auto on the
   chain for most of a cell after the acceptance rose: CHANGELOG).
 
-On CUDA (vLLM 0.26, V1 runner) every kind has FULL CUDA graphs per batch bucket: vLLM's own for
-the largest tree (B + 1 tokens per request), the adapter's for the smaller buckets and the chain
-(round/graphs.py; the chain's hold vLLM's own ops). On Model Runner V2 vLLM's own per-batch-size
-draft counts carry the kind (adapters/draft_schedule.py), and V2 captures FULL graphs for every
-count of that schedule.
+FULL CUDA graphs per kind and batch bucket: on V1 vLLM's own for the largest tree and the adapter's
+for the others (round/graphs.py); on V2 its own for every count of the draft schedule that carries
+the kind (adapters/draft_schedule.py).
 """
 
 from __future__ import annotations
@@ -154,6 +152,7 @@ class AutoBudget:
         self.table_path = table_path
         self.tokens = dict.fromkeys(self.kinds)  # committed tokens per request-round (EMA)
         self.decisions = dict.fromkeys(self.kinds, 0)
+        self.decisions_at: collections.Counter = collections.Counter()  # (kind, bucket) -> decisions
         self.probes = 0  # largest-tree steps taken while another kind won
         self.chain_probes = 0  # chain steps taken while another kind won
         self.budget_probes = 0  # smaller-bucket steps taken while another kind won
@@ -190,6 +189,7 @@ class AutoBudget:
         if self.agree is not None:
             kind = self.agree(kind)
         self.decisions[kind] += 1
+        self.decisions_at[kind, b] += 1
         self._chosen.append(kind)
         for k in self.kinds:
             self._since[k, b] = 0 if k == kind else self._since[k, b] + 1
@@ -353,6 +353,7 @@ class AutoBudget:
     def snapshot(self) -> dict:
         return {"tree_budget": self.B, "menu": list(self.menu), "chain_len": self.L, "depth": self.depth,
                 "decisions": dict(self.decisions),
+                "decisions_at": {f"{k}@{b}": n for (k, b), n in sorted(self.decisions_at.items())},
                 "probes": self.probes, "probe_gap": dict(self.probe_gap), "chain_probes": self.chain_probes,
                 "budget_probes": self.budget_probes,
                 "tokens_per_round": dict(self.tokens), "table": self.table_path,
