@@ -7,7 +7,8 @@ where the driver takes the hook's own top-k lists (`BuildStage.hook_topk`) or el
 drafter runs with the hook set aside, as captured, and the round is told no Python ran in it.
 
 Checked, float32, the attention-only Qwen3 at a fixed budget, the oracle drafting the reference:
-played as a replay, the oracle's top-k lists were taken at every proposal and its logits never made;
+played as a replay, the oracle's top-k lists were taken at every proposal and its logits never made,
+and the trees built again from them (`drafter_tree`, as V2's drafter builds them in its graph);
 while both runs' requests stood at the same positions, every tree was built from the eager hook's
 top-k (the same draws: ids equal, log-probs within 1e-6: torch's logsumexp over a row of the eager
 logits moves the last bit with the candidates' places, which can break a tie between equally likely
@@ -28,16 +29,19 @@ from ddtree_compile.testing import e2e, models, oracle
 
 plugin.register()
 out = {}
-BUILDS = []  # per tree build: its top-k (log-probs, ids) [R, L, k]
-_build = build_stage.build_tree
+BUILDS = []  # per proposal: the top-k (log-probs, ids) [R, L, k] its trees were built from
+FRESH = [False]  # the hook ran since the last build (a played replay's drafter builds from its own logits first)
+_tree = build_stage.BuildStage.drafter_tree
 
 
-def logged_build(draft, spec, *a, **k):
-    BUILDS.append((draft[0].tolist(), draft[1].tolist()))
-    return _build(draft, spec, *a, **k)
+def logged_tree(self, R, roots):
+    if FRESH[0]:
+        BUILDS.append((self.topk_lp[:R].tolist(), self.topk_ids[:R].tolist()))
+        FRESH[0] = False
+    return _tree(self, R, roots)
 
 
-build_stage.build_tree = logged_build
+build_stage.BuildStage.drafter_tree = logged_tree
 
 
 class Counted(oracle.OracleDrafter):
@@ -48,6 +52,7 @@ class Counted(oracle.OracleDrafter):
 
     def _log(self, R):
         self.positions.append(self._view.drafter_root_positions(R).tolist())
+        FRESH[0] = True
 
     def _draft_topk(self, R, *a, **k):
         self.calls["topk"] += 1
@@ -102,6 +107,7 @@ with tempfile.TemporaryDirectory() as tmp:
             out[name] = {"tokens": tokens, "calls": od.calls, "positions": od.positions, "builds": BUILDS[:],
                          "counters": {k: c[k] for k in ("tree_steps", "nodes_accepted", "fallback_total")}}
             BUILDS.clear()
+        out["drafter_builds"] = engines.find_state(llm).build_stage._drafter_builds
 print("RESULT " + json.dumps(out))
 """
 
@@ -113,7 +119,7 @@ def run(tmp_path_factory):
 
 def test_after_a_replay_the_round_takes_the_hooks_top_k_lists(run):
     eager, replayed = run["eager"], run["replayed"]
-    assert run["attached"]
+    assert run["attached"] and run["drafter_builds"]  # (the trees were the drafter's: BuildStage.drafter_tree)
     for r in (eager, replayed):
         c = r["counters"]
         assert c["tree_steps"] > 10 and c["nodes_accepted"] > c["tree_steps"] and c["fallback_total"] == 0, c

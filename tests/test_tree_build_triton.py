@@ -138,6 +138,19 @@ def test_build_kernel_equals_torch_build(case):
     _assert_trees_equal(got, want)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_build_tree_writes_into_the_given_trees(impl):
+    """core.build_tree(..., out=): every field written into the caller's tensors (fixed addresses: the
+    round builds inside the drafter's CUDA graph), equal to a build without `out`."""
+    gen = torch.Generator().manual_seed(3)
+    spec = dd.TreeSpec(budget=9, top_k=3, chain_seed=True)
+    lq, ids = draft_topk(_draft(gen, 2, 4, 40, False), spec)
+    out = _poisoned_tree(2, 9, 4)
+    got = dd.build_tree((lq, ids), spec, impl=impl, out=out)
+    assert got is out
+    _assert_trees_equal(out, _build(lq, ids, 9, True))
+
+
 def test_build_kernel_equals_torch_on_unnormalised_log_probs():
     """Positive precomputed log-probs: a child can outrank its parent; both builds then agree anyway."""
     gen = torch.Generator().manual_seed(5)

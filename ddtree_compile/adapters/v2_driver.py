@@ -162,6 +162,7 @@ class DDTreeSpeculator:
                 if top1 is None:
                     top1 = d.round.drafter_topk(d.view.drafter_compute_logits(d.hidden[: R * d.L]))
                 drafts[0][:, : d.L] = top1.view(R, d.L)
+                d.round.drafter_tree(R, self._ddtree_roots(R))  # (its trees, from the hook's lists)
 
         proposal = d.round.propose(run_drafter, R, lambda: d.roots(input_batch, last_sampled))
         if not proposal.chain:  # (a chain step's drafts are V2's, in place)
@@ -172,10 +173,10 @@ class DDTreeSpeculator:
                         cudagraph_runtime_mode=None):
         """The speculator's forward and drafts as V2 runs and captures them (0.26 `dflash/speculator.py:233`,
         0.32 `:282`; a FULL graph or eager): the drafter, then its L sampled positions' LM head once,
-        the round's top-k of those logits (`drafter_topk`), and their top-1, V2's greedy drafts (the
-        argmax, same tie rule), into `draft_tokens`. V2's own writes all K draft columns, where the
-        round drafts L; a probabilistic draft method's sampled drafts are not made (the chain rows are
-        verified one-hot: any drafts are lossless)."""
+        the round's top-k of those logits (`drafter_topk`), their top-1, V2's greedy drafts (the argmax,
+        same tie rule), into `draft_tokens`, and the round's trees (`drafter_tree`, fixed buffers). V2's
+        own writes all K draft columns, where the round drafts L; a probabilistic draft method's sampled
+        drafts are not made (the chain rows are verified one-hot: any drafts are lossless)."""
         d = self._ddtree
         d.sampled = True
         run = (num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp)
@@ -185,6 +186,12 @@ class DDTreeSpeculator:
         d.hidden[:n].copy_(hidden)
         top1 = d.round.drafter_topk(self.model.compute_logits(hidden))
         self.draft_tokens[:num_reqs, : d.L] = top1.view(num_reqs, d.L)
+        d.round.drafter_tree(num_reqs, self._ddtree_roots(num_reqs))
+
+    def _ddtree_roots(self, R: int) -> torch.Tensor:
+        """[R] each request's bonus token: the first of its 1 + L query tokens in the drafter's inputs
+        (0.26 and 0.32 `_prepare_dflash_inputs_kernel`: query block r at r * (1 + L), the bonus first)."""
+        return self.input_buffers.input_ids[: R * self.num_query_per_req].view(R, self.num_query_per_req)[:, 0]
 
 
 class DDTreeRejectionSampler:

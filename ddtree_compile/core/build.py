@@ -79,11 +79,13 @@ def _packed_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     return (V - 1) - (key.topk(k, dim=-1).values & 0xFFFFFFFF)
 
 
-def build_tree(draft, spec: TreeSpec, impl: str = "auto") -> TreeBatch:
+def build_tree(draft, spec: TreeSpec, impl: str = "auto", out: TreeBatch | None = None) -> TreeBatch:
     """Build R trees from draft logits [R, L, V] or a precomputed (log_probs, token_ids) [R, L, K].
 
     impl: "torch" (the reference), "triton" (the kernels in templates/, which must support the
     shape), or "auto" (Triton for CUDA tensors when it supports the shape, else torch).
+    out: a TreeBatch of contiguous [R, budget + 1] tensors to write into (fixed addresses: a CUDA
+    graph may hold the build), returned.
     """
     if not isinstance(spec, TreeSpec):
         raise ValueError(f"spec must be a ddtree_compile.TreeSpec, got {type(spec).__name__}")
@@ -108,8 +110,14 @@ def build_tree(draft, spec: TreeSpec, impl: str = "auto") -> TreeBatch:
     if use_triton(lq, impl, "tree_build", (spec.budget, lq.shape[2], depth)):
         from ddtree_compile.templates.tree_build import build_tree_triton
 
-        return build_tree_triton(lq, ids, spec.budget, spec.chain_seed)
-    return _build(lq, ids, spec.budget, spec.chain_seed)
+        return build_tree_triton(lq, ids, spec.budget, spec.chain_seed, out=out)
+    tree = _build(lq, ids, spec.budget, spec.chain_seed)
+    if out is None:
+        return tree
+    for name in ("tokens", "parents", "depths", "scores", "num_nodes", "ancestor_bits"):
+        getattr(out, name).copy_(getattr(tree, name))
+    out.max_depth = tree.max_depth
+    return out
 
 
 def _triton_topk(draft, spec: TreeSpec, impl: str) -> bool:

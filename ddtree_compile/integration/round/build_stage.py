@@ -11,6 +11,8 @@ import time
 import torch
 
 from ...core.build import build_tree, topk_of
+from ...core.dispatch import use_triton
+from ...core.tree import TreeBatch, num_mask_words
 from ..metrics import logger
 from .auto_budget import CHAIN, TREE, tree_kind
 from .step import Pending, Proposal, RoundContext
@@ -28,6 +30,17 @@ class BuildStage:
         self.topk_ids = torch.zeros(R, ctx.L, k, dtype=torch.int64, device=ctx.device)
         self._logits_like: tuple | None = None  # (dtype, vocabulary, row pitch) of the drafter's logits (warm-up)
         self._warmed = False
+        # the B-node trees of the last proposal where the runner's drafter builds them (`drafter_tree`: on
+        # Model Runner V2 inside the drafter's CUDA graph), at fixed addresses; on CUDA where the Triton
+        # build serves the shape (made for a capture: its scratch exists before; else `propose` builds them)
+        N, i64 = ctx.spec.budget + 1, dict(dtype=torch.int64, device=ctx.device)
+        self._trees = TreeBatch(torch.zeros(R, N, **i64), torch.zeros(R, N, **i64), torch.zeros(R, N, **i64),
+                                torch.zeros(R, N, dtype=torch.float32, device=ctx.device), torch.zeros(R, **i64),
+                                torch.zeros(R, N, num_mask_words(N), dtype=torch.int32, device=ctx.device),
+                                max_depth=ctx.spec.depth_limit(ctx.L))
+        self._in_drafter = ctx.device.type != "cuda" or use_triton(
+            self.topk_lp, "auto", "tree_build", (ctx.spec.budget, k, ctx.spec.depth_limit(ctx.L)))
+        self._drafter_builds = False  # the drafter built the trees (drafter_tree ran: at a capture or eagerly)
 
     def drafter_topk(self, logits: torch.Tensor) -> torch.Tensor:
         """Where vLLM samples the drafts from the drafter's logits [R * L, V] (its LM head's, once): their
@@ -41,6 +54,28 @@ class BuildStage:
             self._logits_like = (lg.dtype, lg.shape[-1], lg.stride(1) if lg.stride(2) == 1 else lg.shape[-1])
         topk_of(lg, ctx.spec, out=(self.topk_lp[:R], self.topk_ids[:R]))
         return self.topk_ids[:R, :, 0].reshape(-1)
+
+    def drafter_tree(self, R: int, roots: torch.Tensor) -> None:
+        """After `drafter_topk` (or a hook's lists after a graph): the B-node trees of the R requests,
+        rooted at `roots` [R] (their bonus tokens), into fixed buffers. Device work only: on Model
+        Runner V2 inside the drafter's CUDA graph, as flat DFlash's drafts are made there."""
+        if not self._in_drafter:
+            return
+        lp, ids = self._topk_to_depth(R)
+        build_tree((lp, ids), self.ctx.spec, out=self._trees_of(R)).with_root(roots)
+        self._drafter_builds = True
+
+    def _trees_of(self, R: int) -> TreeBatch:
+        t = self._trees
+        return TreeBatch(t.tokens[:R], t.parents[:R], t.depths[:R], t.scores[:R], t.num_nodes[:R],
+                         t.ancestor_bits[:R], max_depth=t.max_depth)
+
+    def _topk_to_depth(self, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+        depth = self.ctx.spec.depth_limit(self.ctx.L)
+        lp, ids = self.topk_lp[:R, :depth], self.topk_ids[:R, :depth]
+        if depth < self.ctx.L:  # (rows past the depth limit are never used; the kernels read rows contiguously)
+            lp, ids = lp.contiguous(), ids.contiguous()
+        return lp, ids
 
     def hook_topk(self, fn, R: int) -> torch.Tensor | None:
         """A drafter hook's own top-k lists in place of its logits' (`drafter_topk`), where a drafter
@@ -81,11 +116,10 @@ class BuildStage:
             return Proposal(None, chain=True), Pending(req_ids, None, None, [None] * R, auto_chain=True)
         top1 = self.topk_ids[:R, :, 0]  # [R, L] (a view: the next proposal rewrites it, after this step's walk)
         chain = [ctx.chain_reason(r) for r in req_ids]
-        depth = ctx.spec.depth_limit(ctx.L)
-        lp, ids = self.topk_lp[:R, :depth], self.topk_ids[:R, :depth]
-        if depth < ctx.L:  # (rows past the depth limit are never used; the kernels read rows contiguously)
-            lp, ids = lp.contiguous(), ids.contiguous()
-        tree = build_tree((lp, ids), ctx.spec).with_root(roots())
+        if self._drafter_builds:  # built with the drafts (drafter_tree; views the next proposal rewrites)
+            tree = self._trees_of(R)
+        else:
+            tree = build_tree(self._topk_to_depth(R), ctx.spec).with_root(roots())
         budget = ctx.B if ctx.auto is None else ctx.auto.budget_of(kind)
         if budget < ctx.B:
             tree = tree.prefix(budget)
