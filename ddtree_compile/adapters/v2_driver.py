@@ -162,7 +162,7 @@ class DDTreeSpeculator:
                 if top1 is None:
                     top1 = d.round.drafter_topk(d.view.drafter_compute_logits(d.hidden[: R * d.L]))
                 drafts[0][:, : d.L] = top1.view(R, d.L)
-                d.round.drafter_tree(R, self._ddtree_roots(R))  # (its trees, from the hook's lists)
+                d.round.drafter_tree(R, bonus_tokens(self, R))  # (its trees, from the hook's lists)
 
         proposal = d.round.propose(run_drafter, R, lambda: d.roots(input_batch, last_sampled))
         if not proposal.chain:  # (a chain step's drafts are V2's, in place)
@@ -186,12 +186,7 @@ class DDTreeSpeculator:
         d.hidden[:n].copy_(hidden)
         top1 = d.round.drafter_topk(self.model.compute_logits(hidden))
         self.draft_tokens[:num_reqs, : d.L] = top1.view(num_reqs, d.L)
-        d.round.drafter_tree(num_reqs, self._ddtree_roots(num_reqs))
-
-    def _ddtree_roots(self, R: int) -> torch.Tensor:
-        """[R] each request's bonus token: the first of its 1 + L query tokens in the drafter's inputs
-        (0.26 and 0.32 `_prepare_dflash_inputs_kernel`: query block r at r * (1 + L), the bonus first)."""
-        return self.input_buffers.input_ids[: R * self.num_query_per_req].view(R, self.num_query_per_req)[:, 0]
+        d.round.drafter_tree(num_reqs, bonus_tokens(self, num_reqs))
 
 
 class DDTreeRejectionSampler:
@@ -258,6 +253,13 @@ class _CaptureModel(torch.nn.Module):
             return self.model(**inputs)
         with cm:
             return self.model(**inputs)
+
+
+def bonus_tokens(speculator, R: int) -> torch.Tensor:
+    """[R] each request's bonus token: the first of its 1 + L query tokens in the drafter's inputs
+    (0.26 and 0.32 `_prepare_dflash_inputs_kernel`: query block r at r * (1 + L), the bonus first)."""
+    q = speculator.num_query_per_req
+    return speculator.input_buffers.input_ids[: R * q].view(R, q)[:, 0]
 
 
 def prompt_ids_of(new_req_data) -> list[int]:
