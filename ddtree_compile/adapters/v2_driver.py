@@ -85,10 +85,6 @@ class V2Driver:
         retype(self.s, DDTreeSpeculator, _ddtree=self)
         retype(r.rejection_sampler, DDTreeRejectionSampler, _ddtree=self)
 
-    def roots(self, input_batch, last_sampled) -> torch.Tensor:
-        R = input_batch.num_reqs
-        return last_sampled[input_batch.idx_mapping[:R]].reshape(R, -1)[:, 0]  # [R] the bonus tokens
-
 
 class TrackedModelState:
     """V2's model state, keeping each live request's SamplingParams and prompt for the round (V2
@@ -164,7 +160,7 @@ class DDTreeSpeculator:
                 drafts[0][:, : d.L] = top1.view(R, d.L)
                 d.round.drafter_tree(R, bonus_tokens(self, R))  # (its trees, from the hook's lists)
 
-        proposal = d.round.propose(run_drafter, R, lambda: d.roots(input_batch, last_sampled))
+        proposal = d.round.propose(run_drafter, R, lambda: bonus_tokens(self, R))
         if not proposal.chain:  # (a chain step's drafts are V2's, in place)
             drafts[0][:, : proposal.drafts.shape[1]] = proposal.drafts
         return drafts[0]

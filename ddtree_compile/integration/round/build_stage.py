@@ -94,7 +94,8 @@ class BuildStage:
 
     def propose(self, run_drafter, R: int, roots) -> tuple[Proposal, Pending]:
         """`run_drafter()` runs vLLM's drafter for L positions of R requests (its logits reach
-        `drafter_topk` on the way); `roots()` -> [R] the requests' bonus tokens (read for trees only).
+        `drafter_topk` on the way); `roots()` -> [R] the requests' bonus tokens (read only where the
+        drafter did not build the trees: `drafter_tree`).
         Builds the trees; returns (Proposal, Pending): the drafts [R, b] of the step's bucket of b
         nodes, or where budget "auto" or the scheduler's draft count takes the chain, none: vLLM's
         drafter sampled them, the top-1 (Proposal.chain; no tensor work here)."""
