@@ -62,28 +62,6 @@ def guided(llm, ref, fn):
         h.uninstall()
 
 
-class Rotary:
-    # positions the target's M-RoPE modules get in each forward; after each tree step: root + depth, all rows
-    def __init__(self, runner):
-        from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
-        mods = [m for m in runner.model.modules() if isinstance(m, MRotaryEmbedding)]
-        assert mods, "no M-RoPE module in the target"
-        self.last, self.checked = None, 0
-        for m in mods:
-            m.register_forward_pre_hook(self.capture)
-
-    def capture(self, module, args):
-        self.last = args[0].detach().clone()
-
-    def __call__(self, rnd, step):
-        pos = self.last
-        assert pos is not None and pos.dim() == 2 and pos.shape[0] == 3, pos
-        got = pos[:, : step.R * step.N].view(3, step.R, step.N)
-        want = step.start.unsqueeze(1) + step.tree.depths  # text prompts: M-RoPE delta 0
-        assert torch.equal(got, want.expand(3, -1, -1).to(got.dtype)), (got, want)
-        self.checked += 1
-
-
 def write_vl(root):
     # the multimodal Qwen3.5 hybrid and its mixed drafter (seeded: every part writes the same)
     target = models.write_tiny_vl_model(root / "vl", seed=4)
@@ -129,12 +107,16 @@ with tempfile.TemporaryDirectory() as tmp:
     with e2e.engine(**models.tiny_llm_kwargs(target, **kw, speculative_config=flat,
                                              additional_config={"ddtree": {"budget": "auto", **auto}})) as llm:
         state, runner = engines.find_state(llm), engines.find_runner(llm)
+        walks = harness.walk_inputs(state)
         got, counters = counted(llm, lambda: e2e.generate(llm, prompts, 48))
+        state.ctx.auto.forced = "tree:3"  # greedy, the smaller bucket held
+        got3 = e2e.generate(llm, prompts, 48)
+        state.ctx.auto.forced = None
         schedule = state.ctx.view._shared.schedule
         out["auto_v2"] = {"attached": state is not None, "tokens": got, "counters": counters,
                           "schedule": runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size,
                           "written": schedule.written, "lookup": schedule.lookup()[1:],
-                          "policy": state.metrics.auto.snapshot()}
+                          "policy": state.metrics.auto.snapshot(), "tokens_tree3": got3, "walks": dict(walks)}
         # the seeded batch of the fixed budget above, under the policy's own mix of kinds, then held to the chain
         seeded = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
         out["auto_v2"]["seeded"], out["auto_v2"]["seeded_counters"] = counted(llm, seeded)
@@ -165,7 +147,7 @@ with tempfile.TemporaryDirectory() as tmp:
         state.debug_gdn_records = True
         check = harness.GdnStateCheck()
         state.commit_hooks.append(check)
-        rotary = Rotary(engines.find_runner(llm))
+        rotary = harness.RotaryCheck(engines.find_runner(llm))
         state.round_hooks.append(rotary)
         for name, run in (("random", lambda f: counted(llm, f)), ("harness", lambda f: guided(llm, ref, f))):
             got, r[name + "_counters"] = run(lambda: e2e.generate(llm, prompts, 32))
@@ -327,6 +309,10 @@ def test_budget_auto_in_the_default_loop_chooses_tree_and_chain_steps(run):
     c = r["counters"]
     assert c["tree_steps"] > 3 and c["auto_chain_steps"] > 3, (c, r["policy"])  # and vLLM scheduled both
     e2e.assert_same(r["tokens"], run["qwen3"]["reference"], f"budget auto vs no speculation (counters {c})")
+    e2e.assert_same(r["tokens_tree3"], run["qwen3"]["reference"], "tree:3 held vs no speculation")
+    # every greedy walk read its bucket's tree where the drafter built it (nothing copied: on CUDA the
+    # walk's graph reads them in place), the smaller bucket's as well
+    assert set(r["walks"]) == {"tree:8", "tree:3"}, r["walks"]
 
 
 def test_a_users_draft_schedule_whose_counts_fit_is_followed(run):

@@ -303,6 +303,12 @@ def test_a_trees_prefix_is_the_smaller_budgets_tree_and_its_walk(seed):
         for f in ("tokens", "parents", "depths", "scores", "num_nodes", "ancestor_bits"):
             assert torch.equal(getattr(pre, f), getattr(small, f)), (b, f)
         assert pre.max_depth == min(big.max_depth, b)
+        # into fixed buffers (the build's per-bucket trees, written in the drafter's graph): the same values
+        bufs = dd.TreeBatch(*(torch.full_like(getattr(pre, f), 7) for f in ("tokens", "parents", "depths", "scores",
+                            "num_nodes", "ancestor_bits")), max_depth=pre.max_depth)
+        into = big.prefix(b, out=bufs)
+        assert into is bufs and all(torch.equal(getattr(into, f), getattr(small, f)) for f in
+                                    ("tokens", "parents", "depths", "scores", "num_nodes", "ancestor_bits")), b
         got = dd.walk_tree(pre, target[:, : b + 1]).num_accepted - 1
         assert torch.equal(within[k], got), (b, within[k], got)
     assert torch.equal(_accepted_within(walk.accepted, torch.tensor([B]).view(-1, 1, 1))[0], walk.num_accepted - 1)

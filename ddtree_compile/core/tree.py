@@ -107,15 +107,21 @@ class TreeBatch:
             start = start.to(self.depths.device).view(-1, 1)
         return self.depths + start
 
-    def prefix(self, budget: int) -> "TreeBatch":
+    def prefix(self, budget: int, out: "TreeBatch | None" = None) -> "TreeBatch":
         """Each tree's first `budget` nodes, as a batch of budget + 1 slots. A best-first tree's first
         b nodes are the best-first tree of budget b (core/build.py), parents before children: one
-        build serves every smaller bucket."""
+        build serves every smaller bucket. `out`: buffers of that shape to copy them into (returned)."""
         n = budget + 1
-        return TreeBatch(self.tokens[:, :n].contiguous(), self.parents[:, :n].contiguous(),
-                         self.depths[:, :n].contiguous(), self.scores[:, :n].contiguous(),
-                         self.num_nodes.clamp(max=budget), self.ancestor_bits[:, :n, :num_mask_words(n)].contiguous(),
-                         max_depth=min(self.max_depth, budget))
+        parts = (self.tokens[:, :n], self.parents[:, :n], self.depths[:, :n], self.scores[:, :n],
+                 self.ancestor_bits[:, :n, :num_mask_words(n)])
+        if out is None:
+            tok, par, dep, sc, bits = (p.contiguous() for p in parts)
+            return TreeBatch(tok, par, dep, sc, self.num_nodes.clamp(max=budget), bits,
+                             max_depth=min(self.max_depth, budget))
+        for dst, src in zip((out.tokens, out.parents, out.depths, out.scores, out.ancestor_bits), parts):
+            dst.copy_(src)
+        torch.clamp(self.num_nodes, max=budget, out=out.num_nodes)
+        return out
 
     def with_root(self, root_tokens: torch.Tensor) -> "TreeBatch":
         """Write the last committed token of each request into slot 0 (in place)."""

@@ -21,6 +21,7 @@ vLLM's flat DFlash alike (e.g. to compare accepted counts with the same drafts).
 
 from __future__ import annotations
 
+import collections
 import zlib
 
 import torch
@@ -155,6 +156,47 @@ class GdnStateCheck:
         err = (got.float() - want.to(got.dtype).float()).abs().max().item() / max(want.abs().max().item(), 1e-6)
         self.max_err = max(self.max_err, err)
         assert err <= tol, f"{name}: state of request {r} (path {path}) at depth {depth} is off by {err:.2e}"
+
+
+class RotaryCheck:
+    """Round hook (round.round_hooks): after each tree step the positions the target's M-RoPE modules
+    got are the root's plus the node's depth, in all three rows (text prompts: M-RoPE delta 0)."""
+
+    def __init__(self, runner):
+        from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
+
+        mods = [m for m in runner.model.modules() if isinstance(m, MRotaryEmbedding)]
+        assert mods, "no M-RoPE module in the target"
+        self.last, self.checked = None, 0
+        for m in mods:
+            m.register_forward_pre_hook(self.capture)
+
+    def capture(self, module, args):
+        self.last = args[0].detach().clone()
+
+    def __call__(self, rnd, step):
+        pos = self.last
+        assert pos is not None and pos.dim() == 2 and pos.shape[0] == 3, pos
+        got = pos[:, : step.R * step.N].view(3, step.R, step.N)
+        want = step.start.unsqueeze(1) + step.tree.depths
+        assert torch.equal(got, want.expand(3, -1, -1).to(got.dtype)), (got, want)
+        self.checked += 1
+
+
+def walk_inputs(state) -> collections.Counter:
+    """Counts, from now on, the round's greedy walks by where their tree inputs were: "copied" (into
+    the walk's graph), a bucket's fixed buffers of the build ("tree:8" ...: read in place), or
+    "elsewhere"."""
+    walks, build, graphs = collections.Counter(), state.build_stage, state.walk_stage.graphs
+    bufs = {t.tokens.data_ptr(): f"tree:{t.tokens.shape[1] - 1}" for t in (build._trees, *build._buckets.values())}
+    run = graphs.run
+
+    def counted(fn, copied, fixed):
+        walks["copied" if copied else bufs.get(fixed["tokens"].data_ptr(), "elsewhere")] += 1
+        return run(fn, copied, fixed)
+
+    graphs.run = counted
+    return walks
 
 
 # -- every worker of an engine (tensor parallel: one runner per rank, in its own process) ------------

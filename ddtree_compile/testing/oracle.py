@@ -273,21 +273,24 @@ def p0_for_chain(tokens_per_round: float, draft_len: int) -> float:
     return (lo + hi) / 2
 
 
-def calibrate(name: str, chain_tokens: float, gain: float, budget: int, top_k: int = 8, draft_len: int = 15,
-              decay: float = 0.25, samples: int = 4000, seed: int = 0) -> dict:
+def calibrate(name: str, chain_tokens: float, gain: float | None, budget: int, top_k: int = 8, draft_len: int = 15,
+              decay: float = 0.25, samples: int = 4000, seed: int = 0, miss_in_list: float | None = None) -> dict:
     """A geometric Profile whose chain yields `chain_tokens` per round and whose DDTree tree at
-    `budget` yields `gain` times that (bisection on the share of misses held at ranks >= 1).
+    `budget` yields `gain` times that (bisection on the share of misses held at ranks >= 1), or, with
+    `gain` None, whose share of misses in the list is `miss_in_list` (its gain simulated).
     Returns its parameters and the simulated numbers; `reached` False when even every miss in the
     list cannot give the gain (the closest profile is returned)."""
+    if (gain is None) == (miss_in_list is None):
+        raise ValueError("calibrate: give exactly one of gain and miss_in_list")
     p0 = p0_for_chain(chain_tokens, draft_len)
 
     def ratio(miss):
         prof = Profile.geometric(name, p0, miss, decay, top_k)
         return simulate(prof, budget, top_k, draft_len, samples, seed) / prof.chain_acceptance(draft_len)
 
-    lo, hi = 0.0, 1.0
-    reached = ratio(hi) >= gain
-    if reached:
+    lo, hi = 0.0, 1.0 if miss_in_list is None else miss_in_list
+    reached = gain is None or ratio(hi) >= gain
+    if reached and gain is not None:
         for _ in range(12):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if ratio(mid) < gain else (lo, mid)

@@ -191,8 +191,8 @@ def main(argv=None) -> int:
             threads[-1].start()
         for t in threads:
             t.join()
-    if out is not None and results.exists():
-        shutil.copy(results, out / results.name)
+    if out is not None and results.exists() and results.resolve() != (out / results.name).resolve():
+        shutil.copy(results, out / results.name)  # (DDTREE_GPU_RESULTS may already point under $OUT)
     return _summary(results, names, since)
 
 

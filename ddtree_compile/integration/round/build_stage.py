@@ -33,11 +33,11 @@ class BuildStage:
         # the B-node trees of the last proposal where the runner's drafter builds them (`drafter_tree`: on
         # Model Runner V2 inside the drafter's CUDA graph), at fixed addresses; on CUDA where the Triton
         # build serves the shape (made for a capture: its scratch exists before; else `propose` builds them)
-        N, i64 = ctx.spec.budget + 1, dict(dtype=torch.int64, device=ctx.device)
-        self._trees = TreeBatch(torch.zeros(R, N, **i64), torch.zeros(R, N, **i64), torch.zeros(R, N, **i64),
-                                torch.zeros(R, N, dtype=torch.float32, device=ctx.device), torch.zeros(R, **i64),
-                                torch.zeros(R, N, num_mask_words(N), dtype=torch.int32, device=ctx.device),
-                                max_depth=ctx.spec.depth_limit(ctx.L))
+        # and (budget "auto") each smaller bucket's prefix of them, copied there in the same graph, so that
+        # every bucket's tree is at fixed addresses (the walk's graph reads them in place: walk_stage.py)
+        depth = ctx.spec.depth_limit(ctx.L)
+        self._trees = _tree_buffers(R, ctx.spec.budget, depth, ctx.device)
+        self._buckets = {b: _tree_buffers(R, b, min(depth, b), ctx.device) for b in ctx.menu if b < ctx.spec.budget}
         self._in_drafter = ctx.device.type != "cuda" or use_triton(
             self.topk_lp, "auto", "tree_build", (ctx.spec.budget, k, ctx.spec.depth_limit(ctx.L)))
         self._drafter_builds = False  # the drafter built the trees (drafter_tree ran: at a capture or eagerly)
@@ -62,11 +62,14 @@ class BuildStage:
         if not self._in_drafter:
             return
         lp, ids = self._topk_to_depth(R)
-        build_tree((lp, ids), self.ctx.spec, out=self._trees_of(R)).with_root(roots)
+        tree = build_tree((lp, ids), self.ctx.spec, out=self._trees_of(R)).with_root(roots)
+        for b in self._buckets:
+            tree.prefix(b, out=self._trees_of(R, b))
         self._drafter_builds = True
 
-    def _trees_of(self, R: int) -> TreeBatch:
-        t = self._trees
+    def _trees_of(self, R: int, budget: int | None = None) -> TreeBatch:
+        """The first R rows of the fixed buffers of the B-node trees, or of a smaller bucket's."""
+        t = self._trees if budget in (None, self.ctx.B) else self._buckets[budget]
         return TreeBatch(t.tokens[:R], t.parents[:R], t.depths[:R], t.scores[:R], t.num_nodes[:R],
                          t.ancestor_bits[:R], max_depth=t.max_depth)
 
@@ -117,13 +120,13 @@ class BuildStage:
             return Proposal(None, chain=True), Pending(req_ids, None, None, [None] * R, auto_chain=True)
         top1 = self.topk_ids[:R, :, 0]  # [R, L] (a view: the next proposal rewrites it, after this step's walk)
         chain = [ctx.chain_reason(r) for r in req_ids]
+        budget = ctx.B if ctx.auto is None else ctx.auto.budget_of(kind)
         if self._drafter_builds:  # built with the drafts (drafter_tree; views the next proposal rewrites)
-            tree = self._trees_of(R)
+            tree = self._trees_of(R, budget)
         else:
             tree = build_tree(self._topk_to_depth(R), ctx.spec).with_root(roots())
-        budget = ctx.B if ctx.auto is None else ctx.auto.budget_of(kind)
-        if budget < ctx.B:
-            tree = tree.prefix(budget)
+            if budget < ctx.B:
+                tree = tree.prefix(budget)
         drafts = tree.tokens[:, 1:]
         if any(chain):
             rows = ctx.h2d([c is not None for c in chain], torch.bool)
@@ -132,7 +135,7 @@ class BuildStage:
             drafts = torch.where(rows.unsqueeze(1), chained, drafts)
             tree.tokens[:, 1:] = drafts
         self._done(kind, R, t0, draft_s)
-        return Proposal(drafts, chain=False), Pending(req_ids, tree, top1, chain)
+        return Proposal(drafts, chain=False), Pending(req_ids, tree, top1, chain, fixed=self._drafter_builds)
 
     def _scheduled(self, kind: str, R: int) -> str:
         """Where the scheduler decides the next step's draft count (Model Runner V2 under async
@@ -196,3 +199,11 @@ class BuildStage:
         self.ctx.metrics.add_time("build", t1 - t0 - draft_s)
         if self.ctx.auto is not None:
             self.ctx.auto.proposed(kind, R, t0, t1)
+
+
+def _tree_buffers(R: int, budget: int, max_depth: int, device) -> TreeBatch:
+    """Zeroed buffers of R trees of `budget` nodes (budget + 1 slots)."""
+    N, i64 = budget + 1, dict(dtype=torch.int64, device=device)
+    return TreeBatch(torch.zeros(R, N, **i64), torch.zeros(R, N, **i64), torch.zeros(R, N, **i64),
+                     torch.zeros(R, N, dtype=torch.float32, device=device), torch.zeros(R, **i64),
+                     torch.zeros(R, N, num_mask_words(N), dtype=torch.int32, device=device), max_depth=max_depth)

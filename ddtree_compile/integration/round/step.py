@@ -39,6 +39,7 @@ class Pending:
     # build's top-k); None: auto_chain
     chain: list[str | None]  # per row: fallback reason (verify as a chain) or None (tree)
     auto_chain: bool = False  # budget "auto" or the draft schedule took the chain: the drafts are top1
+    fixed: bool = False  # tree and top1 are views of the build's buffers at fixed addresses (drafter_tree)
 
     def __post_init__(self):
         self.index = {r: i for i, r in enumerate(self.req_ids)}
@@ -61,6 +62,8 @@ class Step:
     gdn_records_all: tuple | None = None  # (rec_kv, rec_gb) of every GDN layer, in KV cache group order
     debug_pre: dict | None = None  # tests: GDN layer -> fp32 committed state [R, HV, V, K] before the verify
     walk: WalkResult | None = None  # combined (tree + chain rows) accepted paths
+    fixed: bool = False  # tree, top1 and tree_rows are at addresses every such step shares (the build's
+    # buffers: Pending.fixed, no row gathered or rewritten here)
     committed: bool = False  # commit_stage ran (once per step)
     t0: float = 0.0
 

@@ -48,6 +48,7 @@ class VerifyStage:
         # the conv window by them): budget "auto"'s chain steps go through the templates as
         # chain-shaped trees (a chain is a tree), as its smaller buckets do
         self.short_drafts_via_templates = ctx.hybrid and not ctx.view.gdn_takes_short_drafts()
+        self._every_row = torch.ones(ctx.view.max_num_reqs, dtype=torch.bool, device=dev)  # tree_rows, no chain rows
 
     def prepare(self, pending: Pending | None, drafts: dict, num_scheduled_tokens) -> Step | None:
         """The tree step of this batch, or None (no drafts, or a whole-step chain fallback, counted)."""
@@ -163,7 +164,9 @@ class VerifyStage:
             ctx.metrics.fallback(reason, requests=reasons.count(reason))
             ctx.log_once("req:" + reason, "DDTree: requests using %s are verified as a flat DFlash chain "
                          "by vLLM's sampler (logged once, counted in metrics)", reason)
-        tree_rows = ctx.h2d([not c for c in chain_rows], torch.bool)
+        tree_rows = ctx.h2d([not c for c in chain_rows], torch.bool) if any(chain_rows) else self._every_row[:R]
+        # the usual step reads the build's buffers as they are (the walk's graph reads them in place)
+        fixed = pending.fixed and isinstance(rows, slice) and not any(chain_rows)
         if any(chain_rows):
             cr = ~tree_rows
             parents, depths, bits = self._chain
@@ -179,7 +182,7 @@ class VerifyStage:
                                   parents=tree.parents, context_lens=start.to(torch.int32),
                                   attn_scratch=self.workspace.attn_scratch)
         return Step(R, N, tree, tree_rows, chain_rows, pending.top1[rows], start, positions, meta,
-                    t0=time.perf_counter())
+                    fixed=fixed, t0=time.perf_counter())
 
     # -- the target forward -----------------------------------------------------------------------
     def forward(self, step: Step, original_forward, input_ids=None, positions=None, intermediate_tensors=None,

@@ -24,6 +24,7 @@ class WalkStage:
         self._smaller = torch.tensor(smaller, device=ctx.device).view(-1, 1, 1) if smaller else None
         # the greedy all-tree step's device work (walk kernel, padding, metrics) as one graph per shape
         self.graphs = StageGraphs(ctx, "walk", ctx.cfg.round_graphs)
+        self._target = torch.zeros(ctx.view.max_num_reqs * ctx.N, dtype=torch.int64, device=ctx.device)  # argmax
 
     def sample(self, step: Step | None, vllm_sample, batch, logits):
         """The sampled tokens of the step ([path tokens, bonus, -1...] per request); fills step.walk.
@@ -43,12 +44,15 @@ class WalkStage:
         temp = ctx.view.sampling_temperature(batch)
         if temp is None and chain_out is None:  # the usual step: greedy, every row a tree
             t = step.tree
-            copied = {"target": logits3.argmax(-1), "tokens": t.tokens, "parents": t.parents, "depths": t.depths,
-                      "num_nodes": t.num_nodes, "ancestor_bits": t.ancestor_bits, "top1": step.top1,
-                      "tree_rows": step.tree_rows}
+            target = torch.argmax(logits3, -1, out=self._target[: R * N].view(R, N))
+            tree = {"tokens": t.tokens, "parents": t.parents, "depths": t.depths, "num_nodes": t.num_nodes,
+                    "ancestor_bits": t.ancestor_bits, "top1": step.top1, "tree_rows": step.tree_rows}
+            # a tree at fixed addresses (built in the drafter's graph) is read in place: nothing to copy
+            copied, fixed = ({}, tree) if step.fixed else (tree, {})
+            fixed |= {"target": target, **ctx.metrics.device_counters()}
             # the outputs are the graph's own buffers: read by this step's commit, drafter and vLLM's
             # bookkeeping, all before the next step's walk replays the graph
-            step.walk, tokens = self.graphs.run(self._greedy_walk, copied, ctx.metrics.device_counters())
+            step.walk, tokens = self.graphs.run(self._greedy_walk, copied, fixed)
             ctx.metrics.add_time("walk", time.perf_counter() - t0)
             return ctx.view.sampler_output(tokens, None)
         if temp is None:
