@@ -63,6 +63,10 @@ def run(args) -> dict:
 
     plugin.register()
     prof_json = json.loads((ROOT / args.profiles).read_text())
+    unknown = sorted(set(args.profile_names) - {p["name"] for p in prof_json["profiles"]})
+    if unknown:
+        raise SystemExit(f"--profile-names: {unknown} not in {args.profiles}; allowed: "
+                         f"{', '.join(p['name'] for p in prof_json['profiles'])}")
     profiles = [oracle.profile_from(p) for p in prof_json["profiles"] if p["name"] in args.profile_names]
     conc = [int(c) for c in args.concurrency.split(",")]
     # a fixed --models-dir keeps the model paths, so vLLM's compile cache of an earlier process applies
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
                     "taking the chain in most of a c=1 cell where budget 32 read 1.20x)")
     ap.add_argument("--profiles", default="benchmarks/oracle_profiles.json", help="relative to the repository root "
                     "unless absolute (so that results record no machine path)")
-    ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35")
+    ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35,thinking_2p5")
     ap.add_argument("--modes", default="nospec,flat,ddtree,auto", help="any of nospec, flat, ddtree (every "
                     "budget), ddtree<B>, auto, autochain (budget \"auto\" held to the chain every step: what its chain "
                     "step costs against flat DFlash's), each with an optional @loop (see --loop; e.g. flat@v1sync: "

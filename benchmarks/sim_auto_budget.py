@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profiles", default="benchmarks/oracle_profiles.json", help="relative to the repository "
                     "root unless absolute (results record no machine path)")
-    ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35")
+    ap.add_argument("--profile-names", default="port_plus4,sglang_plus22,paper_1p35,thinking_2p5")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--steps", type=int, default=240, help="steps per cell (the GPU cells: ~200-260)")
     ap.add_argument("--warmup-steps", type=int, default=0, help="untimed steps per cell (bench_e2e_gpu's "

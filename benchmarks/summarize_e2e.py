@@ -7,14 +7,14 @@
 - A run that never had its cell's c requests in flight at once (`peak_batch` < c: the engine's KV
   cache holds fewer, e.g. too small a --kv-cache-gib for engines sharing a GPU) is flagged `invalid`
   too: it timed smaller batches and a queue, not concurrency c.
-- Flat DFlash's acceptance does not depend on the profile here: the three profiles share the
-  chain's per-depth acceptance p0 (calibrate_oracle.py), only the off-chain ranks differ. So the
-  flat baseline per concurrency is the mean of its valid runs over the profiles (one number less
-  noisy than any single 256-token run); with --side-by-side, the flat run of the same cell (it ran
-  interleaved with the others; in merged side-by-side parts, of the same part); `vs_flat` is each
-  run's tok/s over it, `gain` its tokens per round over flat's and `break_even` flat's rounds/s
-  over the run's (the gain it needs). `tok_s_agg` / `vs_flat_agg`: the same over all of a cell's
-  timed runs (total tokens over total time), the number the tables show where it exists.
+- Flat DFlash's acceptance depends only on the chain's per-depth acceptance p0: the first three
+  profiles share it (calibrate_oracle.py), only the off-chain ranks differ; `thinking_2p5` has its
+  own. So the flat baseline per concurrency is the mean of its valid runs over the profiles of the
+  same chain (one number less noisy than any single 256-token run); with --side-by-side, the flat
+  run of the same cell (it ran interleaved with the others; in merged side-by-side parts, of the
+  same part); `vs_flat` is each run's tok/s over it, `gain` its tokens per round over flat's and
+  `break_even` flat's rounds/s over the run's (the gain it needs). `tok_s_agg` / `vs_flat_agg`: the
+  same over all of a cell's timed runs (total tokens over total time), the number the tables show.
 - `vs_flat_ci90` (--side-by-side rows of 3 or more paired repeats): the 5th and 95th percentiles of the
   aggregate ratio over the cell's repeats resampled with replacement (a seeded bootstrap, repeat i's
   two runs kept together): whether a cell's ratio is below 1.00x beyond its run-to-run spread (upper
@@ -70,9 +70,12 @@ def summarize(result: dict) -> dict:
     # --side-by-side: flat DFlash ran interleaved with the others in each (profile, concurrency) cell,
     # so each cell's own flat run is the baseline; else the mean over profiles (see the docstring)
     paired = bool(result.get("args", {}).get("side_by_side"))
+    chain = chain_labels(result)
 
     def key(r):  # (merged side-by-side parts: each part's own flat, bench_e2e_gpu.merge's `pair`)
-        return (r.get("pair") or "", r.get("profile"), r["concurrency"]) if paired else r["concurrency"]
+        if paired:
+            return (r.get("pair") or "", r.get("profile"), r["concurrency"])
+        return (chain.get(r.get("profile"), ""), r["concurrency"])
 
     flat = {}
     for k in sorted({key(r) for r in runs if r.get("mode") == "flat" and "error" not in r}, key=str):
@@ -95,8 +98,17 @@ def summarize(result: dict) -> dict:
             if paired:
                 f_row = next(x for x in runs if x.get("mode") == "flat" and "error" not in x and key(x) == key(r))
                 interval(r, f_row)
-    result["flat_baseline"] = {_flat_key(*k) if paired else str(k): v for k, v in flat.items()}
+    result["flat_baseline"] = {(_flat_key(*k) if paired else _unpaired_key(*k)): v for k, v in flat.items()}
     return result
+
+
+def chain_labels(result: dict) -> dict[str, str]:
+    """Profile name -> its chain's label ("chain 5.60": tokens per round), "" where every profile of
+    the result has the same chain (older results: one flat baseline per concurrency)."""
+    profs = result.get("profiles", {})
+    profs = profs.get("profiles", []) if isinstance(profs, dict) else []
+    label = {p["name"]: f"chain {p['chain_tokens_per_round']:.2f}" for p in profs if "chain_tokens_per_round" in p}
+    return label if len(set(label.values())) > 1 else {}
 
 
 def interval(r: dict, flat: dict, n: int = 2000, seed: int = 0) -> None:
@@ -115,6 +127,10 @@ def _ci_cell(r: dict | None) -> str:
         return "-"
     lo, hi = r["vs_flat_ci90"]
     return f"{lo:.2f}-{hi:.2f}" + (" below" if hi < 1 else " above" if lo > 1 else "")
+
+
+def _unpaired_key(chain: str, c: int) -> str:
+    return f"{chain} c={c}" if chain else str(c)
 
 
 def _flat_key(pair: str, profile: str, c: int) -> str:
@@ -142,7 +158,8 @@ def table(result: dict) -> str:
     fb = result.get("flat_baseline", {})
     paired = bool(result.get("args", {}).get("side_by_side"))
     for pair in dict.fromkeys(r.get("pair") or "" for r in runs) if paired else [None]:
-        keys = [_flat_key(pair, p, c) if paired else str(c) for p in profiles for c in conc]
+        chain = chain_labels(result)
+        keys = [_flat_key(pair, p, c) if paired else _unpaired_key(chain.get(p, ""), c) for p in profiles for c in conc]
         label = f"flat DFlash tok/s ({pair})" if pair else "flat DFlash tok/s"
         lines.append(f"| {label} | " + " | ".join(
             f"{fb[k]['tok_s_agg'] or fb[k]['tok_s']:.0f}" if k in fb else "-" for k in keys) + " |")

@@ -15,6 +15,11 @@ from ddtree_compile.testing import oracle
 
 
 
+def test_an_unknown_profile_name_is_refused_with_the_allowed_ones(bench, tmp_path):
+    with pytest.raises(SystemExit, match=r"--profile-names: \['nope'\].*allowed: .*thinking_2p5"):
+        bench.main(["--target", "tiny", "--profile-names", "sglang_plus22,nope", "--out", str(tmp_path / "x.json")])
+
+
 @pytest.mark.slow  # (vLLM engines on CPU; `make test-slow`: keeps `make test` near 30 min)
 def test_bench_e2e_smoke(bench, tmp_path):
     prof = oracle.calibrate("sglang_plus22", 5.6, 1.22, 32, samples=500)
@@ -124,6 +129,15 @@ def test_summary_table_ratios_and_no_speculation_row(bench):
     assert set(res["flat_baseline"]) == {"a c=1", "b c=1"} and math.isclose(d["vs_flat"], 150.0 / 100.0)
     assert math.isclose(d["break_even"], (100 / 2.0) / (80 / 1.0))
     assert "| flat DFlash tok/s | 100 |" in summ.table(res)
+    # a profile of another chain (thinking_2p5's p0): flat's mean is over the profiles of its chain only
+    for r in runs:
+        r.pop("vs_flat", None)
+    runs[2]["reference_match"] = 1.0
+    runs[2].pop("invalid")
+    chains = {"profiles": [{"name": n, "chain_tokens_per_round": t} for n, t in (("a", 5.6), ("b", 5.6), ("c", 2.5))]}
+    res = summ.summarize({"profiles": chains, "runs": runs})
+    assert set(res["flat_baseline"]) == {"chain 5.60 c=1", "chain 2.50 c=1"}, res["flat_baseline"]
+    assert res["flat_baseline"]["chain 2.50 c=1"]["runs"] == 1 and math.isclose(d["vs_flat"], 150.0 / 120.0)
 
 
 @pytest.mark.slow  # (vLLM engines on CPU; `make test-slow`: keeps `make test` near 30 min)

@@ -36,6 +36,25 @@ def test_simulate_chain_matches_the_closed_form_and_trees_gain():
     assert oracle.simulate(never_in_list, 32, 8, 15, 20000) == pytest.approx(never_in_list.chain_acceptance(15), abs=0.05)
 
 
+def test_the_low_acceptance_profile_is_calibrated_as_documented():
+    """benchmarks/oracle_profiles.json's `thinking_2p5` (calibrate_oracle.py): its chain makes 2.5 tokens
+    per round at 15 drafts, its misses sit in the list as port_plus4's do, and its gain is simulated
+    (none given); `calibrate` takes exactly one of a gain and a list share."""
+    import json
+    import pathlib
+
+    doc = json.loads((pathlib.Path(__file__).parents[1] / "benchmarks" / "oracle_profiles.json").read_text())
+    by_name = {p["name"]: p for p in doc["profiles"]}
+    low = by_name["thinking_2p5"]
+    assert oracle.profile_from(low).chain_acceptance(low["draft_len"]) == pytest.approx(2.5, abs=1e-6)
+    assert low["miss_in_list"] == by_name["port_plus4"]["miss_in_list"] and low["target_gain"] is None
+    again = oracle.calibrate("x", 2.5, None, 32, samples=300, miss_in_list=low["miss_in_list"])
+    assert again["p0"] == pytest.approx(low["p0"]) and again["rank_probs"] == pytest.approx(low["rank_probs"])
+    for gain, miss in ((None, None), (1.2, 0.5)):
+        with pytest.raises(ValueError, match="gain and miss_in_list"):
+            oracle.calibrate("x", 2.5, gain, 32, samples=10, miss_in_list=miss)
+
+
 class _SyncWatch(TorchDispatchMode):
     """Records ops that read a device value on the host (a host sync on CUDA)."""
 

@@ -47,21 +47,18 @@ def _seeded_by_kind(llm, state, prompts: list) -> dict:
     a first run (V2 takes a choice a step later, from the scheduler's lookup: the first run's first
     steps may take the kind held before): whether each kind repeats its tokens, and per request the
     first token where a kind's differ from the largest tree's (None: equal)."""
-    runs, cached = {}, {}
-
-    def run():
-        # Every run from an empty prefix cache: a prompt read from the cache is prefilled in other chunks
-        # than one computed, which in bf16 may round its logits otherwise. On an H100 at c2521f2 a held
-        # kind (tree:8) repeated other tokens, with the cache left as the runs before had filled it; the
-        # cached prompt tokens per run are recorded (0 where the reset held).
-        llm.reset_prefix_cache()
-        got = E.generate(llm, prompts, temperature=1.0, seed=1234)
-        cached[kind].append(sum(g["cached"] for g in got))
-        return [g["tokens"] for g in got]
-
+    runs, taken = {}, {}
+    m = state.metrics  # the steps as verified: tree steps per bucket, chain steps, fallbacks per reason
+    verified = lambda: {**{f"tree:{b}": n for b, n in m.budget_steps.items()},  # noqa: E731
+                        "chain": m.auto_chain_steps, **{f"fallback:{r}": n for r, n in m.fallback_steps.items()}}
     for kind in state.ctx.auto.kinds:
-        state.ctx.auto.forced, cached[kind] = kind, []
-        runs[kind] = [run() for _ in range(3)][1:]
+        state.ctx.auto.forced = kind
+        E.generate(llm, prompts, temperature=1.0, seed=1234)
+        before = verified()
+        runs[kind] = [[g["tokens"] for g in E.generate(llm, prompts, temperature=1.0, seed=1234)] for _ in range(2)]
+        # what the held runs' steps verified (on an H100 at c2521f2 `tree:8` held did not repeat its tokens
+        # where `tree` and `chain` did: whether every step verified the held kind is the first thing to know)
+        taken[kind] = {k: n - before.get(k, 0) for k, n in verified().items() if n != before.get(k, 0)}
     state.ctx.auto.forced = None
 
     def first_divergence(a, b):
@@ -69,7 +66,9 @@ def _seeded_by_kind(llm, state, prompts: list) -> dict:
         return apart[0] if apart else (None if len(a) == len(b) else min(len(a), len(b)))
 
     tree = runs["tree"][0]
-    return {"seeded_kind_repeats": {k: one == again for k, (one, again) in runs.items()}, "seeded_cached": cached,
+    return {"seeded_kind_repeats": {k: one == again for k, (one, again) in runs.items()}, "seeded_taken": taken,
+            "seeded_kind_apart": {k: [first_divergence(a, b) for a, b in zip(one, again)] for k, (one, again)
+                                  in runs.items()},
             "seeded_vs_tree": {k: [first_divergence(a, b) for a, b in zip(one, tree)] for k, (one, _) in runs.items()
                                if k != "tree"}}
 
@@ -105,7 +104,7 @@ def test_auto_on_v2_is_lossless(auto, record):
     record(gates_ok=f"{sum(g['ok'] for g in gates)}/{len(gates)}", max_regret=max(g["regret"] for g in gates),
            state_check=auto["state_check"], seeded_repeat_equal=auto["seeded_repeat_equal"],
            seeded_kind_repeats=auto["seeded_kind_repeats"], seeded_vs_tree=auto["seeded_vs_tree"],
-           seeded_cached=auto["seeded_cached"])
+           seeded_taken=auto["seeded_taken"], seeded_kind_apart=auto["seeded_kind_apart"])
     for k in ("text", "image"):
         for phase in ("random", "harness"):
             e2e.check_gates(auto[k][f"gates_{phase}"], f"budget auto, {k} prompts, {phase} drafter vs no speculation")
