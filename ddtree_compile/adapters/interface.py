@@ -158,9 +158,11 @@ class RunnerView(abc.ABC):
         """(sampled token ids [R, 1+K] with -1 after the accepted ones, logprobs or None) of vLLM's sampler."""
 
     @abc.abstractmethod
-    def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None):
+    def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None, counts=None):
         """What the rejection sampler hands the runner for a tree step: sampled ids [R, 1+K] (the
-        accepted path + bonus, -1 after)."""
+        accepted path + bonus, -1 after; int32). counts: int32 [2, R], per row the tokens sampled and
+        the query's tokens rejected, where the caller made them (the walk's graph; a runner that
+        keeps them past the step copies them); else the runner counts them."""
 
     @abc.abstractmethod
     def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor):

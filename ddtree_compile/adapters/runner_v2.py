@@ -216,15 +216,20 @@ class V2RunnerView(V1RunnerView):
         keep = col.unsqueeze(0) < sampler_output.num_sampled.to(ids.device).unsqueeze(1)
         return torch.where(keep, ids, torch.full_like(ids, -1)), sampler_output.logprobs_tensors
 
-    def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None):
+    def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None, counts=None):
+        """V2 reads the counts (sampled, and rejected: the query's tokens not sampled), not the padding."""
         from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
-        b = self.batch
-        R = sampled_token_ids.shape[0]
-        num_sampled = (sampled_token_ids != -1).sum(1).to(torch.int32)
-        query_len = (b.query_start_loc[1: R + 1] - b.query_start_loc[:R]).to(torch.int32)
+        if counts is None:
+            b = self.batch
+            R = sampled_token_ids.shape[0]
+            num_sampled = (sampled_token_ids != -1).sum(1).to(torch.int32)
+            query_len = (b.query_start_loc[1: R + 1] - b.query_start_loc[:R]).to(torch.int32)
+            num_rejected = query_len - num_sampled
+        else:  # (a graph's buffers: V2 copies the output to the host on its own stream, past this step)
+            num_sampled, num_rejected = counts.clone()
         return SamplerOutput(sampled_token_ids=sampled_token_ids.to(torch.int64), logprobs_tensors=logprobs_tensors,
-                             num_nans=None, num_sampled=num_sampled, num_rejected=query_len - num_sampled)
+                             num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected)
 
     def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor):
         """V2 reads the counts, not the padding: they are replaced with the ids. The tokens a row

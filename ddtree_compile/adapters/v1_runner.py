@@ -158,8 +158,8 @@ class V1RunnerView(RunnerView):
     def sampled_tokens(self, sampler_output) -> tuple[torch.Tensor, object]:
         return sampler_output.sampled_token_ids, sampler_output.logprobs_tensors
 
-    def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None):
-        return sampler_output(sampled_token_ids, logprobs_tensors)
+    def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None, counts=None):
+        return sampler_output(sampled_token_ids, logprobs_tensors)  # (V1 counts the -1 padding itself)
 
     def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor):
         """V1 counts the sampled tokens itself (the -1 padding): the ids are replaced in place."""

@@ -283,7 +283,31 @@ def launches(llm, prompts) -> dict:
     per = (lambda n: round(n / steps, 2)) if steps else (lambda n: None)
     return {"tree_steps": steps, "kernels_per_step": per(sum(calls[c] for c in LAUNCH_CALLS)),
             "graphs_per_step": per(calls["cudaGraphLaunch"]), "memcpy_per_step": per(calls["cudaMemcpyAsync"]),
-            "calls": dict(calls.most_common(12))}
+            "calls": dict(calls.most_common(12)), "by_owner": eager_ops(llm, prompts)}
+
+
+def eager_ops(llm, prompts) -> dict:
+    """One more greedy batch, every torch operation V2's steps dispatch counted by owner (DDTree's code
+    or vLLM's: testing/op_count.py): outside a graph's replay each one that is not a view is a launch
+    or a copy. Per tree step, and DDTree's most frequent (Triton launches of its own are not torch
+    operations: the profiler's totals above hold them)."""
+    from ddtree_compile.integration import engines, metrics
+    from ddtree_compile.testing import op_count
+
+    counter = op_count.OpCount()
+    before = metrics.collect(llm)[0]
+    stop = op_count.around_steps(engines.find_runner(llm), counter)
+    try:
+        generate(llm, prompts)
+    finally:
+        stop()
+    steps = metrics.counters_delta(metrics.collect(llm)[0], before)["tree_steps"]
+    if not steps:
+        return {"tree_steps": 0}
+    mine = counter.select(owner="ddtree", views=False)
+    return {"tree_steps": steps, "ddtree_per_step": round(sum(mine.values()) / steps, 2),
+            "vllm_per_step": round(sum(counter.select(owner="vllm", views=False).values()) / steps, 2),
+            "ddtree_top": {k.split("|", 2)[2]: round(n / steps, 2) for k, n in mine.most_common(12)}}
 
 
 def _package_path(filename: str) -> str:

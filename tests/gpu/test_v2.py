@@ -104,13 +104,16 @@ def test_the_round_adds_no_host_sync_under_async_scheduling(hybrid, record):
 
 def test_launches_per_tree_step_are_measured(hybrid, record):
     """Kernels launched outside CUDA graphs and graph replays per tree step of a warm greedy batch
-    (torch's profiler; every launch of the process). Recorded for the round's launch budget (issue
-    goal: at most 10 eager launches of DDTree's per tree step); asserted: the steps replayed graphs
-    (the drafter's and the verify's at least), and the count covers tree steps."""
+    (torch's profiler; every launch of the process), and of one more batch the torch operations the
+    steps dispatch by owner, DDTree's or vLLM's (`by_owner`: outside a replay, each is a launch or a
+    copy). Recorded for the round's launch budget (issue goal: at most 10 eager launches of DDTree's
+    per tree step); asserted: the steps replayed graphs (the drafter's and the verify's at least),
+    and the counts cover tree steps."""
     n = hybrid["launches"]
     record(launches=n)
     assert "error" not in n, n
     assert n["tree_steps"] > 10 and n["graphs_per_step"] >= 2, n
+    assert n["by_owner"]["tree_steps"] > 10, n["by_owner"]
 
 
 def test_hybrid_seeded_sampling_independent_of_the_batch(hybrid, record):

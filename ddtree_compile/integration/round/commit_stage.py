@@ -34,10 +34,12 @@ class CommitStage:
             self.graphs.run(self._device_work, copied, fixed)
 
     def _inputs(self, step: Step) -> tuple[dict, dict]:
-        """What the commit reads: (new every step, at fixed addresses)."""
-        copied = {"accepted": step.walk.accepted, "path_len": step.walk.num_accepted, "start": step.start}
-        copied |= {f"block_table_{gid}": step.block_tables[gid] for gid in self.ctx.kv_groups}
-        fixed = {}
+        """What the commit reads: (new every step, at fixed addresses). The roots' positions and the
+        block tables are views of the runner's own buffers (vLLM's, which its CUDA graphs read: the
+        same address every step); the paths are the walk graph's buffers where it replayed."""
+        path = {"accepted": step.walk.accepted, "path_len": step.walk.num_accepted}
+        copied, fixed = ({}, path) if step.walk_fixed else (path, {})
+        fixed |= {"start": step.start, **{f"block_table_{gid}": step.block_tables[gid] for gid in self.ctx.kv_groups}}
         if self.ctx.hybrid:
             # every GDN group's addressing, one row per group (vLLM's tensors are not written): the
             # verify's committed columns in num_accepted become the paths' lengths

@@ -36,11 +36,13 @@ class StageGraphs:
         self._graphs: dict[tuple, _Graph] = {}
         self._seen: set[tuple] = set()
         self._pool = None
+        self.replayed = False  # the last run replayed a graph: what it returned are the graph's buffers
 
     def run(self, fn, copied: dict, fixed: dict):
         """fn(**copied, **fixed): eagerly, or by replaying the graph of these shapes and addresses.
         Returns fn's result; from a replay, the tensors it returned at capture (the graph's buffers,
-        overwritten by its next replay)."""
+        overwritten by its next replay: at fixed addresses)."""
+        self.replayed = False
         if not self.on:
             return fn(**copied, **fixed)
         key = (tuple((k, tuple(v.shape), v.dtype, v.stride()) for k, v in copied.items())
@@ -59,6 +61,7 @@ class StageGraphs:
             g.inputs[k].copy_(v, non_blocking=True)
         g.graph.replay()
         self.ctx.metrics.stage_replays[self.name] += 1
+        self.replayed = True
         return g.outputs
 
     def _capture(self, key, fn, copied: dict, fixed: dict) -> _Graph:

@@ -52,9 +52,10 @@ class WalkStage:
             fixed |= {"target": target, **ctx.metrics.device_counters()}
             # the outputs are the graph's own buffers: read by this step's commit, drafter and vLLM's
             # bookkeeping, all before the next step's walk replays the graph
-            step.walk, tokens = self.graphs.run(self._greedy_walk, copied, fixed)
+            step.walk, tokens, counts = self.graphs.run(self._greedy_walk, copied, fixed)
+            step.walk_fixed = self.graphs.replayed
             ctx.metrics.add_time("walk", time.perf_counter() - t0)
-            return ctx.view.sampler_output(tokens, None)
+            return ctx.view.sampler_output(tokens, None, counts)
         if temp is None:
             target = logits3.argmax(-1)
         else:
@@ -130,17 +131,19 @@ class WalkStage:
         return ctx.view.replace_sampled(out, _pad_cols(walk.tokens, width), ctx.h2d(redo, torch.bool))
 
     def _greedy_walk(self, target, tokens, parents, depths, num_nodes, ancestor_bits, top1, tree_rows,
-                     **counters) -> tuple[WalkResult, torch.Tensor]:
+                     **counters) -> tuple[WalkResult, torch.Tensor, torch.Tensor]:
         """Device work only (stage_graphs.py): the walk of the target's argmax tokens, the step's
-        metrics, and the tokens vLLM sees (int32). `counters` (the metrics' device tensors, which
-        `record_round` adds into) are passed so that their addresses key the graph."""
+        metrics, the tokens vLLM sees (int32) and its counts (int32 [2, R]: per row the tokens sampled,
+        the path's + bonus, and the N-token query's others, rejected). `counters` (the metrics' device
+        tensors, which `record_round` adds into) are passed so that their addresses key the graph."""
         N = tokens.shape[1]
         # no scores: neither walk (Triton, torch) reads them, so they are not copied into the graph
         tree = TreeBatch(tokens, parents, depths, None, num_nodes, ancestor_bits, max_depth=self.ctx.max_depth)
         walk = walk_tree(tree, target, top1=top1)
         walk.tokens = _pad_cols(walk.tokens, N)
         self._record_metrics(walk, tree_rows, num_nodes, N)
-        return walk, walk.tokens.to(torch.int32)
+        sampled = walk.num_accepted.to(torch.int32)  # (the path's length with its root = its tokens + bonus)
+        return walk, walk.tokens.to(torch.int32), torch.stack([sampled, N - sampled])
 
     def _record_metrics(self, walk: WalkResult, tree_rows, num_nodes, N: int) -> None:
         ctx = self.ctx
