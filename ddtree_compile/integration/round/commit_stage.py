@@ -18,6 +18,7 @@ class CommitStage:
         self.commit_hooks: list = []  # tests: fn(ctx, info) after each GDN commit (per KV cache group)
         self._views: dict | None = None
         self.graphs = StageGraphs(ctx, "commit", ctx.cfg.round_graphs)
+        self.reorder_graphs = StageGraphs(ctx, "reorder", ctx.cfg.round_graphs)
 
     def commit(self, step: Step) -> None:
         """K/V (+ GDN state and conv) of the accepted paths, in the layout vLLM's chain leaves (its own
@@ -129,9 +130,20 @@ class CommitStage:
         """Accepted path rows first in each request's segment (core.walk.drafter_order, which the
         walk computed): with flat positions, rows 0..a then carry the path at start..start+a, which
         is what the drafter's context K/V must see."""
-        order = step.walk.order
-        T = step.R * step.N
         ids = self.ctx.view.input_ids()
-        ids[:T] = ids[:T][order]
-        for h in aux_hidden_states or ():
-            h[:T] = h[:T][order]
+        hidden = {f"hidden_{i}": h for i, h in enumerate(aux_hidden_states or ())}
+        if not step.verify_replayed:  # (the hidden states are the eager forward's: new every step)
+            _reorder(step.walk.order, ids, **hidden)
+            return
+        # after a FULL graph's replay they are its outputs, and the input ids the runner's buffer: at
+        # fixed addresses, reordered in place by one replay (the order too where the walk's graph made it)
+        order = {"order": step.walk.order}
+        copied, fixed = ({}, order) if step.walk_fixed else (order, {})
+        self.reorder_graphs.run(_reorder, copied, {**fixed, "ids": ids, **hidden})
+
+
+def _reorder(order, ids, **hidden) -> None:
+    """Device work only: rows 0..T-1 of the input ids and of each hidden state in `order` [T]."""
+    T = order.shape[0]
+    for x in (ids, *hidden.values()):
+        x[:T] = x[:T][order]

@@ -65,6 +65,7 @@ class Step:
     fixed: bool = False  # tree, top1 and tree_rows are at addresses every such step shares (the build's
     # buffers: Pending.fixed, no row gathered or rewritten here)
     walk_fixed: bool = False  # walk's tensors are the walk graph's buffers (it replayed): fixed addresses
+    verify_replayed: bool = False  # the verify replayed a FULL graph: the target's outputs are its buffers
     committed: bool = False  # commit_stage ran (once per step)
     t0: float = 0.0
 

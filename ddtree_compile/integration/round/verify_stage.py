@@ -223,6 +223,7 @@ class VerifyStage:
             armed.positions[..., : armed.saved.shape[-1]].copy_(armed.saved)
         if armed.graph_rows is not None and not armed.meta.calls:  # no op's Python ran: the graph replayed
             self.ctx.metrics.graph_steps += 1
+            armed.step.verify_replayed = True
         else:
             check_reached(self.ctx, armed.meta.calls)
         self.ctx.metrics.add_time("verify", time.perf_counter() - armed.step.t0)
