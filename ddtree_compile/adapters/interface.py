@@ -161,8 +161,9 @@ class RunnerView(abc.ABC):
     def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None, counts=None):
         """What the rejection sampler hands the runner for a tree step: sampled ids [R, 1+K] (the
         accepted path + bonus, -1 after; int32). counts: int32 [2, R], per row the tokens sampled and
-        the query's tokens rejected, where the caller made them (the walk's graph; a runner that
-        keeps them past the step copies them); else the runner counts them."""
+        the query's tokens rejected, where the walk's graph made them (then the ids and counts are
+        that graph's buffers, rewritten by its next replay: a runner that keeps them past the step
+        copies them); else the runner counts them."""
 
     @abc.abstractmethod
     def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor):

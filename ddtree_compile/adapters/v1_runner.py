@@ -159,7 +159,10 @@ class V1RunnerView(RunnerView):
         return sampler_output.sampled_token_ids, sampler_output.logprobs_tensors
 
     def sampler_output(self, sampled_token_ids: torch.Tensor, logprobs_tensors=None, counts=None):
-        return sampler_output(sampled_token_ids, logprobs_tensors)  # (V1 counts the -1 padding itself)
+        """V1 counts the -1 padding itself. With counts the ids are the walk graph's buffers, which its
+        next replay rewrites: V1 keeps them past the step (its async output copies them to the host on
+        a stream of its own, `AsyncGPUModelRunnerOutput`), so it gets a copy."""
+        return sampler_output(sampled_token_ids if counts is None else sampled_token_ids.clone(), logprobs_tensors)
 
     def replace_sampled(self, sampler_output, tokens: torch.Tensor, rows: torch.Tensor):
         """V1 counts the sampled tokens itself (the -1 padding): the ids are replaced in place."""
