@@ -2,8 +2,9 @@
 way on CPU and on CUDA (a TorchDispatchMode around Model Runner V2's `execute_model` and
 `sample_tokens`; in-process engines only).
 
-- owner: the innermost frame outside torch: "ddtree" (the product; not ddtree_compile/testing),
-  "vllm", or "other"; a caller may name vLLM lines of its own ("vllm-dynamic": `dynamic`).
+- owner: the innermost frame outside torch, by its module's name: "ddtree" (the product; not
+  ddtree_compile.testing), "vllm", or "other"; a caller may name vLLM lines of its own
+  ("vllm-dynamic": `dynamic`).
 - region: "step", or the label of the method running (`regions`): e.g. "drafter" inside the
   speculator's `_generate_draft`, which V2 captures as the drafter's CUDA graph.
 - On CUDA an op dispatched here runs eagerly: one kernel launch or copy, except views (`views`:
@@ -28,11 +29,10 @@ class OpCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         f = sys._getframe(1)
-        while f is not None and ("/torch/" in f.f_code.co_filename or f.f_code.co_filename == "<string>"):
+        while f is not None and (_in(_module(f), "torch") or f.f_code.co_filename == "<string>"):
             f = f.f_back
         path = f.f_code.co_filename if f is not None else "?"
-        owner = ("ddtree" if "/ddtree_compile/" in path and "/ddtree_compile/testing/" not in path
-                 else "vllm" if "/vllm/" in path else "other")
+        owner = _owner(_module(f) if f is not None else "")
         if (owner == "vllm" and self.dynamic and path.endswith(self.dynamic[0])
                 and self.dynamic[1] in linecache.getline(path, f.f_lineno)):
             owner = "vllm-dynamic"
@@ -85,6 +85,22 @@ def around_steps(runner, counter: OpCount):
 
         setattr(runner, name, counted)
     return lambda: [u() for u in reversed(undo)]
+
+
+def _module(frame) -> str:
+    return frame.f_globals.get("__name__") or ""
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _owner(module: str) -> str:
+    """Whose code a frame is, by its module's name, not its file's path: a package installed under a
+    path holding "/torch/" (a GPU machine's /opt/torch/.venv/.../site-packages) is still itself."""
+    if _in(module, "ddtree_compile") and not _in(module, "ddtree_compile.testing"):
+        return "ddtree"
+    return "vllm" if _in(module, "vllm") else "other"
 
 
 def _restorer(owner, name: str):
