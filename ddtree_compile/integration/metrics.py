@@ -52,7 +52,9 @@ _COLS = ("tree_requests", "nodes_verified", "nodes_accepted", "sibling_rounds", 
          "full_accepts", "zero_accepts")
 _ACCEPTANCE = [_COLS.index(c) for c in ("tree_requests", "nodes_accepted", "sibling_nodes")]
 # Host-time phases of a round (DDTreeMetrics.seconds): "draft" is the drafter's forward as vLLM runs it
-# (flat DFlash's work too); "build" .. "commit" are DDTree's own host work.
+# (flat DFlash's work too); "build" .. "commit" are DDTree's own host work, the time in its code only
+# ("verify": the step's preparation, arm and disarm, not vLLM's target forward between them; "commit":
+# not vLLM's update after it).
 ROUND_PHASES = ("draft", "build", "verify", "walk", "commit")
 PROCESS_STARTUP_FALLBACKS: collections.Counter = collections.Counter()  # reason -> engines, this process
 _REFUSED: set[str] = set()

@@ -298,8 +298,8 @@ class DDTreeRound:
         t0 = time.perf_counter()
         self.commit_stage.commit(step)
         step.committed = True
+        self.metrics.add_time("commit", time.perf_counter() - t0)  # (DDTree's own: not vLLM's update)
         out = vllm_update()
-        self.metrics.add_time("commit", time.perf_counter() - t0)
         if step.has_tree:  # (an all-chain Step is a counted whole-step fallback, see verify_stage)
             self.metrics.tree_steps += 1
             self.metrics.budget_steps[step.N - 1] += 1

@@ -67,7 +67,7 @@ class Step:
     walk_fixed: bool = False  # walk's tensors are the walk graph's buffers (it replayed): fixed addresses
     verify_replayed: bool = False  # the verify replayed a FULL graph: the target's outputs are its buffers
     committed: bool = False  # commit_stage ran (once per step)
-    t0: float = 0.0
+    t0: float = 0.0  # when the step was prepared (budget "auto" times its steps from here)
 
     @property
     def has_tree(self) -> bool:

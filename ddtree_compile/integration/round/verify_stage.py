@@ -52,6 +52,13 @@ class VerifyStage:
 
     def prepare(self, pending: Pending | None, drafts: dict, num_scheduled_tokens) -> Step | None:
         """The tree step of this batch, or None (no drafts, or a whole-step chain fallback, counted)."""
+        t0 = time.perf_counter()
+        try:
+            return self._prepare(pending, drafts, num_scheduled_tokens)
+        finally:  # DDTree's own host time: its code here, arm and disarm, not vLLM's forward between them
+            self.ctx.metrics.add_time("verify", time.perf_counter() - t0)
+
+    def _prepare(self, pending: Pending | None, drafts: dict, num_scheduled_tokens) -> Step | None:
         ctx = self.ctx
         if not drafts:
             return None
@@ -205,6 +212,7 @@ class VerifyStage:
         bucket's metadata, filled here). With `positions` (the tensor vLLM hands the target, at the
         address its graphs read) the tree's positions are written into it; `disarm` puts vLLM's back
         (the drafter and the sampler read them)."""
+        t0 = time.perf_counter()
         rows = self.graphs.replay_rows(self.ctx.view.full_graph_batch(), step.N)
         meta = step.meta if rows is None else self.graphs.fill(step.N, rows, step)
         self._forward_metadata(step, meta, rows)
@@ -213,11 +221,13 @@ class VerifyStage:
             saved = positions[..., : step.R * step.N].clone()
             self.ctx.view.write_tree_positions(positions, step.positions, step.tree.depths)
         set_tree_verify(meta)
+        self.ctx.metrics.add_time("verify", time.perf_counter() - t0)
         return Armed(step, meta, rows, positions, saved)
 
     def disarm(self, armed: Armed) -> None:
         """The target forward of `armed` has run: the context cleared, vLLM's positions back, and every
         layer checked to have run its tree op (unless a captured FULL graph replayed them)."""
+        t0 = time.perf_counter()
         set_tree_verify(None)
         if armed.saved is not None:
             armed.positions[..., : armed.saved.shape[-1]].copy_(armed.saved)
@@ -226,7 +236,7 @@ class VerifyStage:
             armed.step.verify_replayed = True
         else:
             check_reached(self.ctx, armed.meta.calls)
-        self.ctx.metrics.add_time("verify", time.perf_counter() - armed.step.t0)
+        self.ctx.metrics.add_time("verify", time.perf_counter() - t0)
 
     def _forward_metadata(self, step: Step, meta: TreeVerifyMetadata, graph_rows: int | None) -> None:
         """Block tables of the attention groups, GDN state addressing: what the templates read."""
