@@ -47,30 +47,76 @@ def _seeded_by_kind(llm, state, prompts: list) -> dict:
     a first run (V2 takes a choice a step later, from the scheduler's lookup: the first run's first
     steps may take the kind held before): whether each kind repeats its tokens, and per request the
     first token where a kind's differ from the largest tree's (None: equal)."""
-    runs, taken = {}, {}
+    runs, taken, proposed = {}, {}, {}
     m = state.metrics  # the steps as verified: tree steps per bucket, chain steps, fallbacks per reason
     verified = lambda: {**{f"tree:{b}": n for b, n in m.budget_steps.items()},  # noqa: E731
                         "chain": m.auto_chain_steps, **{f"fallback:{r}": n for r, n in m.fallback_steps.items()}}
-    for kind in state.ctx.auto.kinds:
-        state.ctx.auto.forced = kind
-        E.generate(llm, prompts, temperature=1.0, seed=1234)
-        before = verified()
-        runs[kind] = [[g["tokens"] for g in E.generate(llm, prompts, temperature=1.0, seed=1234)] for _ in range(2)]
-        # what the held runs' steps verified (on an H100 at c2521f2 `tree:8` held did not repeat its tokens
-        # where `tree` and `chain` did: whether every step verified the held kind is the first thing to know)
-        taken[kind] = {k: n - before.get(k, 0) for k, n in verified().items() if n != before.get(k, 0)}
-    state.ctx.auto.forced = None
+    log, stop = _proposals(llm, state)
+    try:
+        for kind in state.ctx.auto.kinds:
+            state.ctx.auto.forced = kind
+            E.generate(llm, prompts, temperature=1.0, seed=1234)
+            before, runs[kind], proposed[kind] = verified(), [], []
+            for _ in range(2):
+                log.clear()
+                runs[kind].append([g["tokens"] for g in E.generate(llm, prompts, temperature=1.0, seed=1234)])
+                proposed[kind].append(_by_request(log))
+            # what the held runs' steps verified (on an H100 at c2521f2 `tree:8` held did not repeat its
+            # tokens where `tree` and `chain` did: whether every step verified the held kind)
+            taken[kind] = {k: n - before.get(k, 0) for k, n in verified().items() if n != before.get(k, 0)}
+    finally:
+        state.ctx.auto.forced = None
+        stop()
 
     def first_divergence(a, b):
         apart = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
         return apart[0] if apart else (None if len(a) == len(b) else min(len(a), len(b)))
 
+    def first_step_apart(a, b):  # (step, its batch row in each run, drafts in each) where two runs' proposals part
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        return None if i is None else [i, a[i], b[i]]
+
     tree = runs["tree"][0]
+    # (on an H100 at ea3b635 the two `tree:8` repeats parted at one request's token 2, where `chain` and
+    # `tree` part too: whether the drafts or the batch rows differed before it tells a drafter-side
+    # state from the verify's arithmetic)
+    proposals_apart = {k: [first_step_apart(a, b) for a, b in zip(*v)] for k, v in proposed.items()}
     return {"seeded_kind_repeats": {k: one == again for k, (one, again) in runs.items()}, "seeded_taken": taken,
+            "seeded_proposals_apart": proposals_apart,
             "seeded_kind_apart": {k: [first_divergence(a, b) for a, b in zip(one, again)] for k, (one, again)
                                   in runs.items()},
             "seeded_vs_tree": {k: [first_divergence(a, b) for a, b in zip(one, tree)] for k, (one, _) in runs.items()
                                if k != "tree"}}
+
+
+def _proposals(llm, state):
+    """From now on, per step: the batch's request ids and the drafts V2's speculator returned for them (a
+    host copy per step: this test's own sync). Returns (the log, a function that stops it)."""
+    from ddtree_compile.integration import engines
+
+    spec = engines.find_runner(llm).speculator
+    log = []
+
+    def propose(input_batch, *a, **k):
+        out = type(spec).propose(spec, input_batch, *a, **k)
+        if not k.get("dummy_run"):
+            R = input_batch.num_reqs
+            log.append((state.ctx.view.req_ids(R), out[:R].tolist()))
+        return out
+
+    spec.propose = propose
+    return log, lambda: spec.__dict__.pop("propose", None)
+
+
+def _by_request(log) -> list:
+    """The log of one batch per request, in the order they were added (vLLM's ids count up; its engine
+    appends a suffix): per request its steps' (batch row, drafts)."""
+    ids = sorted({q for rids, _ in log for q in rids}, key=lambda q: int(q.split("-")[0]))
+    per = {q: [] for q in ids}
+    for rids, drafts in log:
+        for row, (q, d) in enumerate(zip(rids, drafts)):
+            per[q].append([row, d])
+    return [per[q] for q in ids]
 
 
 def test_auto_runs_tree_and_chain_steps_on_v2_with_async_scheduling(auto, record):
@@ -104,7 +150,8 @@ def test_auto_on_v2_is_lossless(auto, record):
     record(gates_ok=f"{sum(g['ok'] for g in gates)}/{len(gates)}", max_regret=max(g["regret"] for g in gates),
            state_check=auto["state_check"], seeded_repeat_equal=auto["seeded_repeat_equal"],
            seeded_kind_repeats=auto["seeded_kind_repeats"], seeded_vs_tree=auto["seeded_vs_tree"],
-           seeded_taken=auto["seeded_taken"], seeded_kind_apart=auto["seeded_kind_apart"])
+           seeded_taken=auto["seeded_taken"], seeded_kind_apart=auto["seeded_kind_apart"],
+           seeded_proposals_apart=auto["seeded_proposals_apart"])
     for k in ("text", "image"):
         for phase in ("random", "harness"):
             e2e.check_gates(auto[k][f"gates_{phase}"], f"budget auto, {k} prompts, {phase} drafter vs no speculation")
