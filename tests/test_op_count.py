@@ -40,3 +40,15 @@ def test_owner_names():
     assert [op_count._owner(m) for m in ("ddtree_compile", "ddtree_compile.core.walk", "ddtree_compile.testing",
                                          "ddtree_compile_x", "vllm", "vllm.config", "vllmx", "torch", "")] == \
         ["ddtree", "ddtree", "other", "other", "vllm", "vllm", "other", "other", "other"]
+
+
+def test_a_device_counts_only_its_own_ops():
+    """device="meta" (CPU's stand-in for "cuda"): ops on CPU tensors are left out, factories of the
+    device counted (no tensor among their inputs: their output's device)."""
+    f = _caller("ddtree_compile.integration.fake", f"{SITE}/ddtree_compile/fake.py")
+    counter = op_count.OpCount(device="meta")
+    with counter:
+        f(torch.ones(3))  # CPU: none
+        f(torch.ones(3, device="meta"))  # the factory (this module: "other") and add, relu (DDTree's)
+    assert {o: sum(counter.select(owner=o).values()) for o in ("ddtree", "other")} == {"ddtree": 2, "other": 1}, \
+        counter.ops

@@ -17,17 +17,25 @@ import collections
 import linecache
 import sys
 
+import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class OpCount(TorchDispatchMode):
-    def __init__(self, dynamic: tuple[str, str] | None = None):
-        """dynamic: (a file's path suffix, a text of the line) whose ops count as owner "vllm-dynamic"."""
+    def __init__(self, dynamic: tuple[str, str] | None = None, device: str | None = None):
+        """dynamic: (a file's path suffix, a text of the line) whose ops count as owner "vllm-dynamic".
+        device: count only ops with a tensor of that device type among their inputs or outputs (on a GPU
+        "cuda": the host's own tensor work, which launches nothing, left out); None: every op."""
         super().__init__()
-        self.dynamic = dynamic
+        self.dynamic, self.device = dynamic, device
         self.region, self.ops, self.views = "step", collections.Counter(), set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.device is not None and not any(isinstance(t, torch.Tensor) and t.device.type == self.device
+                                               for t in pytree.tree_leaves((args, kwargs, out))):
+            return out
         f = sys._getframe(1)
         while f is not None and (_in(_module(f), "torch") or f.f_code.co_filename == "<string>"):
             f = f.f_back
@@ -40,7 +48,7 @@ class OpCount(TorchDispatchMode):
         if func.is_view:
             self.views.add(name)
         self.ops[f"{self.region}|{owner}|{name}"] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
     def select(self, region: str | None = None, owner: str | None = None, views: bool = True) -> collections.Counter:
         """The counts of one region and owner (None: any), views left out where `views` is False."""

@@ -287,14 +287,14 @@ def launches(llm, prompts) -> dict:
 
 
 def eager_ops(llm, prompts) -> dict:
-    """One more greedy batch, every torch operation V2's steps dispatch counted by owner (DDTree's code
-    or vLLM's: testing/op_count.py): outside a graph's replay each one that is not a view is a launch
-    or a copy. Per tree step, and DDTree's most frequent (Triton launches of its own are not torch
-    operations: the profiler's totals above hold them)."""
+    """One more greedy batch, every torch operation on CUDA tensors V2's steps dispatch counted by owner
+    (DDTree's code or vLLM's: testing/op_count.py; the host's own tensor work left out): outside a
+    graph's replay each one that is not a view is a launch or a copy. Per tree step, and DDTree's most
+    frequent (Triton launches of its own are not torch operations: the profiler's totals above hold them)."""
     from ddtree_compile.integration import engines, metrics
     from ddtree_compile.testing import op_count
 
-    counter = op_count.OpCount()
+    counter = op_count.OpCount(device="cuda")
     before = metrics.collect(llm)[0]
     stop = op_count.around_steps(engines.find_runner(llm), counter)
     try:
