@@ -111,7 +111,8 @@ def _proposals(llm, state):
 def _by_request(log) -> list:
     """The log of one batch per request, in the order they were added (vLLM's ids count up; its engine
     appends a suffix): per request its steps' (batch row, drafts)."""
-    ids = sorted({q for rids, _ in log for q in rids}, key=lambda q: int(q.split("-")[0]))
+    order = lambda q: (0, int(q.split("-")[0]), q) if q.split("-")[0].isdigit() else (1, 0, q)  # noqa: E731
+    ids = sorted({q for rids, _ in log for q in rids}, key=order)
     per = {q: [] for q in ids}
     for rids, drafts in log:
         for row, (q, d) in enumerate(zip(rids, drafts)):
