@@ -84,8 +84,11 @@ def rounds_of(budget, before, after) -> dict:
         if budget != "auto":
             out.update(rounds=d["tree_requests"] + d.get("chain_steps", 0),
                        tokens_per_round=out["tree_tokens_per_round"])
-        else:
-            out.update(auto_chain_steps=d.get("auto_chain_steps"), auto=a.get("auto"))
+        else:  # the policy's snapshot is the engine's whole life; its decisions per kind@bucket in this cell too
+            was = (b.get("auto") or {}).get("decisions_at", {})
+            now = (a.get("auto") or {}).get("decisions_at", {})
+            out.update(auto_chain_steps=d.get("auto_chain_steps"), auto=a.get("auto"),
+                       auto_decisions_in_cell={k: n - was.get(k, 0) for k, n in now.items() if n > was.get(k, 0)})
     return out
 
 

@@ -52,6 +52,11 @@ def test_bench_e2e_smoke(bench, tmp_path):
         a = runs[("auto", c)]
         assert a["budget"] == "auto" and a["tree_steps"] + a["auto_chain_steps"] > 0, a
         assert a["auto"]["tree_budget"] == 8 and sum(a["auto"]["decisions"].values()) > 0, a
+        cell = a["auto_decisions_in_cell"]  # (the snapshot is cumulative over the engine's cells)
+        assert 0 < sum(cell.values()) <= sum(a["auto"]["decisions"].values()), a
+        if c == 2:  # one engine for both cells: the first cell's decisions are not this one's
+            assert sum(cell.values()) < sum(a["auto"]["decisions"].values()), a
+        assert all(k.split("@")[0] in ("tree", "chain") for k in cell), cell
         assert a["tok_s_vs_flat"] > 0 and a["simulated_tokens_per_round"] is None
     assert set(res["starts"]) == {"nospec", "flat", "ddtree8", "auto"}
 
@@ -123,6 +128,10 @@ def test_summary_table_ratios_and_no_speculation_row(bench):
     lines = summ.table(res).splitlines()
     assert lines[2].startswith("| ddtree32 | 1.25x (1.20) |") and lines[-1].startswith("| no speculation tok/s | 40 |")
     assert "| ddtree32 | 0.50 ms (5%) |" in lines  # DDTree's own host work per step, the goal line's number
+    auto = dict(cell, mode="auto", budget="auto", profile="a", tok_s=90.0, tokens_per_round=5.5, rounds=90,
+                wall_s=1.0, wall_s_total=2.0, auto_decisions_in_cell={"tree@1": 8, "chain@1": 2, "chain@16": 3})
+    lines = summ.table(summ.summarize({"runs": [*runs, auto]})).splitlines()
+    assert "| auto | 1: tree 80%, 16: chain 100% |" in lines, lines  # the kind taken most per batch bucket
     for r in runs:  # --side-by-side: each cell's own flat run is the baseline (no mean over profiles)
         r.pop("vs_flat", None)
     res = summ.summarize({"args": {"side_by_side": True}, "runs": runs})
