@@ -190,6 +190,10 @@ def table(result: dict) -> str:
                 f"{r['own_host_ms_per_step']:.2f} ms ({100 * r['own_host_share']:.0f}%)"
                 if (r := cell.get((m, p, c))) is not None and "own_host_share" in r else "-"
                 for p in profiles for c in conc) + " |")
+    nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
+    if nospec:
+        lines.append("| no speculation tok/s | " + " | ".join(
+            f"{nospec[c]:.0f}" if c in nospec else "-" for _ in profiles for c in conc) + " |")
     chosen = [m for m in modes if any("auto_decisions_in_cell" in r for r in runs if r["mode"] == m)]
     if chosen:  # budget "auto": the kind it took most at each batch bucket of the cell, and its share
         lines.append("\nBudget \"auto\"'s kinds in each cell (batch bucket: the kind taken most, its share of "
@@ -199,10 +203,6 @@ def table(result: dict) -> str:
             lines.append(f"| {m} | " + " | ".join(
                 _kinds_cell(r["auto_decisions_in_cell"]) if (r := cell.get((m, p, c))) is not None
                 and "auto_decisions_in_cell" in r else "-" for p in profiles for c in conc) + " |")
-    nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
-    if nospec:
-        lines.append("| no speculation tok/s | " + " | ".join(
-            f"{nospec[c]:.0f}" if c in nospec else "-" for _ in profiles for c in conc) + " |")
     return "\n".join(lines)
 
 
