@@ -105,9 +105,9 @@ def run(kind: str, triton: bool, tokens: int) -> dict:
         propose = state.build_stage.propose
 
         def build_counting_the_drafter_apart(run_drafter, R, roots):
-            def drafter():
+            def drafter(chain):
                 with _Count(counts["drafter"]):
-                    return run_drafter()
+                    return run_drafter(chain)
             calls["drafter"] += 1
             return propose(drafter, R, roots)
 

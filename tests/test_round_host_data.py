@@ -71,10 +71,10 @@ def test_round_makes_no_host_tensors_but_through_h2d(tmp_path, kind, budget):
             propose = state.build_stage.propose
 
             def build_without_the_drafter(run_drafter, R, roots):  # the drafter is vLLM's (flat DFlash's too)
-                def drafter():
+                def drafter(chain):
                     current.append("vllm")
                     try:
-                        return run_drafter()
+                        return run_drafter(chain)
                     finally:
                         current.pop()
                 return propose(drafter, R, roots)

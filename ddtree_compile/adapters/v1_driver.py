@@ -53,7 +53,8 @@ class V1Driver:
     def propose(self, num_speculative_tokens=None, **kw):  # (V1 takes the draft length per call)
         roots, sampled = kw["next_token_ids"], []
 
-        def run_drafter():  # V1's drafter for L positions: its drafts are the top-1 (sample_draft_tokens)
+        def run_drafter(chain: bool):  # V1's drafter for L positions, either kind: its drafts are the top-1
+            # (sample_draft_tokens)
             sampled.append(self.orig["propose"](num_speculative_tokens=self.L, **kw))
 
         proposal = self.round.propose(run_drafter, roots.shape[0], lambda: roots)

@@ -15,7 +15,9 @@ the round's phases (integration/round/state.py) at V2's own points (docs/runner_
     model_state.postprocess_state  round.commit(V2's postprocess)
     speculator.propose             round.drafter_inputs; round.propose(V2's drafter, R, roots) -> drafts
       speculator._generate_draft     V2's drafter forward and its drafts, as V2 runs and captures it (a
-                                     graph or eager): the logits -> round.drafter_topk -> top-1 drafts
+                                     graph or eager): the logits -> round.drafter_topk -> top-1 drafts;
+                                     a chain step's: V2's own greedy drafts (flat DFlash's drafting)
+      speculator.query_cudagraph_manager, capture   the drafter's graphs per kind: the trees', the chain's
     cudagraph_manager.capture      FULL uniform-decode graphs captured with a tree verify (runner_v2.py)
 
 Why re-typed and not declared: V2's declared hooks for these (`model.get_model_state_cls()`,
@@ -70,12 +72,23 @@ class V2Driver:
         # The drafter drafts L positions at every step, tree or chain: its graph manager must not take
         # budget "auto"'s per-batch-size draft counts (draft_schedule.py) as its query lengths (0.26
         # `cudagraph_utils.py:196-218` derives them from K, here 1 + L - K < 0: a capture of -30 requests).
+        # Where vLLM's draft schedule gives steps the chain (budget "auto", a user's schedule that fits),
+        # the drafter gets two sets of graphs (one graph pool): the tree steps' (the drafter, the top-k
+        # of its logits, the trees) and the chain steps', flat DFlash's drafting (the drafter, V2's
+        # greedy drafts); `DDTreeSpeculator.query_cudagraph_manager` is the next step's kind's.
         spec = r.vllm_config.speculative_config
         schedule, spec.num_speculative_tokens_per_batch_size = spec.num_speculative_tokens_per_batch_size, None
+        mode = r.vllm_config.compilation_config.cudagraph_mode
+        self.graphs: dict[bool, object] | None = None  # chain step? -> the drafter's graph manager
         try:
-            s.init_cudagraph_manager(r.vllm_config.compilation_config.cudagraph_mode)
+            s.init_cudagraph_manager(mode)
+            if view.schedules_draft_counts():
+                tree_graphs = s.query_cudagraph_manager
+                s.init_cudagraph_manager(mode)
+                self.graphs = {False: tree_graphs, True: s.query_cudagraph_manager}
         finally:
             spec.num_speculative_tokens_per_batch_size = schedule
+        self.drafting_chain = False  # the drafter's forward now drafts a chain step (flat DFlash's drafting)
         self.hidden = torch.empty(r.max_num_reqs * draft_len, s.hidden_size, dtype=s.dtype, device=s.device)
         self.sampled = False  # _generate_draft's Python ran in this proposal (an eager drafter, not a graph replay)
 
@@ -147,23 +160,47 @@ class DDTreeSpeculator:
         d.round.drafter_inputs([last_hidden_states, *(aux_hidden_states or ())])
         R, drafts = input_batch.num_reqs, []
 
-        def run_drafter():  # V2's drafter: its graph or eager forward, its drafts and their top-k
-            d.sampled = False
-            drafts.append(vllm_class(self).propose(self, *call, **kw))  # (draft_tokens[:R])
+        def run_drafter(chain: bool):  # V2's drafter: its graph or eager forward, its drafts (and their top-k)
+            d.sampled, d.drafting_chain = False, chain
+            try:
+                drafts.append(vllm_class(self).propose(self, *call, **kw))  # (draft_tokens[:R])
+            finally:
+                d.drafting_chain = False
             if not d.sampled and d.view.drafter_hooked():
                 # a test or benchmark drafter hook (eager Python: a graph replay skipped it), after the
                 # graph: its own top-k lists where it has them (no [R * L, V] logits), else its logits'
+                # (of the hidden states the last tree step's graph kept, after a chain step's: the test
+                # harness, the one hook without lists, reads none of them)
                 fn = d.view.drafter_hook_topk()
                 top1 = d.round.hook_topk(fn, R) if fn is not None else None
                 if top1 is None:
                     top1 = d.round.drafter_topk(d.view.drafter_compute_logits(d.hidden[: R * d.L]))
                 drafts[0][:, : d.L] = top1.view(R, d.L)
-                d.round.drafter_tree(R, bonus_tokens(self, R))  # (its trees, from the hook's lists)
+                if not chain:
+                    d.round.drafter_tree(R, bonus_tokens(self, R))  # (its trees, from the hook's lists)
 
         proposal = d.round.propose(run_drafter, R, lambda: bonus_tokens(self, R))
         if not proposal.chain:  # (a chain step's drafts are V2's, in place)
             drafts[0][:, : proposal.drafts.shape[1]] = proposal.drafts
         return drafts[0]
+
+    @property
+    def query_cudagraph_manager(self):
+        """The drafter's graph manager V2's `propose` replays (and `capture` fills): the next step's
+        kind's where the drafter has chain graphs too (V2Driver), else V2's own."""
+        d = self._ddtree
+        return d.graphs[d.drafting_chain] if d.graphs else self.__dict__["query_cudagraph_manager"]
+
+    def capture(self):
+        """V2's capture of the drafter's graphs (0.26 `dflash/speculator.py:126`, 0.32 `:166`), once per
+        set: the tree steps', then, where there are chain steps, flat DFlash's (`_generate_draft`)."""
+        d = self._ddtree
+        for chain in (False, True) if d.graphs else (False,):
+            d.drafting_chain = chain
+            try:
+                vllm_class(self).capture(self)
+            finally:
+                d.drafting_chain = False
 
     def _generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
                         cudagraph_runtime_mode=None):
@@ -172,12 +209,21 @@ class DDTreeSpeculator:
         the round's top-k of those logits (`drafter_topk`), their top-1, V2's greedy drafts (the argmax,
         same tie rule), into `draft_tokens`, and the round's trees (`drafter_tree`, fixed buffers). V2's
         own writes all K draft columns, where the round drafts L; a probabilistic draft method's sampled
-        drafts are not made (the chain rows are verified one-hot: any drafts are lossless)."""
+        drafts are not made (the chain rows are verified one-hot: any drafts are lossless). A chain
+        step's drafting (`drafting_chain`, its own graphs) is flat DFlash's, below."""
         d = self._ddtree
         d.sampled = True
         run = (num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp)
         out = self._run_model(*run) if cudagraph_runtime_mode is None else self._run_model(*run, cudagraph_runtime_mode)
         n = num_reqs * d.L
+        if d.drafting_chain:
+            # a chain step: flat DFlash's drafting, V2's greedy drafts (`sample_draft` without draft
+            # logits: the LM head and its argmax, or V2's vocabulary-local argmax; the positions are
+            # read only for sampled drafts), and no top-k, no tree, no hidden states kept
+            drafts = self.sample_draft(out[self.sample_indices[:n]], self.sample_pos[:n], self.sample_idx_mapping[:n],
+                                       self.temperature, self.seeds, self.sample_col[:n], None)
+            self.draft_tokens[:num_reqs, : d.L] = drafts.view(num_reqs, d.L)
+            return
         hidden = out[self.sample_indices[:n]]
         d.hidden[:n].copy_(hidden)
         top1 = d.round.drafter_topk(self.model.compute_logits(hidden))

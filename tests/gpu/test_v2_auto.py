@@ -6,7 +6,8 @@ L = 7). The choice travels through vLLM's own per-batch-size draft counts (adapt
 V2 captures FULL graphs for every count, the trees' with the tree ops and the chain's with vLLM's, and
 the round's policy rewrites the scheduler's lookup as it measures. Checks, text and image prompts, the
 engine's own drafter and the drafter harness: steps of every kind ran, every tree verify and every
-chain verify replayed a FULL graph, the regret gates against no speculation, and (harness) every committed GDN
+chain verify replayed a FULL graph (and the drafter the graphs of each kind: a chain step's drafts
+made as flat DFlash makes them), the regret gates against no speculation, and (harness) every committed GDN
 state equal to a float32 replay. Its own module: one compiled V2 engine per process (vLLM 0.26).
 """
 
@@ -34,12 +35,28 @@ def auto(gpu_env, tmp_path_factory):
         vc = engines.find_runner(llm).vllm_config
         info["schedule"] = [list(e) for e in vc.speculative_config.num_speculative_tokens_per_batch_size or ()]
         info["expected"] = [list(e) for e in auto_schedule(MENU, E.DRAFT_LEN, vc.scheduler_config.max_num_seqs)]
+        replays = _drafter_replays(llm)
         out = E.ddtree_runs(llm, ref, prompts, state_check=True)
+        out["drafter_replays"] = dict(replays)
         state = engines.find_state(llm)
         out["policy"] = state.metrics.auto.snapshot() if state is not None else None
         if state is not None:
             out.update(_seeded_by_kind(llm, state, [q for v in prompts.values() for q in v]))
     return {"engine": info, **out}
+
+
+def _drafter_replays(llm) -> dict:
+    """From now on, the replays of the drafter's FULL graphs per set: the tree steps' and the chain
+    steps' own (flat DFlash's drafting: adapters/v2_driver.V2Driver)."""
+    from ddtree_compile.integration import engines
+
+    graphs, counts = engines.find_runner(llm).speculator._ddtree.graphs, {"tree": 0, "chain": 0}
+    for chain, manager in graphs.items():
+        def run_fullgraph(*a, _orig=manager.run_fullgraph, _kind="chain" if chain else "tree", **k):
+            counts[_kind] += 1
+            return _orig(*a, **k)
+        manager.__dict__["run_fullgraph"] = run_fullgraph
+    return counts
 
 
 def _seeded_by_kind(llm, state, prompts: list) -> dict:
@@ -124,7 +141,7 @@ def test_auto_runs_tree_and_chain_steps_on_v2_with_async_scheduling(auto, record
     info, total = auto["engine"], auto.get("counters_total", {})
     record(runner=info.get("runner"), start_s=info["start_s"], schedule=info["schedule"],
            graph_buckets=total.get("graph_buckets"), chain_graph_sizes=total.get("chain_graph_sizes"),
-           policy=auto.get("policy"),
+           policy=auto.get("policy"), drafter_replays=auto.get("drafter_replays"),
            **{f"{k}_{p}": {c: auto[k][f"counters_{p}"].get(c) for c in
                            ("tree_steps", "budget_steps", "auto_chain_steps", "graph_steps", "plain_graph_steps",
                             "chain_steps")}
@@ -142,6 +159,8 @@ def test_auto_runs_tree_and_chain_steps_on_v2_with_async_scheduling(auto, record
             chains += c["auto_chain_steps"]
             buckets |= {int(b) for b, n in c["budget_steps"].items() if n}
     assert chains > 0 and buckets == set(MENU), (buckets, auto["policy"])
+    # the drafter's graphs: the trees' for the tree steps' proposals, flat DFlash's for the chain steps'
+    assert auto["drafter_replays"]["tree"] > 0 and auto["drafter_replays"]["chain"] > 0, auto["drafter_replays"]
 
 
 def test_auto_on_v2_is_lossless(auto, record):

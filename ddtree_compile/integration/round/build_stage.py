@@ -96,9 +96,10 @@ class BuildStage:
         return self.topk_ids[:R, :, 0].reshape(-1)
 
     def propose(self, run_drafter, R: int, roots) -> tuple[Proposal, Pending]:
-        """`run_drafter()` runs vLLM's drafter for L positions of R requests (its logits reach
-        `drafter_topk` on the way); `roots()` -> [R] the requests' bonus tokens (read only where the
-        drafter did not build the trees: `drafter_tree`).
+        """`run_drafter(chain)` runs vLLM's drafter for L positions of R requests (on a tree step its
+        logits reach `drafter_topk` on the way; a chain step may draft as flat DFlash does: Model
+        Runner V2); `roots()` -> [R] the requests' bonus tokens (read only where the drafter did not
+        build the trees: `drafter_tree`).
         Builds the trees; returns (Proposal, Pending): the drafts [R, b] of the step's bucket of b
         nodes, or where budget "auto" or the scheduler's draft count takes the chain, none: vLLM's
         drafter sampled them, the top-1 (Proposal.chain; no tensor work here)."""
@@ -110,7 +111,7 @@ class BuildStage:
             kind = ctx.auto.choose(R)
         kind = self._scheduled(kind, R)
         t_draft = time.perf_counter()
-        run_drafter()
+        run_drafter(kind == CHAIN)
         draft_s = time.perf_counter() - t_draft  # vLLM's drafter, flat DFlash's work too: not "build"
         if not self._warmed:
             self._warm_up()

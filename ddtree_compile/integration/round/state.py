@@ -184,8 +184,10 @@ class DDTreeRound:
     # V2's speculator, model state and rejection sampler). One step: propose (build) -> schedule ->
     # forward or verify_begin/verify_end (verify) -> sample (walk) -> commit -> drafter_inputs.
     def propose(self, run_drafter, num_reqs: int, roots) -> Proposal:
-        """`run_drafter()` runs vLLM's drafter for the L positions of num_reqs requests, whose logits
-        reach `drafter_topk` on the way; `roots()` -> [R] each request's bonus token (read for trees).
+        """`run_drafter(chain)` runs vLLM's drafter for the L positions of num_reqs requests, whose logits
+        reach `drafter_topk` on the way where the next step verifies a tree (chain False; True: a chain
+        step, flat DFlash's drafting where the runner has it); `roots()` -> [R] each request's bonus
+        token (read for trees).
         -> the next step's drafts (Proposal)."""
         proposal, self.pending = self.build_stage.propose(run_drafter, num_reqs, roots)
         return proposal
