@@ -158,7 +158,7 @@ class DDTreeSpeculator:
         # accepted path first
         d.round.commit(lambda: None)
         d.round.drafter_inputs([last_hidden_states, *(aux_hidden_states or ())])
-        R, drafts = input_batch.num_reqs, []
+        R, drafts, hooked = input_batch.num_reqs, [], []
 
         def run_drafter(chain: bool):  # V2's drafter: its graph or eager forward, its drafts (and their top-k)
             d.sampled, d.drafting_chain = False, chain
@@ -167,6 +167,7 @@ class DDTreeSpeculator:
             finally:
                 d.drafting_chain = False
             if not d.sampled and d.view.drafter_hooked():
+                hooked.append(True)
                 # a test or benchmark drafter hook (eager Python: a graph replay skipped it), after the
                 # graph: its own top-k lists where it has them (no [R * L, V] logits), else its logits'
                 # (of the hidden states the last tree step's graph kept, after a chain step's: the test
@@ -180,7 +181,9 @@ class DDTreeSpeculator:
                     d.round.drafter_tree(R, bonus_tokens(self, R))  # (its trees, from the hook's lists)
 
         proposal = d.round.propose(run_drafter, R, lambda: bonus_tokens(self, R))
-        if not proposal.chain:  # (a chain step's drafts are V2's, in place)
+        # (a chain step's drafts are V2's, in place; a tree step's too where `_generate_draft` wrote the
+        # trees it built there and no hook rewrote the drafts after the graph)
+        if not proposal.chain and not (proposal.built_by_drafter and not hooked):
             drafts[0][:, : proposal.drafts.shape[1]] = proposal.drafts
         return drafts[0]
 
@@ -206,11 +209,12 @@ class DDTreeSpeculator:
                         cudagraph_runtime_mode=None):
         """The speculator's forward and drafts as V2 runs and captures them (0.26 `dflash/speculator.py:233`,
         0.32 `:282`; a FULL graph or eager): the drafter, then its L sampled positions' LM head once,
-        the round's top-k of those logits (`drafter_topk`), their top-1, V2's greedy drafts (the argmax,
-        same tie rule), into `draft_tokens`, and the round's trees (`drafter_tree`, fixed buffers). V2's
-        own writes all K draft columns, where the round drafts L; a probabilistic draft method's sampled
-        drafts are not made (the chain rows are verified one-hot: any drafts are lossless). A chain
-        step's drafting (`drafting_chain`, its own graphs) is flat DFlash's, below."""
+        the round's top-k of those logits (`drafter_topk`) and the round's trees (`drafter_tree`, fixed
+        buffers), whose node tokens go to `draft_tokens` (where the trees are built after the graph, the
+        top-1, V2's greedy drafts: the argmax, same tie rule). V2's own writes all K draft columns; a
+        probabilistic draft method's sampled drafts are not made (the chain rows are verified one-hot:
+        any drafts are lossless). A chain step's drafting (`drafting_chain`, its own graphs) is flat
+        DFlash's, below."""
         d = self._ddtree
         d.sampled = True
         run = (num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp)
@@ -227,8 +231,11 @@ class DDTreeSpeculator:
         hidden = out[self.sample_indices[:n]]
         d.hidden[:n].copy_(hidden)
         top1 = d.round.drafter_topk(self.model.compute_logits(hidden))
-        self.draft_tokens[:num_reqs, : d.L] = top1.view(num_reqs, d.L)
-        d.round.drafter_tree(num_reqs, bonus_tokens(self, num_reqs))
+        trees = d.round.drafter_tree(num_reqs, bonus_tokens(self, num_reqs))
+        if trees is None or trees.shape[1] < d.L:
+            self.draft_tokens[:num_reqs, : d.L] = top1.view(num_reqs, d.L)
+        if trees is not None:  # the trees' node tokens: a tree step's drafts (a bucket's: the first b)
+            self.draft_tokens[:num_reqs, : trees.shape[1]] = trees
 
 
 class DDTreeRejectionSampler:

@@ -55,17 +55,21 @@ class BuildStage:
         topk_of(lg, ctx.spec, out=(self.topk_lp[:R], self.topk_ids[:R]))
         return self.topk_ids[:R, :, 0].reshape(-1)
 
-    def drafter_tree(self, R: int, roots: torch.Tensor) -> None:
+    def drafter_tree(self, R: int, roots: torch.Tensor) -> torch.Tensor | None:
         """After `drafter_topk` (or a hook's lists after a graph): the B-node trees of the R requests,
         rooted at `roots` [R] (their bonus tokens), into fixed buffers. Device work only: on Model
-        Runner V2 inside the drafter's CUDA graph, as flat DFlash's drafts are made there."""
+        Runner V2 inside the drafter's CUDA graph, as flat DFlash's drafts are made there. -> [R, B]
+        their node tokens (a view; every bucket b's drafts are the first b columns: TreeBatch.prefix),
+        for the drafter to write where it writes its drafts; None where the trees are built after the
+        drafter (`propose`)."""
         if not self._in_drafter:
-            return
+            return None
         lp, ids = self._topk_to_depth(R)
         tree = build_tree((lp, ids), self.ctx.spec, out=self._trees_of(R)).with_root(roots)
         for b in self._buckets:
             tree.prefix(b, out=self._trees_of(R, b))
         self._drafter_builds = True
+        return tree.tokens[:, 1:]
 
     def _trees_of(self, R: int, budget: int | None = None) -> TreeBatch:
         """The first R rows of the fixed buffers of the B-node trees, or of a smaller bucket's."""
@@ -136,7 +140,9 @@ class BuildStage:
             drafts = torch.where(rows.unsqueeze(1), chained, drafts)
             tree.tokens[:, 1:] = drafts
         self._done(kind, R, t0, draft_s)
-        return Proposal(drafts, chain=False), Pending(req_ids, tree, top1, chain, fixed=self._drafter_builds)
+        built = self._drafter_builds and not any(chain)  # (the drafter's trees as it wrote them)
+        return (Proposal(drafts, chain=False, built_by_drafter=built),
+                Pending(req_ids, tree, top1, chain, fixed=self._drafter_builds))
 
     def _scheduled(self, kind: str, R: int) -> str:
         """Where the scheduler decides the next step's draft count (Model Runner V2 under async

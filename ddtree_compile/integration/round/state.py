@@ -198,10 +198,12 @@ class DDTreeRound:
         graph may hold it)."""
         return self.build_stage.drafter_topk(logits)
 
-    def drafter_tree(self, R: int, roots: torch.Tensor) -> None:
+    def drafter_tree(self, R: int, roots: torch.Tensor) -> torch.Tensor | None:
         """After `drafter_topk`, where the runner's drafter runs (a drafter CUDA graph may hold it): the
-        trees of the R requests rooted at `roots` [R], into fixed buffers (BuildStage.drafter_tree)."""
-        self.build_stage.drafter_tree(R, roots)
+        trees of the R requests rooted at `roots` [R], into fixed buffers (BuildStage.drafter_tree).
+        -> [R, B] the largest tree's node tokens (each bucket's drafts are their first columns), or
+        None where the trees are built after the drafter."""
+        return self.build_stage.drafter_tree(R, roots)
 
     def hook_topk(self, fn, R: int) -> torch.Tensor | None:
         """A test or benchmark drafter hook's own top-k lists after a drafter graph that skipped it

@@ -26,6 +26,9 @@ class Proposal:
 
     drafts: torch.Tensor | None  # [R, b] the tree bucket's node tokens; None on a chain step
     chain: bool  # the drafts are the drafter's top-1 chain, as vLLM's drafter sampled them itself
+    # the drafts are the trees the drafter's forward built (`drafter_tree`), no row rewritten since: a
+    # drafter that wrote those trees' tokens where it writes its drafts needs no copy of them
+    built_by_drafter: bool = False
 
 
 @dataclass
