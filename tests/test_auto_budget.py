@@ -6,10 +6,12 @@ import json
 
 import pytest
 import torch
-from _auto_budget_common import BUDGET, L, rates as _rates
+from _auto_budget_common import BUDGET, L
+from _auto_budget_common import rates as _rates
 
 from ddtree_compile.integration import config, metrics
 from ddtree_compile.integration.round import auto_budget as ab
+from ddtree_compile.integration.round import auto_setup
 
 
 # -- settings ------------------------------------------------------------------------------------
@@ -304,12 +306,12 @@ def test_every_bucket_is_served_but_one_of_the_chains_length_on_a_scheduled_runn
     """Every bucket on every target (hybrids too: the templates read vLLM's state lines, sized for the
     largest, for any smaller bucket). Where the scheduler gives each step its draft count (Model Runner
     V2), a bucket of L nodes would read as the chain: it is left out, and why is said."""
-    assert ab.serveable_menu((4, 8, 16), 7) == ((4, 8, 16), None)
-    assert ab.serveable_menu((4, 7, 16), 7) == ((4, 7, 16), None)  # (the V1 runner: the round decides)
-    assert ab.serveable_menu((4, 8, 16), 7, scheduled=True) == ((4, 8, 16), None)
-    menu, why = ab.serveable_menu((4, 7, 16), 7, scheduled=True)
+    assert auto_setup.serveable_menu((4, 8, 16), 7) == ((4, 8, 16), None)
+    assert auto_setup.serveable_menu((4, 7, 16), 7) == ((4, 7, 16), None)  # (the V1 runner: the round decides)
+    assert auto_setup.serveable_menu((4, 8, 16), 7, scheduled=True) == ((4, 8, 16), None)
+    menu, why = auto_setup.serveable_menu((4, 7, 16), 7, scheduled=True)
     assert menu == (4, 16) and "4/7/16" in why and "chain" in why
-    assert ab.serveable_menu((16,), 7, scheduled=True) == ((16,), None)
+    assert auto_setup.serveable_menu((16,), 7, scheduled=True) == ((16,), None)
 
 
 def test_buckets_priors_and_what_is_not_timed():
@@ -317,7 +319,7 @@ def test_buckets_priors_and_what_is_not_timed():
     table = {"buckets": [{"budget": BUDGET, "batch": 1, "round_ms": 10.0}, {"budget": BUDGET, "batch": 6,
              "round_ms": 30.0}, {"budget": L, "batch": 1, "round_ms": 8.0}, {"budget": 99, "batch": 1,
              "round_ms": 1.0}]}
-    priors = ab.table_priors(table, BUDGET, L)
+    priors = auto_setup.table_priors(table, BUDGET, L)
     assert priors == {(ab.TREE, 1): 0.010, (ab.TREE, 4): 0.030, (ab.CHAIN, 1): 0.008}
     m, p = _policy(priors)
     _step(p, ab.TREE, 1, -1.0, 0.018)  # the first step: not timed
@@ -356,45 +358,3 @@ def test_the_snapshot_keeps_the_last_decisions_and_timed_steps():
     assert len(snap["timed"]) == 1 and snap["timed"][0][1:3] == [ab.TREE, 4], snap["timed"]
     assert snap["timed"][0][3] == pytest.approx(1e3 * p._samples[(ab.TREE, 4)][-1])
     json.dumps(snap)  # (benchmark rows carry it)
-
-
-def _async_loop(p, m, device_s: dict, n: int, R: int = 16) -> list:
-    """n decisions of an engine in vLLM's async loop: its batch queue of two (0.26 `v1/engine/core.py`
-    `step_with_batch_queue`) launches step i + 1 before it waits for step i, so the host's cycle of
-    step i (one proposal to the next) ends when the device finished step i - 2. Each decision's kind
-    runs; the tree accepts 5 nodes per round, 1 of them off the chain (tree 6 tokens, chain 5)."""
-    kinds, t = [], 0.0
-    for i in range(n):
-        if i % 8 == 0:
-            _round(m, [5] * 4, [1] * 4)
-        kinds.append(p.choose(R))
-        p.proposed(kinds[-1], R, t, t + 0.001)
-        p.verify_began(t + 0.001)
-        t += device_s[kinds[max(i - 2, 0)]]
-        p.step_ended(t)
-    return kinds
-
-
-@pytest.mark.parametrize("tree_ms,winner", [(17.5, ab.CHAIN), (12.0, ab.TREE)])
-def test_under_async_scheduling_a_step_is_timed_after_two_of_its_kind(tree_ms, winner):
-    """An H200 (4B shape, Model Runner V2, async scheduling, c = 16; `e2e_h200_4b.json`): the chain's step
-    took 10.8 ms and the tree's 17.5, but probes of two steps timed the chain's second one while the
-    device still ran the tree before the probe, and the tree step after it while it ran the probe:
-    the neighbour ratios read the chain at 1.02-1.23x the tree and auto kept the tree in 55-64% of
-    steps (0.61-0.75x flat DFlash). With one step of lag the same loop shows it (the first case: the
-    chain's cost and its ratio to the tree held up, the tree kept); a lag of two (`depth`) times each
-    kind's own work, and the faster rate wins: the chain's 5 / 10.8 ms over 6 / 17.5, or the tree's 6 / 12."""
-    device = {ab.TREE: tree_ms / 1e3, ab.CHAIN: 0.0108}
-    m1, one = _policy(probe=16)
-    _async_loop(one, m1, device, 400)
-    m2 = metrics.DDTreeMetrics(L, torch.device("cpu"))
-    two = ab.AutoBudget(m2, BUDGET, L, 16, depth=2)
-    kinds = _async_loop(two, m2, device, 400)[100:]
-    assert two.costs[(ab.CHAIN, 16)] == pytest.approx(0.0108)
-    assert two.costs[(ab.TREE, 16)] == pytest.approx(device[ab.TREE])
-    assert two.snapshot()["step_ratio"]["chain/tree@16"] == pytest.approx(10.8 / tree_ms)
-    assert kinds.count(winner) > 0.8 * len(kinds), (winner, kinds.count(winner))  # (the rest: probes)
-    if winner == ab.CHAIN:  # one step of lag: the chain's cost held up by the tree's work, the tree kept
-        assert one.costs[(ab.CHAIN, 16)] > 0.011 and one.snapshot()["step_ratio"]["chain/tree@16"] > 1.0
-        assert one.decisions[ab.TREE] > 0.9 * sum(one.decisions.values())
-

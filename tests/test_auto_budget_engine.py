@@ -6,11 +6,13 @@ import json
 
 import pytest
 import torch
-from _auto_budget_common import BUDGET, L, MAX_TOKENS, PROMPTS, TOP_K, rates as _rates
+from _auto_budget_common import BUDGET, MAX_TOKENS, PROMPTS, TOP_K, L
+from _auto_budget_common import rates as _rates
 
 from ddtree_compile.cli import precompile
 from ddtree_compile.integration import config, engines, metrics, plugin
 from ddtree_compile.integration.round import auto_budget as ab
+from ddtree_compile.integration.round import auto_setup
 from ddtree_compile.testing import e2e, harness, models, oracle
 
 
@@ -108,12 +110,12 @@ def test_auto_reads_the_precompile_table_at_its_default_path(tiny, tmp_path, mon
     kw.pop("model")
     table = precompile.run(tiny["target"], tiny["drafter"], [L, BUDGET], max_batch, top_k=TOP_K, draft_len=L,
                            max_tokens=8, llm_kwargs=kw, log=lambda *_: None)
-    assert str(ab.cost_table_path(tiny["target"], tiny["drafter"], TOP_K, L, max_batch)) == table["path"]
+    assert str(auto_setup.cost_table_path(tiny["target"], tiny["drafter"], TOP_K, L, max_batch)) == table["path"]
     with tiny["llm"](**config.vllm_kwargs(tiny["drafter"], "auto", top_k=TOP_K, num_speculative_tokens=L,
                                           auto_budget=BUDGET)) as llm:
         policy = engines.find_state(llm).ctx.auto
         assert policy.table_path == table["path"]
-        want = ab.table_priors(table, BUDGET, L)
+        want = auto_setup.table_priors(table, BUDGET, L)
         assert want and all(policy.costs[k] == v for k, v in want.items())
 
 

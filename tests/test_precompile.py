@@ -10,6 +10,7 @@ from ddtree_compile import cli
 from ddtree_compile.cli import precompile
 from ddtree_compile.integration import plugin
 from ddtree_compile.integration.round import auto_budget as ab
+from ddtree_compile.integration.round import auto_setup
 from ddtree_compile.testing import models
 
 
@@ -87,7 +88,7 @@ def test_precompile_writes_the_cost_table(tmp_path, monkeypatch):
     warm = table["warm_start"]
     assert warm["engine"] == "auto:4/8" and warm["cold_s"] == table["starts"]["auto:4/8"] and warm["warm_s"] > 0
     # budget "auto" reads the menu's rows as its priors: every bucket's tree and the chain, per batch bucket
-    priors = ab.table_priors(table, 8, 7, (4, 8))
+    priors = auto_setup.table_priors(table, 8, 7, (4, 8))
     want = {(kind, R): next(b["round_ms"] / 1e3 for b in table["buckets"] if b.get("kind") == kind and b["batch"] == R)
             for kind in (ab.TREE, t4, ab.CHAIN) for R in (1, 2)}
     assert priors == want

@@ -15,7 +15,7 @@ every count of the schedule (0.26 `cudagraph_utils.py:196-218`). So:
   them: a 0.32+ GPU line would put them inside 1..M);
 - the round reads the count the scheduler gave the next step (`next_draft_count`) and proposes that:
   L drafts are the drafter's chain (flat DFlash's step: its graphs, vLLM's sampler), b a tree bucket.
-  So the counts must differ: a bucket of exactly L nodes is not served here (round/auto_budget.serveable_menu);
+  So the counts must differ: a bucket of exactly L nodes is not served here (round/auto_setup.serveable_menu);
 - the round's policy (round/auto_budget.py) writes its choice per batch bucket into the scheduler's
   lookup (`DraftSchedule.choose`), which applies from the next schedule on: a host list, no sync.
 

@@ -78,7 +78,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 def default_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
     """Where budget "auto" looks for the table of this target, drafter and settings."""
-    from ddtree_compile.integration.round.auto_budget import cost_table_path
+    from ddtree_compile.integration.round.auto_setup import cost_table_path
 
     return cost_table_path(model, draft, top_k, draft_len, max_batch)
 

@@ -77,6 +77,7 @@ class DDTreeMetrics:
     def __init__(self, max_depth: int, device, log_interval: int = 0):
         self.max_depth = max_depth
         self.log_interval = log_interval
+        self.device = torch.device(device)
         self._log_copy = None  # (event, accepted counts, histogram) on their way to the host (maybe_log)
         self._acc = torch.zeros(len(_COLS), dtype=torch.int64, device=device)
         self._hist = torch.zeros(max_depth + 1, dtype=torch.int64, device=device)  # accept depth histogram

@@ -159,6 +159,8 @@ def test_auto_runs_tree_and_chain_steps_on_v2_with_async_scheduling(auto, record
             chains += c["auto_chain_steps"]
             buckets |= {int(b) for b, n in c["budget_steps"].items() if n}
     assert chains > 0 and buckets == set(MENU), (buckets, auto["policy"])
+    # the policy times steps on the device's timeline (events at each proposal, read without a sync)
+    assert auto["policy"]["clock"] == "device" and auto["policy"]["timed"], auto["policy"]
     # the drafter's graphs: the trees' for the tree steps' proposals, flat DFlash's for the chain steps'
     assert auto["drafter_replays"]["tree"] > 0 and auto["drafter_replays"]["chain"] > 0, auto["drafter_replays"]
 

@@ -34,6 +34,16 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   batch bucket, and a probe is depth + 1 steps: depth 1, or 2 under async scheduling (Model Runner
   V2), where the host runs a step ahead of the device (single probes misread both kinds on an H100
   and an H200: CHANGELOG).
+- On CUDA the cycle is read on the device's own timeline instead (DeviceClock): an event at each
+  proposal's start, on the stream the step runs on, where the step before has all of its work
+  enqueued and the proposal's drafter none; from one event to the next is one step on the device
+  (its drafter, verify, walk and commit, and any time the device waited for the host), however far
+  ahead the host runs. The host's cycles under async scheduling put each kind's cost near the
+  winner's (an H100 at c = 16, 4B shape: every kind at bucket 16 within 1.15x of the chain by the
+  host, where a budget-32 engine's step took 1.6-1.8x flat DFlash's), as a host lead over the
+  device of more than the two steps `depth` covers would (tests/test_auto_budget_costs.py plays a
+  lead of three). Depth 1 there (the drafter of a step reads what the step before verified), read
+  once both events completed (`query`: no sync).
 - Which kind is faster is read from neighbouring steps. A losing kind is timed only at its probes,
   the winner at every step, and between the two the host's speed changes (on two H200s the same flat
   DFlash step took 10.9 ms in one cell and 15.3 ms in the next) and so does the batch inside its
@@ -68,17 +78,12 @@ the kind (adapters/draft_schedule.py).
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
 import math
-import os
-import pathlib
 import statistics
 
 import torch
 
 from ...core.buckets import batch_bucket
-from ..metrics import logger
 
 TREE, CHAIN = "tree", "chain"
 _EMA = 0.25  # weight of a new measurement (drafting time: per proposal; acceptance: per read-back window)
@@ -93,14 +98,6 @@ _OWN_WEIGHT = 1e-3  # the kinds' own log-costs in that fit, against 1 for each p
 _TRACE = 48  # the last steps kept for the snapshot: each decision's kind, each timed step's kind, bucket and ms
 
 
-def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
-    """Where `ddtree-compile precompile` writes (and budget "auto" looks for) the cost table."""
-    key = json.dumps([str(pathlib.Path(model).resolve()), str(pathlib.Path(draft).resolve()), top_k, draft_len,
-                      max_batch])
-    root = pathlib.Path(os.environ.get("VLLM_CACHE_ROOT", pathlib.Path.home() / ".cache" / "vllm"))
-    return root / "ddtree" / f"cost_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-
-
 def bucket(R: int) -> int:
     """The batch bucket of R requests: the largest power of two <= R (core/buckets.BATCH_BUCKET)."""
     return batch_bucket(R)
@@ -110,27 +107,11 @@ def tree_kind(budget: int, largest: int) -> str:
     return TREE if budget == largest else f"{TREE}:{budget}"
 
 
-def table_priors(table: dict, tree_budget: int, draft_len: int, menu: tuple = ()) -> dict:
-    """{(kind, bucket): seconds per step} from a precompile cost table: the rows of each tree
-    bucket's budget, and of the chain (rows of kind "chain", which a menu engine's precompile writes,
-    or a fixed-budget engine's rows at the chain's length L); a row's batch goes to its bucket, the
-    larger batch wins a bucket."""
-    priors = {}
-    kinds = [(tree_kind(b, tree_budget), b) for b in (menu or (tree_budget,))] + [(CHAIN, draft_len)]
-    for kind, budget in kinds:
-        chain = kind == CHAIN
-        rows = (r for r in table.get("buckets", [])
-                if r.get("budget") == budget and ("kind" not in r or (r["kind"] == CHAIN) == chain))
-        for row in sorted(rows, key=lambda r: r["batch"]):
-            priors[(kind, bucket(int(row["batch"])))] = float(row["round_ms"]) / 1e3
-    return priors
-
-
 class AutoBudget:
     """The per-step choice (module docstring). Host state only, besides the read-back buffer."""
 
     def __init__(self, metrics, tree_budget: int, draft_len: int, probe_interval: int, priors: dict | None = None,
-                 table_path: str | None = None, menu: tuple = (), agree=None, depth: int = 1):
+                 table_path: str | None = None, menu: tuple = (), agree=None, depth: int = 1, clock=None):
         self.metrics = metrics
         # tensor parallel: every rank verifies what rank 0 chose (each times its own steps, and ranks
         # that chose apart would verify different batches: on the H100 at TP=2 rank 1 refused to
@@ -164,6 +145,7 @@ class AutoBudget:
         self._next: tuple | None = None  # (kind, R, its proposal's start) for the next step
         self._began: tuple | None = None  # the same, once that step started clean after one of its kind
         self.depth = depth  # a cycle is timed after `depth` clean steps of its kind (module docstring)
+        self.clock = clock  # DeviceClock: cycles on the device's timeline (CUDA); None: the host's
         self._prev = collections.deque(maxlen=depth)  # (kind, bucket) of the last clean steps; emptied if unclean
         self._clean = False  # the step now running started clean
         self._again: tuple | None = None  # (a probe's kind, its steps still to take)
@@ -292,21 +274,27 @@ class AutoBudget:
         self._clean = True
 
     def step_ended(self, now: float) -> None:
-        """The next proposal starts: the step timed since verify_began, from its own proposal on."""
+        """The next proposal starts: the step timed since verify_began, from its own proposal on (on
+        the device's timeline where there is a clock: read a few steps later)."""
         self._step += 1
-        if self._began is not None:
+        if self.clock is not None:
+            self.clock.mark(self._step, None if self._began is None else (self._began[0], bucket(self._began[1])))
+            for step, (kind, b), seconds in self.clock.ready():
+                self._observe(kind, b, seconds, step)
+        elif self._began is not None:
             kind, R, t = self._began
-            self._observe(kind, bucket(R), now - t)
-            self._timed.append((self._step, kind, bucket(R), round(1e3 * (now - t), 3)))
+            self._observe(kind, bucket(R), now - t, self._step)
         if not self._clean:  # (a prefill or a fallback: the next step follows no clean step)
             self._prev.clear()
         self._began = self._next = None
         self._clean = False
 
-    def _observe(self, kind: str, b: int, seconds: float) -> None:
-        """The cost is the mean of the faster half of the key's last _WINDOW measured steps, once there
-        are _MIN_SAMPLES of them: a first-call compile or any stall cannot move it unless it hits half
-        the window. The table's prior stands until then."""
+    def _observe(self, kind: str, b: int, seconds: float, step: int) -> None:
+        """Step `step` (of kind at bucket b) took `seconds`. The cost is the mean of the faster half of
+        the key's last _WINDOW measured steps, once there are _MIN_SAMPLES of them: a first-call
+        compile or any stall cannot move it unless it hits half the window. The table's prior stands
+        until then."""
+        self._timed.append((step, kind, b, round(1e3 * seconds, 3)))
         key = (kind, b)
         window = self._samples.setdefault(key, collections.deque(maxlen=_WINDOW))
         window.append(seconds)
@@ -314,12 +302,12 @@ class AutoBudget:
             faster = sorted(window)[: max(1, len(window) // 2)]
             self.costs[key] = sum(faster) / len(faster)
         last = self._last.setdefault(b, {})
-        for other, (step, s) in last.items():
-            if other != kind and self._step - step <= self.depth + 1:  # (a probe and its neighbours)
+        for other, (then, s) in last.items():
+            if other != kind and step - then <= self.depth + 1:  # (a probe and its neighbours)
                 r = math.log(seconds / s)
                 self._pairs.setdefault((kind, other, b), collections.deque(maxlen=_WINDOW)).append(r)
                 self._pairs.setdefault((other, kind, b), collections.deque(maxlen=_WINDOW)).append(-r)
-        last[kind] = (self._step, seconds)
+        last[kind] = (step, seconds)
 
     # -- acceptance: DDTree's device counters, read back without a sync ---------------------------
     def _poll(self) -> None:
@@ -352,6 +340,7 @@ class AutoBudget:
 
     def snapshot(self) -> dict:
         return {"tree_budget": self.B, "menu": list(self.menu), "chain_len": self.L, "depth": self.depth,
+                "clock": "host" if self.clock is None else "device",
                 "decisions": dict(self.decisions),
                 "decisions_at": {f"{k}@{b}": n for (k, b), n in sorted(self.decisions_at.items())},
                 "probes": self.probes, "probe_gap": dict(self.probe_gap), "chain_probes": self.chain_probes,
@@ -366,35 +355,26 @@ class AutoBudget:
                 "chosen": list(self._chosen), "timed": [list(t) for t in self._timed]}
 
 
-def serveable_menu(menu: tuple, draft_len: int, scheduled: bool = False) -> tuple[tuple, str | None]:
-    """The buckets this engine's round serves, and why the others are refused (None: all served).
-    Every bucket on every target (on hybrids the tree conv and GDN templates read vLLM's state lines,
-    sized for the largest bucket, for any smaller one). Where the scheduler gives each step its draft
-    count (`scheduled`: Model Runner V2, adapters/draft_schedule.py) the count is all the round learns
-    of the step's kind: a bucket of exactly L nodes would read as the chain, so it is not served."""
-    if scheduled and draft_len in menu[:-1]:
-        return tuple(b for b in menu if b != draft_len), (
-            f"budget menu {'/'.join(map(str, menu))}: the bucket of {draft_len} nodes on Model Runner V2 (the "
-            f"scheduler's draft count is all the round learns of a step, and {draft_len} is the chain's)")
-    return menu, None
+class DeviceClock:
+    """Steps on the device's timeline (CUDA; module docstring): `mark` at each proposal's start records
+    an event on the current stream, the end of the step before and the start of the next; `ready`
+    hands back the steps whose both events have completed (no sync)."""
 
+    def __init__(self):
+        self._marks: collections.deque = collections.deque()  # (event, the step it ends, its key or None)
 
-def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int, menu: tuple = (), agree=None) -> AutoBudget:
-    """The policy of a budget "auto" engine (settings: adapters.EngineSettings) over `menu` (default:
-    the configured one), with the cost table's priors when one is found; agree: AutoBudget's."""
-    menu = menu or cfg.budget_menu(draft_len)
-    path = cfg.cost_table or cost_table_path(settings.model, settings.draft_model, cfg.top_k, draft_len,
-                                             settings.max_num_seqs)
-    path = pathlib.Path(path)
-    priors, found = {}, None
-    if path.is_file():
-        try:
-            priors, found = table_priors(json.loads(path.read_text()), tree_budget, draft_len, menu), str(path)
-        except (ValueError, KeyError, TypeError) as e:
-            logger.warning("DDTree auto budget: cost table %s unreadable (%s); measuring costs online", path, e)
-    elif cfg.cost_table:
-        raise ValueError(f"additional_config['ddtree']['cost_table'] = {cfg.cost_table!r}: no such file")
-    logger.info("DDTree auto budget: a tree of %s nodes or the chain of %d per step; cost table: %s",
-                "/".join(map(str, menu)), draft_len, found or f"none at {path} (costs measured online)")
-    return AutoBudget(metrics, tree_budget, draft_len, cfg.probe_interval, priors, found, menu, agree,
-                      depth=2 if settings.async_scheduling else 1)
+    def mark(self, step: int, key: tuple | None) -> None:
+        """Now (on the stream) step `step` ends; key: its (kind, bucket) where it is timed, else None."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._marks.append((event, step, key))
+
+    def ready(self) -> list[tuple[int, tuple, float]]:
+        """(step, key, seconds on the device) of the timed steps whose end has completed, in order."""
+        out = []
+        while len(self._marks) >= 2 and self._marks[1][0].query():
+            start = self._marks.popleft()[0]
+            end, step, key = self._marks[0]
+            if key is not None:
+                out.append((step, key, start.elapsed_time(end) / 1e3))
+        return out

@@ -149,7 +149,7 @@ class BuildStage:
         scheduling, adapters/draft_schedule.py), budget "auto"'s choice goes to its schedule for the
         steps after, and this proposal follows what it already gave the next step (budget "auto"'s
         schedule, or a user's whose counts fit: draft_schedule.runs_draft_schedule): L drafts the
-        chain, b drafts the tree bucket of b nodes (no bucket has L nodes there: auto_budget.serveable_menu)."""
+        chain, b drafts the tree bucket of b nodes (no bucket has L nodes there: auto_setup.serveable_menu)."""
         ctx, k = self.ctx, self.ctx.view.next_draft_count()
         if k is None:
             return kind

@@ -37,8 +37,8 @@ from .. import config as config_mod
 from ..engines import set_state, state_of
 from ..metrics import PROCESS_STARTUP_FALLBACKS, DDTreeMetrics, logger
 from ..tree_ops import kv_layout, redirect_ops_for_eager, release_eager_redirects
-from .auto_budget import from_config as auto_policy
-from .auto_budget import serveable_menu
+from .auto_setup import from_config as auto_policy
+from .auto_setup import serveable_menu
 from .build_stage import BuildStage
 from .checks import UnsupportedEngine, check_engine, classify_layers, gdn_spec_blocks, validate
 from .commit_stage import CommitStage
