@@ -71,6 +71,14 @@ class BuildStage:
         self._drafter_builds = True
         return tree.tokens[:, 1:]
 
+    def fixed_trees(self, N: int) -> TreeBatch | None:
+        """The fixed buffers (every request's row) the drafter builds the trees of N slots into (a menu
+        bucket's, or the largest), or None where no drafter builds them (`drafter_tree`: not reached
+        on this runner, or no such bucket)."""
+        if not self._in_drafter or N - 1 not in (self.ctx.spec.budget, *self._buckets):
+            return None
+        return self._trees_of(self.ctx.view.max_num_reqs, N - 1)
+
     def _trees_of(self, R: int, budget: int | None = None) -> TreeBatch:
         """The first R rows of the fixed buffers of the B-node trees, or of a smaller bucket's."""
         t = self._trees if budget in (None, self.ctx.B) else self._buckets[budget]

@@ -15,7 +15,11 @@ Python, which a graph freezes at capture, so:
   capture that did not reach every layer's tree op raises.
 - replay: the step's trees are copied into the first R rows of its bucket's tensors and the
   padded rows R..R_pad get chain trees over no context (vLLM gives those rows NULL_BLOCK_ID state
-  lines and skipped KV slots). A replayed graph runs none of the ops' Python, so an empty call
+  lines and skipped KV slots). Where the drafter builds the trees into fixed buffers (Model Runner
+  V2: inside its graph, round/build_stage.py), a bucket's tree tensors are those buffers: a step of
+  the drafter's trees, in the drafter's row order, is read in place (only its context lengths are
+  written); another step's trees (rows gathered, chain rows, chain-shaped Steps) are copied there,
+  which the next proposal's drafter overwrites anyway. A replayed graph runs none of the ops' Python, so an empty call
   count after the forward means a replay (counted as graph_steps).
 
 One buffer per tensor and tree bucket, sized for the largest batch; bucket (N, R_pad) uses its first
@@ -39,12 +43,14 @@ from .step import RoundContext
 
 
 class GraphBuckets:
-    def __init__(self, ctx: RoundContext, gdn_verify, chain, attn_scratch):
+    def __init__(self, ctx: RoundContext, gdn_verify, chain, attn_scratch, trees_of=None):
         """gdn_verify(rows, N, records) -> the GdnVerify of a batch of `rows` N-slot trees (verify_stage: the
         workspace's stack and records); chain: (parents [N], depths [N], ancestor bits [N, W]) of
         the chain-shaped tree of the largest bucket (verify_stage); attn_scratch: the workspace's
-        tree-attention scratch (None: the op needs none here)."""
+        tree-attention scratch (None: the op needs none here); trees_of(N) -> the fixed buffers
+        (TreeBatch, every request's row) the drafter builds N-slot trees into, or None."""
         self.ctx = ctx
+        self._trees_of = trees_of
         self._gdn_verify = gdn_verify
         self._attn_scratch = attn_scratch
         self._chain_row = chain
@@ -72,8 +78,11 @@ class GraphBuckets:
             row = (parents[:N], depths[:N], bits[:N, :num_mask_words(N)])
             # Chain trees (the padded rows' contents) and the live buffers, same dtypes as core.tree.
             chain = tuple(t.expand(R, *t.shape).contiguous() for t in row)
-            live = tuple(t.clone() for t in chain) + (torch.zeros(R, dtype=torch.int32, device=ctx.device),)
-            self._buf[N] = chain, live
+            trees = self._trees_of(N) if self._trees_of is not None else None
+            built = None if trees is None else (trees.parents, trees.depths, trees.ancestor_bits)
+            if built is None or any(b.shape != c.shape or b.dtype != c.dtype for b, c in zip(built, chain)):
+                built = tuple(t.clone() for t in chain)
+            self._buf[N] = chain, built + (torch.zeros(R, dtype=torch.int32, device=ctx.device),)
         return self._buf[N]
 
     def meta(self, N: int, rows: int) -> TreeVerifyMetadata:
@@ -184,9 +193,10 @@ class GraphBuckets:
         """The bucket's metadata holding this step's trees in its first step.R rows."""
         meta = self.meta(N, rows)
         R, src = step.R, step.meta
-        meta.ancestor_bits[:R].copy_(src.ancestor_bits)
-        meta.depths[:R].copy_(src.depths)
-        meta.parents[:R].copy_(src.parents)
+        for dst, got in ((meta.ancestor_bits, src.ancestor_bits), (meta.depths, src.depths),
+                         (meta.parents, src.parents)):
+            if got.data_ptr() != dst.data_ptr() or got.stride() != dst.stride():  # (else the drafter's, in place)
+                dst[:R].copy_(got)
         meta.context_lens[:R].copy_(src.context_lens)
         self._neutral(meta, R)
         return meta

@@ -99,7 +99,8 @@ class DDTreeRound:
                                                        ctx.menu, adapters.current().tp_agree())
         ctx.chain_steps = ctx.auto is not None or view.schedules_draft_counts()
         self.max_tokens = self._gdn_state_slots(view, cfg, draft_len) if ctx.hybrid else None
-        self.build_stage, self.verify_stage = BuildStage(ctx), VerifyStage(ctx)
+        self.build_stage = BuildStage(ctx)
+        self.verify_stage = VerifyStage(ctx, self.build_stage.fixed_trees)
         self.walk_stage, self.commit_stage = WalkStage(ctx), CommitStage(ctx)
         self.pending: Pending | None = None
         self.step: Step | None = None

