@@ -38,12 +38,12 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   proposal's start, on the stream the step runs on, where the step before has all of its work
   enqueued and the proposal's drafter none; from one event to the next is one step on the device
   (its drafter, verify, walk and commit, and any time the device waited for the host), however far
-  ahead the host runs. The host's cycles under async scheduling put each kind's cost near the
-  winner's (an H100 at c = 16, 4B shape: every kind at bucket 16 within 1.15x of the chain by the
-  host, where a budget-32 engine's step took 1.6-1.8x flat DFlash's), as a host lead over the
-  device of more than the two steps `depth` covers would (tests/test_auto_budget_costs.py plays a
-  lead of three). Depth 1 there (the drafter of a step reads what the step before verified), read
-  once both events completed (`query`: no sync).
+  ahead the host runs. On an H100 (4B shape, c = 16) the host's own costs of every kind at bucket
+  16 (10.7-13.6 ms; the 33-slot tree's 1.15x the chain's) sat below the engine's mean step there
+  (up to 15.6 ms) and a budget-32 engine's (19.6-21.8 ms), as a host lead over the device of more
+  than the two steps `depth` covers would make them (tests/test_auto_budget_costs.py plays a lead
+  of three). Depth 1 there (the drafter of a step reads what the step before verified), read once
+  both events completed (`query`: no sync).
 - Which kind is faster is read from neighbouring steps. A losing kind is timed only at its probes,
   the winner at every step, and between the two the host's speed changes (on two H200s the same flat
   DFlash step took 10.9 ms in one cell and 15.3 ms in the next) and so does the batch inside its
