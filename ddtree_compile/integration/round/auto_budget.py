@@ -362,10 +362,11 @@ class DeviceClock:
 
     def __init__(self):
         self._marks: collections.deque = collections.deque()  # (event, the step it ends, its key or None)
+        self._free: list = []  # events read and done with, recorded again (none made per step once warm)
 
     def mark(self, step: int, key: tuple | None) -> None:
         """Now (on the stream) step `step` ends; key: its (kind, bucket) where it is timed, else None."""
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         event.record()
         self._marks.append((event, step, key))
 
@@ -377,4 +378,5 @@ class DeviceClock:
             end, step, key = self._marks[0]
             if key is not None:
                 out.append((step, key, start.elapsed_time(end) / 1e3))
+            self._free.append(start)
         return out
