@@ -68,15 +68,23 @@ class Server:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", "127.0.0.1", "--port", str(self.port), *self.args]
 
-    def start(self, timeout: float = 600) -> "Server":
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        try:
-            self.wait_healthy(timeout)
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, timeout: float = 600, attempts: int = 3) -> "Server":
+        """Start and wait for /health. free_port() closes its socket before the server binds, so another
+        process (a parallel test's server, an engine's own sockets) can take the port in between: a start
+        that failed on exactly that bind error is retried on a fresh port."""
+        for attempt in range(attempts):
+            self._log = open(self.log_path, "w")
+            self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
+            try:
+                self.wait_healthy(timeout)
+                return self
+            except BaseException as e:
+                self.stop()
+                lost_port = isinstance(e, RuntimeError) and "Address already in use" in self.log()
+                if not lost_port or attempt == attempts - 1:
+                    raise
+                self.port = free_port()
         return self
 
     def wait_healthy(self, timeout: float) -> None:
