@@ -358,3 +358,23 @@ def test_the_snapshot_keeps_the_last_decisions_and_timed_steps():
     assert len(snap["timed"]) == 1 and snap["timed"][0][1:3] == [ab.TREE, 4], snap["timed"]
     assert snap["timed"][0][3] == pytest.approx(1e3 * p._samples[(ab.TREE, 4)][-1])
     json.dumps(snap)  # (benchmark rows carry it)
+
+
+def test_a_step_with_a_seeded_request_takes_one_kind_per_bucket_for_the_engines_life():
+    """A seeded request's tokens repeat only where its steps repeat their kinds (in bf16 a verify of
+    another shape rounds the target's logits otherwise): a step with a request that brought its own seed
+    takes, at its batch bucket, the kind found best when the first such step came there (the largest
+    tree while a cost or the acceptance is unmeasured); the other steps go on choosing."""
+    m, p = _policy(priors={(ab.TREE, 4): 0.010, (ab.CHAIN, 4): 0.006}, probe=4)
+    assert p.choose(1, seeded=True) == ab.TREE  # nothing measured at bucket 1
+    _round(m, [5, 3], [2, 0])  # the tree commits 5 tokens per round, the chain 4
+    for _ in range(16):
+        if p.tokens[ab.TREE] is None:
+            p.choose(8)
+    assert p.tokens == {ab.TREE: 5.0, ab.CHAIN: 4.0}
+    assert [p.choose(4, seeded=True) for _ in range(40)] == [ab.CHAIN] * 40  # 4/6 > 5/10 per ms, never a probe
+    p.costs[(ab.CHAIN, 4)] = 0.009  # now 4/9 < 5/10: the tree wins, but not for the seeded steps
+    assert [p.choose(4) for _ in range(2)] == [ab.TREE] * 2 and p.choose(4, seeded=True) == ab.CHAIN
+    assert p.choose(1, seeded=True) == ab.TREE and p.snapshot()["repeatable"] == {1: ab.TREE, 4: ab.CHAIN}
+    p.forced = ab.CHAIN  # (a held kind, as precompile times each kind, outranks it)
+    assert p.choose(1, seeded=True) == ab.CHAIN

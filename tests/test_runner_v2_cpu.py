@@ -128,6 +128,7 @@ with tempfile.TemporaryDirectory() as tmp:
         # the seeded batch of the fixed budget above, under the policy's own mix of kinds, then held to the chain
         seeded = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
         out["auto_v2"]["seeded"], out["auto_v2"]["seeded_counters"] = counted(llm, seeded)
+        out["auto_v2"]["policy_seeded"] = state.metrics.auto.snapshot()
         for kind in ("chain", "tree:3"):
             state.ctx.auto.forced = kind
             out["auto_v2"]["seeded_" + kind], out["auto_v2"]["seeded_counters_" + kind] = counted(llm, seeded)
@@ -341,8 +342,8 @@ def test_a_users_draft_schedule_whose_counts_fit_is_followed(run):
 def test_budget_auto_seeded_output_does_not_depend_on_the_step_kinds(run):
     """Chain steps draw seeded rows with the walk's position-keyed noise (walk_stage `_sample_chain_step`)
     and a smaller bucket's tree is a prefix of the largest's: the kinds leave a seeded request's tokens
-    alone, only the verify's numerics could (float32 here; bf16: CHANGELOG). The seeded batch of budget 8
-    equals budget "auto"'s, under its own mix of kinds, held to the chain and to the tree of 3."""
+    alone, only the verify's numerics could (float32 here; in bf16 they do: a seeded step takes its bucket's
+    one kind). The seeded batch of budget 8 equals budget "auto"'s: its own choice, held to the chain, to 3."""
     r, fixed = run["auto_v2"], run["qwen3"]["seeded_batched"]
     chain, small = r["seeded_counters_chain"], r["seeded_counters_tree:3"]
     assert chain["auto_chain_steps"] > chain["tree_steps"], (chain, r["seeded_counters"])  # mostly chains
@@ -350,6 +351,9 @@ def test_budget_auto_seeded_output_does_not_depend_on_the_step_kinds(run):
     e2e.assert_same(r["seeded_chain"], fixed, f"seeded, auto held to the chain vs budget 8 (counters {chain})")
     e2e.assert_same(r["seeded_tree:3"], fixed, f"seeded, auto held to the tree of 3 vs budget 8 (counters {small})")
     e2e.assert_same(r["seeded"], fixed, f"seeded, auto vs budget 8 (counters {r['seeded_counters']})")
+    before, kept = r["policy"]["decisions_at"], r["policy_seeded"]["repeatable"]
+    grew = {k for k, n in r["policy_seeded"]["decisions_at"].items() if n != before.get(k, 0)}
+    assert kept and grew == {f"{k}@{b}" for b, k in kept.items()}, (grew, kept)
 
 
 def test_budget_auto_is_refused_once_at_attach_and_verifies_the_tree(run):

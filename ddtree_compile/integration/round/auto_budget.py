@@ -70,6 +70,9 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   the race, the more often the loser is re-measured (a fixed back-off to 256 steps kept auto on the
   chain for most of a cell after the acceptance rose: CHANGELOG).
 
+- A step with a request that brought its own seed takes one kind per batch bucket for the engine's
+  life (`repeatable`: the same seed and requests give the same tokens again); others keep choosing.
+
 FULL CUDA graphs per kind and batch bucket: on V1 vLLM's own for the largest tree and the adapter's
 for the others (round/graphs.py); on V2 its own for every count of the draft schedule that carries
 the kind (adapters/draft_schedule.py).
@@ -156,18 +159,25 @@ class AutoBudget:
         self._pairs: dict = {}  # (kind, other, bucket) -> the last _WINDOW log(its step / other's neighbouring step)
         self.min_pairs = _MIN_PAIRS  # (benchmarks/sim_auto_budget.py --no-pairs: out of reach, the costs alone)
         self.forced: str | None = None  # a kind every step takes (precompile times each kind this way)
+        self.repeatable: dict[int, str] = {}  # bucket -> the kind of every step with a seeded request there
         self._chosen = collections.deque(maxlen=_TRACE)  # the kinds of the last decisions ("t", "c", "t:8")
         self._timed = collections.deque(maxlen=_TRACE)  # (step, kind, bucket, ms) of the last timed steps
 
     # -- the decision (host only) ------------------------------------------------------------------
-    def choose(self, R: int) -> str:
+    def choose(self, R: int, seeded: bool = False) -> str:
+        """The kind of the next step of R requests; `seeded`: a request in it brought its own seed."""
         self._n += 1
         self._poll()
         b = bucket(R)
-        again, self._again = self._again, None
-        if again is not None and again[1] > 1:
-            self._again = (again[0], again[1] - 1)
-        kind = self.forced or (again and again[0]) or self._decide(b)  # (_decide may start a probe: _again)
+        if seeded and not self.forced:
+            # Its tokens must repeat when the same requests run again, and in bf16 a verify of another
+            # shape rounds the target's logits otherwise: one kind per bucket for the engine's life.
+            kind = self.repeatable.setdefault(b, self._settled(b))
+        else:
+            again, self._again = self._again, None
+            if again is not None and again[1] > 1:
+                self._again = (again[0], again[1] - 1)
+            kind = self.forced or (again and again[0]) or self._decide(b)  # (_decide may start a probe: _again)
         if self.agree is not None:
             kind = self.agree(kind)
         self.decisions[kind] += 1
@@ -204,6 +214,13 @@ class AutoBudget:
                     self.budget_probes += 1
                 return self._probe(k)
         return best
+
+    def _settled(self, b: int) -> str:
+        """The kind seeded steps take at bucket b: the best by what is measured when the first comes,
+        the largest tree while a kind's cost or the acceptance is still unmeasured (as _decide tries)."""
+        if self.tokens[TREE] is None or any(self.costs.get((k, b)) is None for k in self.kinds):
+            return TREE
+        return self._best(b, self._fitted_costs(b))
 
     def _best(self, b: int, costs: dict) -> str:
         return max(self.kinds, key=lambda k: (self.tokens[k] / costs[k], -self.kinds.index(k)))
@@ -344,7 +361,7 @@ class AutoBudget:
                 "decisions": dict(self.decisions),
                 "decisions_at": {f"{k}@{b}": n for (k, b), n in sorted(self.decisions_at.items())},
                 "probes": self.probes, "probe_gap": dict(self.probe_gap), "chain_probes": self.chain_probes,
-                "budget_probes": self.budget_probes,
+                "budget_probes": self.budget_probes, "repeatable": dict(self.repeatable),
                 "tokens_per_round": dict(self.tokens), "table": self.table_path,
                 "draft_ms": None if self.draft_s is None else 1e3 * self.draft_s,
                 "step_ms": {f"{k}@{b}": 1e3 * c for (k, b), c in sorted(self.costs.items())},

@@ -117,17 +117,16 @@ class BuildStage:
         drafter sampled them, the top-1 (Proposal.chain; no tensor work here)."""
         ctx = self.ctx
         t0 = time.perf_counter()
-        kind = TREE
+        kind, req_ids = TREE, ctx.view.req_ids(R)
         if ctx.auto is not None:
             ctx.auto.step_ended(t0)
-            kind = ctx.auto.choose(R)
+            kind = ctx.auto.choose(R, seeded=any(ctx.own_seed(q) for q in req_ids))
         kind = self._scheduled(kind, R)
         t_draft = time.perf_counter()
         run_drafter(kind == CHAIN)
         draft_s = time.perf_counter() - t_draft  # vLLM's drafter, flat DFlash's work too: not "build"
         if not self._warmed:
             self._warm_up()
-        req_ids = ctx.view.req_ids(R)
         if kind == CHAIN:  # flat DFlash's drafts, verified by vLLM: no tree built, flat's own work
             self._done(kind, R, t0, draft_s)
             return Proposal(None, chain=True), Pending(req_ids, None, None, [None] * R, auto_chain=True)

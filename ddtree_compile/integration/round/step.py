@@ -104,6 +104,7 @@ class RoundContext:
         self.gdn_groups = self._groups(self.gdn_layers)
         self._reasons: dict[str, str | None] = {}
         self._seeds: dict[str, int] = {}
+        self._own: dict[str, bool] = {}  # whether a request's seed is its own (sampling params)
         self._rng = random.Random(view.settings.seed)
         self._logged: set[str] = set()
 
@@ -139,6 +140,17 @@ class RoundContext:
                 self._reasons = {k: v for k, v in self._reasons.items() if k in live}
                 self._seeds = {k: v for k, v in self._seeds.items() if k in live}
         return self._reasons[req_id]
+
+    def own_seed(self, req_id: str) -> bool:
+        """Whether the request brought its own sampling seed (budget "auto" keeps its steps' kinds)."""
+        own = self._own.get(req_id)
+        if own is None:
+            sp = self.view.sampling_params(req_id)
+            own = self._own[req_id] = sp is not None and sp.seed is not None
+            if len(self._own) > 4 * self.view.max_num_reqs + 64:  # forget finished requests
+                live = self.view.live_req_ids()
+                self._own = {k: v for k, v in self._own.items() if k in live}
+        return own
 
     def seed(self, req_id: str) -> int:
         """The request's sampling seed (its own, else a draw from the engine's seeded generator)."""
