@@ -180,26 +180,28 @@ class RunnerView(abc.ABC):
     def positions(self, T: int) -> torch.Tensor:
         """Flat positions of the step's T tokens (slot mapping, tree attention context)."""
 
-    def tree_positions(self, positions: torch.Tensor, flat: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    def tree_positions(self, positions: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """The target's position input for a tree verify of `depths` [R, N] (a new tensor).
 
         `positions` is what vLLM hands the model: flat [T_pad], or with M-RoPE [3, T_pad], where
         every draft token's three rows hold flat + the request's delta (both runners: V1's
         `_calc_mrope_positions` completion branch, V2's rope state for decode tokens). A node's
-        rotary position is its root's (vLLM's value at slot 0) plus its depth in every row; `flat`
-        [T] (start + depth) stays what the slot mapping reads."""
+        rotary position is its root's (vLLM's value at slot 0) plus its depth in every row; the
+        runner's flat positions (start + column) stay what the slot mapping reads."""
         out = positions.clone()
-        self.write_tree_positions(out, flat, depths)
+        self.write_tree_positions(out, positions[..., : depths.numel()], depths)
         return out
 
-    def write_tree_positions(self, positions: torch.Tensor, flat: torch.Tensor, depths: torch.Tensor) -> None:
-        """`tree_positions` written into `positions` itself: its first R * N columns change, no others."""
-        if positions.dim() == 1:
-            positions[: flat.shape[0]] = flat
-            return
+    def write_tree_positions(self, positions: torch.Tensor, chain: torch.Tensor, depths: torch.Tensor) -> None:
+        """`tree_positions` written into `positions` itself: its first R * N columns change, no others.
+        `chain`: those columns as vLLM wrote them, in another tensor (a copy: one launch writes them)."""
         R, N = depths.shape
-        rows = positions[:, : R * N].view(positions.shape[0], R, N)
-        rows.copy_(rows[:, :, :1] + depths.to(positions.dtype).unsqueeze(0))
+        depths = depths if depths.dtype == positions.dtype else depths.to(positions.dtype)
+        if positions.dim() == 1:
+            torch.add(chain.view(R, N)[:, :1], depths, out=positions[: R * N].view(R, N))
+            return
+        H = positions.shape[0]
+        torch.add(chain.view(H, R, N)[:, :, :1], depths.unsqueeze(0), out=positions[:, : R * N].view(H, R, N))
 
     @abc.abstractmethod
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor: ...

@@ -17,6 +17,7 @@ class CommitStage:
         self.ctx = ctx
         self.commit_hooks: list = []  # tests: fn(ctx, info) after each GDN commit (per KV cache group)
         self._views: dict | None = None
+        self._stacks: dict = {}  # (name, shape, dtype) -> the commit's own buffer of GDN groups' addressing
         self.graphs = StageGraphs(ctx, "commit", ctx.cfg.round_graphs)
         self.reorder_graphs = StageGraphs(ctx, "reorder", ctx.cfg.round_graphs)
 
@@ -28,9 +29,10 @@ class CommitStage:
 
         copied, fixed = self._inputs(step)
         if self.commit_hooks or debug_enabled():
-            before = self._conv_lines(copied) if self.commit_hooks else None
-            self._device_work(**copied, **fixed, parents=step.tree.parents)
-            self._run_hooks(step, copied, before)
+            read = {**copied, **fixed}
+            before = self._conv_lines(read) if self.commit_hooks else None
+            self._device_work(**read, parents=step.tree.parents)
+            self._run_hooks(step, read, before)
         else:
             self.graphs.run(self._device_work, copied, fixed)
 
@@ -45,11 +47,27 @@ class CommitStage:
             # every GDN group's addressing, one row per group (vLLM's tensors are not written): the
             # verify's committed columns in num_accepted become the paths' lengths
             gids = list(self.ctx.gdn_groups)
-            copied["state_indices"] = torch.stack([step.gdn_groups[g][0] for g in gids])
-            copied["num_accepted"] = torch.stack([step.gdn_groups[g][1] for g in gids])
+            fixed["state_indices"] = self._stacked("state_indices", [step.gdn_groups[g][0] for g in gids])
+            fixed["num_accepted"] = self._stacked("num_accepted", [step.gdn_groups[g][1] for g in gids])
             if self.ctx.cfg.gdn_state == "replay":
                 fixed["rec_kv"], fixed["rec_gb"] = step.gdn_records_all
         return copied, fixed
+
+    def close(self) -> None:
+        self.graphs.close()
+        self.reorder_graphs.close()
+        self._stacks.clear()
+
+    def _stacked(self, name: str, parts: list) -> torch.Tensor:
+        """torch.stack(parts), written into the stage's buffer of that shape: vLLM's tensors are new every
+        step, the buffer is at one address for every step of that shape, so the commit's graph reads it
+        in place (one launch: the stack; a stacked copy would be copied into the graph's input again)."""
+        first = parts[0]
+        key = (name, len(parts), tuple(first.shape), first.dtype, first.device)
+        buf = self._stacks.get(key)
+        if buf is None:
+            buf = self._stacks[key] = torch.empty((len(parts), *first.shape), dtype=first.dtype, device=first.device)
+        return torch.stack(parts, out=buf)
 
     def _device_work(self, accepted, path_len, start, state_indices=None, num_accepted=None, rec_kv=None,
                      rec_gb=None, parents=None, **block_tables) -> None:

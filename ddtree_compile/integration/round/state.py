@@ -173,8 +173,7 @@ class DDTreeRound:
         self.metrics.close()
         self.verify_stage.close()
         self.walk_stage.graphs.close()
-        self.commit_stage.graphs.close()
-        self.commit_stage.reorder_graphs.close()
+        self.commit_stage.close()
         self.pending = self.step = self.armed = None
         if self._redirected:
             self._redirected = False

@@ -56,8 +56,8 @@ class Step:
     tree_rows: torch.Tensor  # bool [R] on device: walked by us
     chain_rows: list[bool]
     top1: torch.Tensor  # [R, L]
-    start: torch.Tensor  # [R] cache position of the root
-    positions: torch.Tensor  # [R*N] start + depth
+    start: torch.Tensor  # [R] cache position of the root (a view of the runner's positions: column 0 of
+    # each request, which the tree's positions leave as it is)
     meta: TreeVerifyMetadata
     block_tables: dict = field(default_factory=dict)  # kv group id -> block table of the verify
     gdn_groups: dict = field(default_factory=dict)  # kv group id -> (state_indices, num_accepted) of the verify
@@ -71,6 +71,11 @@ class Step:
     verify_replayed: bool = False  # the verify replayed a FULL graph: the target's outputs are its buffers
     committed: bool = False  # commit_stage ran (once per step)
     t0: float = 0.0  # when the step was prepared (budget "auto" times its steps from here)
+
+    def positions(self) -> torch.Tensor:
+        """[R, N] start + depth: each node's position (the runner's buffer holds them only during the
+        verify's forward, and no step pays for them where nothing else reads them: seeded sampling)."""
+        return self.tree.positions(self.start).to(self.start.dtype)
 
     @property
     def has_tree(self) -> bool:

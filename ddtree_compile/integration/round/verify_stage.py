@@ -148,12 +148,11 @@ class VerifyStage:
         tree = TreeBatch(tokens.clone(), parents.expand(R, N).clone(), depths.expand(R, N).clone(),
                          torch.zeros(R, N, device=ctx.device), torch.full((R,), N - 1, device=ctx.device),
                          bits.expand(R, *bits.shape).contiguous(), max_depth=ctx.max_depth)
-        flat = ctx.view.positions(R * N)
-        start = flat.view(R, N)[:, 0]
+        start = ctx.view.positions(R * N).view(R, N)[:, 0]
         meta = TreeVerifyMetadata(ancestor_bits=tree.ancestor_bits, depths=tree.depths, parents=tree.parents,
                                   context_lens=start.to(torch.int32), attn_scratch=self.workspace.attn_scratch)
         return Step(R, N, tree, torch.zeros(R, dtype=torch.bool, device=ctx.device), [True] * R,
-                    torch.full((R, ctx.L), -1, device=ctx.device), start, flat.clone(), meta, t0=time.perf_counter())
+                    torch.full((R, ctx.L), -1, device=ctx.device), start, meta, t0=time.perf_counter())
 
     def _make_step(self, pending: Pending) -> Step:
         ctx = self.ctx
@@ -184,13 +183,11 @@ class VerifyStage:
             tree.depths = torch.where(cr.unsqueeze(1), depths, tree.depths)
             tree.ancestor_bits = torch.where(cr.view(R, 1, 1), bits, tree.ancestor_bits)
             tree.num_nodes = torch.where(cr, N - 1, tree.num_nodes)
-        flat = ctx.view.positions(R * N).view(R, N)
-        start = flat[:, 0]
-        positions = (start.unsqueeze(1) + tree.depths).to(flat.dtype).reshape(-1)
+        start = ctx.view.positions(R * N).view(R, N)[:, 0]
         meta = TreeVerifyMetadata(ancestor_bits=tree.ancestor_bits.contiguous(), depths=tree.depths,
                                   parents=tree.parents, context_lens=start.to(torch.int32),
                                   attn_scratch=self.workspace.attn_scratch)
-        return Step(R, N, tree, tree_rows, chain_rows, pending.top1[rows], start, positions, meta,
+        return Step(R, N, tree, tree_rows, chain_rows, pending.top1[rows], start, meta,
                     fixed=fixed, t0=time.perf_counter())
 
     # -- the target forward -----------------------------------------------------------------------
@@ -198,7 +195,7 @@ class VerifyStage:
                 inputs_embeds=None, **kw):
         """A runner whose target forward the round wraps (V1's `_model_forward`): `original_forward`
         called with the tree's positions inside the tree context."""
-        pos = self.ctx.view.tree_positions(positions, step.positions, step.tree.depths)
+        pos = self.ctx.view.tree_positions(positions, step.tree.depths)
         armed = self.arm(step)
         try:
             out = original_forward(input_ids=input_ids, positions=pos, intermediate_tensors=intermediate_tensors,
@@ -221,7 +218,7 @@ class VerifyStage:
         saved = None
         if positions is not None:  # (only the step's R x N columns change: only they are saved)
             saved = positions[..., : step.R * step.N].clone()
-            self.ctx.view.write_tree_positions(positions, step.positions, step.tree.depths)
+            self.ctx.view.write_tree_positions(positions, saved, step.tree.depths)
         set_tree_verify(meta)
         self.ctx.metrics.add_time("verify", time.perf_counter() - t0)
         return Armed(step, meta, rows, positions, saved)

@@ -60,7 +60,7 @@ class WalkStage:
             target = logits3.argmax(-1)
         else:
             seeds = ctx.h2d([ctx.seed(q) for q in ctx.view.req_ids(R)], torch.int64)
-            target = sample_target_tokens(logits3, temp[:R], seeds, step.positions.view(R, N) + 1)
+            target = sample_target_tokens(logits3, temp[:R], seeds, step.positions() + 1)
         walk = walk_tree(step.tree, target, top1=step.top1)
         W = walk.accepted.shape[1]
         tokens = _pad_cols(walk.tokens, N)
