@@ -85,7 +85,7 @@ class Server:
                 if not lost_port or attempt == attempts - 1:
                     raise
                 self.port = free_port()
-        return self
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
