@@ -40,7 +40,7 @@ def drift(cfg, rounds, B=16, R=2):
                 L.gdn(meta, strat)
                 out = L.out.float()
                 acc, plen = accepted(paths)
-                gdn_commit_triton([L.conv_state], [L.ssm] if strat == "records" else [], si, L.na, acc,
+                gdn_commit_triton([L.conv_state], [L.ssm], si, L.na, acc,
                                   plen, rec_kv if strat == "records" else None,
                                   rec_gb if strat == "records" else None, W)
                 runs.setdefault((strat, "fp32_out"), {})

@@ -100,7 +100,7 @@ def bench_shape(cfg, R, B, gdn_kw, conv_kw, fla):
     acc, plen = accepted(paths)
     na = torch.ones(R, dtype=torch.int32, device=DEV)
     t_rep = timer(lambda: gdn_commit_triton(convs, ssms, si1, na, acc, plen, rec_kv, rec_gb, W))
-    t_snap = timer(lambda: gdn_commit_triton(convs, [], si1, na, acc, plen, None, None, W))
+    t_snap = timer(lambda: gdn_commit_triton(convs, ssms, si1, na, acc, plen, None, None, W))
     rec["commit_all_layers_ms"] = dict(snapshot=round(t_snap, 4), replay=round(t_rep, 4),
                                        mean_path_len=round(sum(map(len, paths)) / R, 2))
     del convs, ssms, rec_kv
