@@ -20,7 +20,7 @@ that switches between 1 and F after D steps on average (the H200 run: the same f
 their neighbouring steps (AutoBudget.min_pairs). --lag 2 reports each step's cycle as the device time of
 the step two before it, as the host sees it in vLLM's async loop (its batch queue keeps two steps in
 flight); --depth is the policy's (AutoBudget.depth: 2 in that loop, 1 before). On CUDA the policy
-reads each step on the device's own timeline (auto_budget.DeviceClock), which --lag 0 --depth 1 plays.
+reads each step on the device's own timeline (auto_setup.DeviceClock), which --lag 0 --depth 1 plays.
 
 What a cell reports (mean and worst over --seeds): the tree's share of steps, and the rate (expected
 tokens per second: a kind's mean tokens per request-round, times c, over the steps' time) over

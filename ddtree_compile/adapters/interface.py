@@ -189,19 +189,26 @@ class RunnerView(abc.ABC):
         rotary position is its root's (vLLM's value at slot 0) plus its depth in every row; the
         runner's flat positions (start + column) stay what the slot mapping reads."""
         out = positions.clone()
-        self.write_tree_positions(out, positions[..., : depths.numel()], depths)
+        self.write_tree_positions(out, depths)
         return out
 
-    def write_tree_positions(self, positions: torch.Tensor, chain: torch.Tensor, depths: torch.Tensor) -> None:
-        """`tree_positions` written into `positions` itself: its first R * N columns change, no others.
-        `chain`: those columns as vLLM wrote them, in another tensor (a copy: one launch writes them)."""
-        R, N = depths.shape
-        depths = depths if depths.dtype == positions.dtype else depths.to(positions.dtype)
-        if positions.dim() == 1:
-            torch.add(chain.view(R, N)[:, :1], depths, out=positions[: R * N].view(R, N))
+    def write_tree_positions(self, positions: torch.Tensor, depths: torch.Tensor, R: int | None = None) -> None:
+        """`tree_positions` written into `positions` itself, in one launch: of the first R requests' N
+        columns each, columns 1..N-1 become the request's column 0 (its root, left as it is) plus
+        `depths` [R, N]; no other column changes. With `depths` [1, N] and R given, every request
+        gets those depths: `arange(N)` puts back vLLM's own positions of a uniform decode step (its
+        query tokens at consecutive positions from the root's), so no copy of them is kept."""
+        R = depths.shape[0] if R is None else R
+        N = depths.shape[-1]
+        if N < 2:
             return
-        H = positions.shape[0]
-        torch.add(chain.view(H, R, N)[:, :, :1], depths.unsqueeze(0), out=positions[:, : R * N].view(H, R, N))
+        depths = depths[:, 1:] if depths.dtype == positions.dtype else depths[:, 1:].to(positions.dtype)
+        if positions.dim() == 1:
+            cols = positions[: R * N].view(R, N)
+            torch.add(cols[:, :1], depths, out=cols[:, 1:])
+            return
+        cols = positions[:, : R * N].view(positions.shape[0], R, N)
+        torch.add(cols[:, :, :1], depths.unsqueeze(0), out=cols[:, :, 1:])
 
     @abc.abstractmethod
     def verify_positions(self, logits_indices: torch.Tensor) -> torch.Tensor: ...

@@ -34,8 +34,8 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   batch bucket, and a probe is depth + 1 steps: depth 1, or 2 under async scheduling (Model Runner
   V2), where the host runs a step ahead of the device (single probes misread both kinds on an H100
   and an H200: CHANGELOG).
-- On CUDA the cycle is read on the device's own timeline instead (DeviceClock): an event at each
-  proposal's start, on the stream the step runs on, where the step before has all of its work
+- On CUDA the cycle is read on the device's own timeline instead (auto_setup.DeviceClock): an event at
+  each proposal's start, on the stream the step runs on, where the step before has all of its work
   enqueued and the proposal's drafter none; from one event to the next is one step on the device
   (its drafter, verify, walk and commit, and any time the device waited for the host), however far
   ahead the host runs. On an H100 (4B shape, c = 16) the host's own costs of every kind at bucket
@@ -61,10 +61,11 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   While one kind wins at a bucket, every other kind is probed there now and then (each bucket keeps
   its own probe clocks, as its own costs): the largest tree so that every kind's acceptance keeps
   being measured (a drafter can get better, a workload can change), the others so that a cost whose
-  samples were stalls is measured again. How often: as often as probes cost at most _PROBE_SHARE of
-  the rate. A step of kind k instead of the winner w takes cost_k for E_k tokens, which w commits in
-  cost_w * E_k / E_w, so a probe of n steps loses n * cost_w * (cost_k / cost_w - E_k / E_w): every
-      gap_k = n * (cost_k / cost_w - E_k / E_w) / _PROBE_SHARE
+  samples were stalls is measured again. How often: as often as the probes of the m losing kinds cost
+  at most _PROBE_SHARE of the rate together (on an H100 at c = 1, 3 losers probed at that share each took
+  a quarter of the steps). A step of kind k instead of the winner w takes cost_k for E_k tokens, which w
+  commits in cost_w * E_k / E_w, so a probe of n steps loses n * cost_w * (cost_k / cost_w - E_k / E_w):
+      gap_k = n * (cost_k / cost_w - E_k / E_w) * m / _PROBE_SHARE
   steps, within probe_interval .. probe_interval * _PROBE_MAX (every probe_interval while fewer than
   _SETTLED of k's steps at that bucket were timed: a table's prior or warm-up stalls). The closer
   the race, the more often the loser is re-measured (a fixed back-off to 256 steps kept auto on the
@@ -94,16 +95,22 @@ _READBACK = 8  # decisions between read-backs of the acceptance counters
 _WINDOW = 16  # measured steps per (kind, bucket) whose faster half's mean is the cost
 _MIN_SAMPLES = 2  # measured steps before they replace the table's prior (or make the cost known)
 _SETTLED = 4  # measured steps before a losing kind's probes are priced (until then: every probe_interval)
-_PROBE_SHARE = 0.01  # of the rate that probes of a losing kind may cost
+_PROBE_SHARE = 0.01  # of the rate that the probes of every losing kind together may cost
 _PROBE_MAX = 16  # a losing kind is probed at least every probe_interval * this steps
 _MIN_PAIRS = 3  # such comparisons of a pair of kinds before their median ratio enters the costs' fit
 _OWN_WEIGHT = 1e-3  # the kinds' own log-costs in that fit, against 1 for each pair's median log-ratio
 _TRACE = 48  # the last steps kept for the snapshot: each decision's kind, each timed step's kind, bucket and ms
 
 
+_BUCKETS: dict[int, int] = {}  # R -> its bucket (asked several times a step, on the host's hot path)
+
+
 def bucket(R: int) -> int:
     """The batch bucket of R requests: the largest power of two <= R (core/buckets.BATCH_BUCKET)."""
-    return batch_bucket(R)
+    b = _BUCKETS.get(R)
+    if b is None:
+        b = _BUCKETS[R] = batch_bucket(R)
+    return b
 
 
 def tree_kind(budget: int, largest: int) -> str:
@@ -157,6 +164,7 @@ class AutoBudget:
         self._step = 0  # steps ended, to tell which timed steps were neighbours
         self._last: dict[int, dict] = {}  # bucket -> kind -> (step, seconds) of its last timed step there
         self._pairs: dict = {}  # (kind, other, bucket) -> the last _WINDOW log(its step / other's neighbouring step)
+        self._medians: dict = {}  # the same keys -> their median, until the next ratio (the fit reads it every step)
         self.min_pairs = _MIN_PAIRS  # (benchmarks/sim_auto_budget.py --no-pairs: out of reach, the costs alone)
         self.forced: str | None = None  # a kind every step takes (precompile times each kind this way)
         self.repeatable: dict[int, str] = {}  # bucket -> the kind of every step with a seeded request there
@@ -235,9 +243,11 @@ class AutoBudget:
         y = [_OWN_WEIGHT * math.log(self.costs[(k, b)]) for k in kinds]
         for i in range(n):
             for j in range(i + 1, n):
-                pairs = self._pairs.get((kinds[i], kinds[j], b), ())
-                if len(pairs) >= self.min_pairs:
-                    m = statistics.median(pairs)
+                key = (kinds[i], kinds[j], b)
+                if len(self._pairs.get(key, ())) >= self.min_pairs:
+                    m = self._medians.get(key)
+                    if m is None:
+                        m = self._medians[key] = statistics.median(self._pairs[key])
                     a[i][i] += 1.0
                     a[j][j] += 1.0
                     a[i][j] -= 1.0
@@ -260,6 +270,7 @@ class AutoBudget:
         if len(self._samples.get((k, b), ())) < _SETTLED:
             return self.probe_interval
         gap = (self.depth + 1) * (costs[k] / costs[best] - self.tokens[k] / self.tokens[best]) / _PROBE_SHARE
+        gap *= len(self.kinds) - 1  # (the losers share _PROBE_SHARE)
         return min(max(round(gap), self.probe_interval), self.probe_interval * _PROBE_MAX)
 
     def _probe(self, kind: str) -> str:
@@ -322,8 +333,9 @@ class AutoBudget:
         for other, (then, s) in last.items():
             if other != kind and step - then <= self.depth + 1:  # (a probe and its neighbours)
                 r = math.log(seconds / s)
-                self._pairs.setdefault((kind, other, b), collections.deque(maxlen=_WINDOW)).append(r)
-                self._pairs.setdefault((other, kind, b), collections.deque(maxlen=_WINDOW)).append(-r)
+                for key, v in (((kind, other, b), r), ((other, kind, b), -r)):
+                    self._pairs.setdefault(key, collections.deque(maxlen=_WINDOW)).append(v)
+                    self._medians.pop(key, None)
         last[kind] = (step, seconds)
 
     # -- acceptance: DDTree's device counters, read back without a sync ---------------------------
@@ -371,29 +383,3 @@ class AutoBudget:
                 # reach a step later, where the scheduler gives each step its draft count: Model Runner V2)
                 "chosen": list(self._chosen), "timed": [list(t) for t in self._timed]}
 
-
-class DeviceClock:
-    """Steps on the device's timeline (CUDA; module docstring): `mark` at each proposal's start records
-    an event on the current stream, the end of the step before and the start of the next; `ready`
-    hands back the steps whose both events have completed (no sync)."""
-
-    def __init__(self):
-        self._marks: collections.deque = collections.deque()  # (event, the step it ends, its key or None)
-        self._free: list = []  # events read and done with, recorded again (none made per step once warm)
-
-    def mark(self, step: int, key: tuple | None) -> None:
-        """Now (on the stream) step `step` ends; key: its (kind, bucket) where it is timed, else None."""
-        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        event.record()
-        self._marks.append((event, step, key))
-
-    def ready(self) -> list[tuple[int, tuple, float]]:
-        """(step, key, seconds on the device) of the timed steps whose end has completed, in order."""
-        out = []
-        while len(self._marks) >= 2 and self._marks[1][0].query():
-            start = self._marks.popleft()[0]
-            end, step, key = self._marks[0]
-            if key is not None:
-                out.append((step, key, start.elapsed_time(end) / 1e3))
-            self._free.append(start)
-        return out

@@ -3,13 +3,16 @@ finds (the prior of every kind's cost), its clock, and the policy (auto_budget.A
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import pathlib
 
+import torch
+
 from ..metrics import logger
-from .auto_budget import CHAIN, AutoBudget, DeviceClock, bucket, tree_kind
+from .auto_budget import CHAIN, AutoBudget, bucket, tree_kind
 
 
 def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
@@ -70,3 +73,29 @@ def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int, menu: 
     clock = DeviceClock() if metrics.device.type == "cuda" else None
     return AutoBudget(metrics, tree_budget, draft_len, cfg.probe_interval, priors, found, menu, agree,
                       depth=2 if settings.async_scheduling and clock is None else 1, clock=clock)
+
+class DeviceClock:
+    """Steps on the device's timeline (CUDA; module docstring): `mark` at each proposal's start records
+    an event on the current stream, the end of the step before and the start of the next; `ready`
+    hands back the steps whose both events have completed (no sync)."""
+
+    def __init__(self):
+        self._marks: collections.deque = collections.deque()  # (event, the step it ends, its key or None)
+        self._free: list = []  # events read and done with, recorded again (none made per step once warm)
+
+    def mark(self, step: int, key: tuple | None) -> None:
+        """Now (on the stream) step `step` ends; key: its (kind, bucket) where it is timed, else None."""
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._marks.append((event, step, key))
+
+    def ready(self) -> list[tuple[int, tuple, float]]:
+        """(step, key, seconds on the device) of the timed steps whose end has completed, in order."""
+        out = []
+        while len(self._marks) >= 2 and self._marks[1][0].query():
+            start = self._marks.popleft()[0]
+            end, step, key = self._marks[0]
+            if key is not None:
+                out.append((step, key, start.elapsed_time(end) / 1e3))
+            self._free.append(start)
+        return out

@@ -27,8 +27,9 @@ class CommitStage:
         one graph replay per step (stage_graphs.py); tests' commit hooks and debug mode run eagerly."""
         from ...templates.gdn_step import debug_enabled
 
-        copied, fixed = self._inputs(step)
-        if self.commit_hooks or debug_enabled():
+        eager = bool(self.commit_hooks) or debug_enabled()
+        copied, fixed = self._inputs(step, in_graph=not eager and self.graphs.on)
+        if eager:
             read = {**copied, **fixed}
             before = self._conv_lines(read) if self.commit_hooks else None
             self._device_work(**read, parents=step.tree.parents)
@@ -36,10 +37,11 @@ class CommitStage:
         else:
             self.graphs.run(self._device_work, copied, fixed)
 
-    def _inputs(self, step: Step) -> tuple[dict, dict]:
+    def _inputs(self, step: Step, in_graph: bool = False) -> tuple[dict, dict]:
         """What the commit reads: (new every step, at fixed addresses). The roots' positions and the
         block tables are views of the runner's own buffers (vLLM's, which its CUDA graphs read: the
-        same address every step); the paths are the walk graph's buffers where it replayed."""
+        same address every step); the paths are the walk graph's buffers where it replayed. `in_graph`:
+        the commit runs as its graph (stage_graphs.py)."""
         path = {"accepted": step.walk.accepted, "path_len": step.walk.num_accepted}
         copied, fixed = ({}, path) if step.walk_fixed else (path, {})
         fixed |= {"start": step.start, **{f"block_table_{gid}": step.block_tables[gid] for gid in self.ctx.kv_groups}}
@@ -47,8 +49,16 @@ class CommitStage:
             # every GDN group's addressing, one row per group (vLLM's tensors are not written): the
             # verify's committed columns in num_accepted become the paths' lengths
             gids = list(self.ctx.gdn_groups)
-            fixed["state_indices"] = self._stacked("state_indices", [step.gdn_groups[g][0] for g in gids])
-            fixed["num_accepted"] = self._stacked("num_accepted", [step.gdn_groups[g][1] for g in gids])
+            for col, name in enumerate(("state_indices", "num_accepted")):
+                parts = [step.gdn_groups[g][col] for g in gids]
+                if in_graph and step.verify_replayed:
+                    # the target's FULL graph read them from vLLM's GDN builders' own buffers (filled
+                    # for FULL graphs: 0.26 `gdn_attn.py:420-445`), the same address every step: the
+                    # commit's graph stacks them itself (no launch here; an address that moved keys
+                    # another graph, stage_graphs.py)
+                    fixed |= {f"{name}_{i}": t for i, t in enumerate(parts)}
+                else:
+                    fixed[name] = self._stacked(name, parts)
             if self.ctx.cfg.gdn_state == "replay":
                 fixed["rec_kv"], fixed["rec_gb"] = step.gdn_records_all
         return copied, fixed
@@ -70,18 +80,24 @@ class CommitStage:
         return torch.stack(parts, out=buf)
 
     def _device_work(self, accepted, path_len, start, state_indices=None, num_accepted=None, rec_kv=None,
-                     rec_gb=None, parents=None, **block_tables) -> None:
+                     rec_gb=None, parents=None, **per_group) -> None:
         """Device work only (captured as a graph): K/V compaction per attention KV cache group, then
         every GDN group's conv window and state of the accepted path in one call (each group reads
         its own state lines); with prefix caching also the state at the step's block boundary
-        (core.commit.block_boundary_depth). The int32 casts of vLLM's addressing happen here, in
-        place: the stacked copies are the commit's own."""
+        (core.commit.block_boundary_depth). `per_group`: each attention group's `block_table_<gid>`
+        and, where `_inputs` did not stack the GDN groups' addressing, each one's `state_indices_<g>`
+        and `num_accepted_<g>`, stacked here. The int32 casts of vLLM's addressing happen here: the
+        stacked copies are the commit's own."""
         from ...templates.gdn_step import commit_accepted_path
 
+        if state_indices is None and "state_indices_0" in per_group:
+            state_indices, num_accepted = (
+                torch.stack([per_group[f"{name}_{i}"] for i in range(len(self.ctx.gdn_groups))])
+                for name in ("state_indices", "num_accepted"))
         plan = commit_plan(accepted, start)
         views = self._cache_views()
         for gid, (layout, caches, head_size) in views["kv"].items():
-            layout.compact(caches, head_size, block_tables[f"block_table_{gid}"].to(torch.int32), plan.src_pos,
+            layout.compact(caches, head_size, per_group[f"block_table_{gid}"].to(torch.int32), plan.src_pos,
                            plan.dst_pos)
         if state_indices is None:
             return

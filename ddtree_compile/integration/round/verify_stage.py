@@ -22,13 +22,12 @@ from .workspace import Workspace, release
 class Armed:
     """A tree verify whose target forward is about to run (VerifyStage.arm) until its output is read
     (disarm): the metadata the ops read, the FULL graph's padded requests (None: the ops' Python runs),
-    and the positions tensor written with the tree's positions with vLLM's values to put back."""
+    and the positions tensor written with the tree's positions, vLLM's to be put back."""
 
     step: Step
     meta: TreeVerifyMetadata
     graph_rows: int | None
     positions: torch.Tensor | None = None  # vLLM's [T] or M-RoPE [3, T], holding the tree's positions
-    saved: torch.Tensor | None = None  # vLLM's values of the first R x N columns of `positions`
 
 
 class VerifyStage:
@@ -215,21 +214,20 @@ class VerifyStage:
         rows = self.graphs.replay_rows(self.ctx.view.full_graph_batch(), step.N)
         meta = step.meta if rows is None else self.graphs.fill(step.N, rows, step)
         self._forward_metadata(step, meta, rows)
-        saved = None
-        if positions is not None:  # (only the step's R x N columns change: only they are saved)
-            saved = positions[..., : step.R * step.N].clone()
-            self.ctx.view.write_tree_positions(positions, saved, step.tree.depths)
+        if positions is not None:  # (only the step's R x N columns change)
+            self.ctx.view.write_tree_positions(positions, step.tree.depths)
         set_tree_verify(meta)
         self.ctx.metrics.add_time("verify", time.perf_counter() - t0)
-        return Armed(step, meta, rows, positions, saved)
+        return Armed(step, meta, rows, positions)
 
     def disarm(self, armed: Armed) -> None:
         """The target forward of `armed` has run: the context cleared, vLLM's positions back, and every
         layer checked to have run its tree op (unless a captured FULL graph replayed them)."""
         t0 = time.perf_counter()
         set_tree_verify(None)
-        if armed.saved is not None:
-            armed.positions[..., : armed.saved.shape[-1]].copy_(armed.saved)
+        if armed.positions is not None:  # vLLM's own: each request's root + column
+            step = armed.step
+            self.ctx.view.write_tree_positions(armed.positions, self._chain[1][: step.N].view(1, -1), R=step.R)
         if armed.graph_rows is not None and not armed.meta.calls:  # no op's Python ran: the graph replayed
             self.ctx.metrics.graph_steps += 1
             armed.step.verify_replayed = True
