@@ -197,6 +197,6 @@ class GraphBuckets:
                          (meta.parents, src.parents)):
             if got.data_ptr() != dst.data_ptr() or got.stride() != dst.stride():  # (else the drafter's, in place)
                 dst[:R].copy_(got)
-        meta.context_lens[:R].copy_(src.context_lens)
+        meta.context_lens[:R].copy_(step.start)  # (int32 from vLLM's positions: one launch)
         self._neutral(meta, R)
         return meta

@@ -149,7 +149,7 @@ class VerifyStage:
                          bits.expand(R, *bits.shape).contiguous(), max_depth=ctx.max_depth)
         start = ctx.view.positions(R * N).view(R, N)[:, 0]
         meta = TreeVerifyMetadata(ancestor_bits=tree.ancestor_bits, depths=tree.depths, parents=tree.parents,
-                                  context_lens=start.to(torch.int32), attn_scratch=self.workspace.attn_scratch)
+                                  attn_scratch=self.workspace.attn_scratch)  # (context_lens: arm)
         return Step(R, N, tree, torch.zeros(R, dtype=torch.bool, device=ctx.device), [True] * R,
                     torch.full((R, ctx.L), -1, device=ctx.device), start, meta, t0=time.perf_counter())
 
@@ -184,8 +184,7 @@ class VerifyStage:
             tree.num_nodes = torch.where(cr, N - 1, tree.num_nodes)
         start = ctx.view.positions(R * N).view(R, N)[:, 0]
         meta = TreeVerifyMetadata(ancestor_bits=tree.ancestor_bits.contiguous(), depths=tree.depths,
-                                  parents=tree.parents, context_lens=start.to(torch.int32),
-                                  attn_scratch=self.workspace.attn_scratch)
+                                  parents=tree.parents, attn_scratch=self.workspace.attn_scratch)  # (context_lens: arm)
         return Step(R, N, tree, tree_rows, chain_rows, pending.top1[rows], start, meta,
                     fixed=fixed, t0=time.perf_counter())
 
@@ -212,7 +211,11 @@ class VerifyStage:
         (the drafter and the sampler read them)."""
         t0 = time.perf_counter()
         rows = self.graphs.replay_rows(self.ctx.view.full_graph_batch(), step.N)
-        meta = step.meta if rows is None else self.graphs.fill(step.N, rows, step)
+        if rows is None:  # the ops' Python runs: the roots' positions are the committed tokens before the block
+            meta = step.meta
+            meta.context_lens = step.start.to(torch.int32)
+        else:  # (a FULL graph's bucket copies them from step.start itself, cast in the copy)
+            meta = self.graphs.fill(step.N, rows, step)
         self._forward_metadata(step, meta, rows)
         if positions is not None:  # (only the step's R x N columns change)
             self.ctx.view.write_tree_positions(positions, step.tree.depths)
