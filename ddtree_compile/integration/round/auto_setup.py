@@ -74,10 +74,11 @@ def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int, menu: 
     return AutoBudget(metrics, tree_budget, draft_len, cfg.probe_interval, priors, found, menu, agree,
                       depth=2 if settings.async_scheduling and clock is None else 1, clock=clock)
 
+
 class DeviceClock:
-    """Steps on the device's timeline (CUDA; module docstring): `mark` at each proposal's start records
-    an event on the current stream, the end of the step before and the start of the next; `ready`
-    hands back the steps whose both events have completed (no sync)."""
+    """Steps on the device's timeline (CUDA; auto_budget's module docstring): `mark` at each proposal's
+    start records an event on the current stream, the end of the step before and the start of the
+    next; `ready` hands back the steps whose both events have completed (no sync)."""
 
     def __init__(self):
         self._marks: collections.deque = collections.deque()  # (event, the step it ends, its key or None)
