@@ -97,8 +97,16 @@ def capture_tokens(requests: int, tokens_per_request: int) -> int:
     return _eval("capture_tokens", _ints(R=requests, q=tokens_per_request))
 
 
+_BATCH_BUCKETS: dict[int, int] = {}  # requests -> bucket: budget "auto" asks several times a step
+
+
 def batch_bucket(requests: int) -> int:
-    return _eval("batch_bucket", _ints(R=max(requests, 1)))
+    b = _BATCH_BUCKETS.get(requests) if type(requests) is int else None  # (a bool is checked by _ints)
+    if b is None:
+        b = _eval("batch_bucket", _ints(R=max(requests, 1)))
+        if type(requests) is int:
+            _BATCH_BUCKETS[requests] = b
+    return b
 
 
 def batch_buckets(max_batch: int) -> list[int]:

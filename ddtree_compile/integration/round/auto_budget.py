@@ -102,15 +102,9 @@ _OWN_WEIGHT = 1e-3  # the kinds' own log-costs in that fit, against 1 for each p
 _TRACE = 48  # the last steps kept for the snapshot: each decision's kind, each timed step's kind, bucket and ms
 
 
-_BUCKETS: dict[int, int] = {}  # R -> its bucket (asked several times a step, on the host's hot path)
-
-
 def bucket(R: int) -> int:
     """The batch bucket of R requests: the largest power of two <= R (core/buckets.BATCH_BUCKET)."""
-    b = _BUCKETS.get(R)
-    if b is None:
-        b = _BUCKETS[R] = batch_bucket(R)
-    return b
+    return batch_bucket(R)
 
 
 def tree_kind(budget: int, largest: int) -> str:

@@ -136,30 +136,28 @@ class RoundContext:
             self._logged.add(key)
             logger.warning(msg, *args)
 
+    def _per_request(self, cache: dict, req_id: str, value):
+        """cache[req_id], set to value(sampling params) at the request's first step; past a few batches'
+        worth of requests the finished ones are forgotten (from every per-request cache)."""
+        if req_id in cache:
+            return cache[req_id]
+        got = cache[req_id] = value(self.view.sampling_params(req_id))
+        if len(cache) > 4 * self.view.max_num_reqs + 64:
+            live = self.view.live_req_ids()
+            for c in (self._reasons, self._seeds, self._own):
+                for k in [k for k in c if k not in live]:
+                    del c[k]
+        return got
+
     def chain_reason(self, req_id: str) -> str | None:
         """Why this request is verified as a chain by vLLM's sampler, or None (cached per request)."""
-        if req_id not in self._reasons:
-            self._reasons[req_id] = unsupported_reason(self.view.sampling_params(req_id))
-            if len(self._reasons) > 4 * self.view.max_num_reqs + 64:  # forget finished requests
-                live = self.view.live_req_ids()
-                self._reasons = {k: v for k, v in self._reasons.items() if k in live}
-                self._seeds = {k: v for k, v in self._seeds.items() if k in live}
-        return self._reasons[req_id]
+        return self._per_request(self._reasons, req_id, unsupported_reason)
 
     def own_seed(self, req_id: str) -> bool:
         """Whether the request brought its own sampling seed (budget "auto" keeps its steps' kinds)."""
-        own = self._own.get(req_id)
-        if own is None:
-            sp = self.view.sampling_params(req_id)
-            own = self._own[req_id] = sp is not None and sp.seed is not None
-            if len(self._own) > 4 * self.view.max_num_reqs + 64:  # forget finished requests
-                live = self.view.live_req_ids()
-                self._own = {k: v for k, v in self._own.items() if k in live}
-        return own
+        return self._per_request(self._own, req_id, lambda sp: sp is not None and sp.seed is not None)
 
     def seed(self, req_id: str) -> int:
         """The request's sampling seed (its own, else a draw from the engine's seeded generator)."""
-        if req_id not in self._seeds:
-            sp = self.view.sampling_params(req_id)
-            self._seeds[req_id] = sp.seed if sp.seed is not None else self._rng.getrandbits(62)
-        return self._seeds[req_id]
+        return self._per_request(self._seeds, req_id,
+                                 lambda sp: sp.seed if sp.seed is not None else self._rng.getrandbits(62))
