@@ -7,7 +7,10 @@ way as DDTree's. A phase that grows with DDTree while the host work in it does n
 GPU: vLLM syncs on the sampled tokens in `_bookkeeping_sync` and on the drafts in
 `take_draft_token_ids` (the engine's post_step). Times are inclusive (nested phases overlap).
 On Model Runner V2 (methods of its own, `vllm/v1/worker/gpu/`) the runner's `prepare_inputs`, `sample` and
-`postprocess_sampled` and the speculator's `propose` are timed; a method an engine lacks is skipped.
+`postprocess_sampled` and the speculator's `propose` are timed, and inside them the parts where DDTree's
+driver adds work (its model state's `prepare_inputs`, `prepare_attn` and `postprocess_state`, the
+speculator's `_generate_draft`) next to vLLM's (request states, attention inputs, the FULL graph's
+replay); a method an engine lacks is skipped.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-# (label, owner, method): owner "runner", "drafter" or "scheduler"
+# (label, owner, method): owner "runner", "drafter", "speculator", "model_state", "cudagraph_manager" or "scheduler"
 PHASES = [
     ("schedule", "scheduler", "schedule"),
     ("execute_model", "runner", "execute_model"),
@@ -40,6 +43,17 @@ PHASES = [
     ("v2.sample", "runner", "sample"),
     ("v2.postprocess_sampled", "runner", "postprocess_sampled"),
     ("speculator.propose", "speculator", "propose"),
+    # inside V2's execute_model (0.26 `model_runner.py:1151-1330`): the request states, the attention
+    # inputs, the model state's metadata and inputs (DDTree's schedule and verify_begin: its
+    # prepare_inputs), the FULL graph's replay; inside propose, the drafter's forward and drafts
+    ("v2.add_requests", "runner", "add_requests"),
+    ("v2.update_requests", "runner", "update_requests"),
+    ("v2.prepare_attn", "runner", "prepare_attn"),
+    ("v2.state.prepare_attn", "model_state", "prepare_attn"),
+    ("v2.state.prepare_inputs", "model_state", "prepare_inputs"),
+    ("v2.state.postprocess_state", "model_state", "postprocess_state"),
+    ("v2.run_fullgraph", "cudagraph_manager", "run_fullgraph"),
+    ("speculator.generate_draft", "speculator", "_generate_draft"),
 ]
 
 _TIMERS: dict[int, dict] = {}  # id(llm) -> label -> seconds
@@ -52,6 +66,8 @@ def install(llm) -> dict:
     runner = engines.find_runner(llm)
     owners = {"runner": runner, "drafter": getattr(runner, "drafter", None),
               "speculator": getattr(runner, "speculator", None),
+              "model_state": getattr(runner, "model_state", None),
+              "cudagraph_manager": getattr(runner, "cudagraph_manager", None),
               "scheduler": llm.llm_engine.engine_core.engine_core.scheduler}
     totals = _TIMERS.setdefault(id(llm), defaultdict(float))
     for label, owner, name in PHASES:
