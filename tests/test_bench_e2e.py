@@ -43,6 +43,7 @@ def test_bench_e2e_smoke(bench, tmp_path):
     for c in (1, 2):
         d, f = runs[("ddtree8", c)], runs[("flat", c)]
         assert d["tree_steps"] > 0 and d["fallback_total"] == 0
+        assert d["graph_steps"] == d["plain_graph_steps"] == 0, d  # (CPU: no FULL graph replays, counted)
         assert set(d["round_split_s"]) >= {"draft", "build", "verify"}
         assert d["own_host_ms_per_step"] > 0 and 0 < d["own_host_share"] < 1  # DDTree's own host work, no drafter
         assert math.isclose(d["own_host_share"], d["own_host_ms_per_step"] / d["ms_per_step"])
