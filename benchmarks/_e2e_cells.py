@@ -123,7 +123,7 @@ def gpu_profile(llm, prompts, max_tokens, budget, top=30) -> dict:
     us.sort(reverse=True)
     host = sorted(((e.count, e.self_cpu_time_total, e.key) for e in p.key_averages()
                    if e.device_type == DeviceType.CPU and e.key.startswith("aten::")), reverse=True)
-    return {"rounds": rounds, "wall_ms_per_round_profiled": 1e3 * r["wall_s"] / rounds,
+    return {"rounds": rounds, "started_s": r["started_s"], "wall_ms_per_round_profiled": 1e3 * r["wall_s"] / rounds,
             "gpu_busy_ms_per_round": busy_ms, "gpu_launches_per_round": sum(c for _, c, _ in us) / rounds,
             "host_aten_ops_per_round": sum(c for c, _, _ in host) / rounds,
             "kernels": [{"name": k[:120], "ms_per_round": t / 1e3 / rounds, "per_round": c / rounds}

@@ -71,12 +71,17 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
                                   cells.median(runs[w.mode]), setup["ref"], {**rounds, **w.info["loop"]})
                 save()
-            if prof is profiles[0]:
-                for c in cells.gpu_profile_at(args, setup["conc"], setup["conc"]):
-                    for w in workers:
-                        result.setdefault("gpu_profiles", []).append(
-                            {"mode": w.mode, "profile": prof["name"], "concurrency": c, **w.call("gpu_profile", c)})
-                    save()
+        # --gpu-profile after every timed cell, under the first profile: a profiled run leaves its engine
+        # slower for the rest of its life (on the H100 flat's step at thinking_2p5 c = 1 read 10.6 ms after
+        # one, 7.1 without), so no timed run may follow one
+        at = cells.gpu_profile_at(args, setup["conc"], setup["conc"]) if profiles else []
+        for w in workers if at else ():
+            w.call("profile", profiles[0])
+        for c in at:
+            for w in workers:
+                result.setdefault("gpu_profiles", []).append(
+                    {"mode": w.mode, "profile": profiles[0]["name"], "concurrency": c, **w.call("gpu_profile", c)})
+            save()
     finally:
         for w in started:
             w.close()

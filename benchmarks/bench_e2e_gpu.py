@@ -140,12 +140,20 @@ def run(args) -> dict:
                         rounds = {**cells.rounds_of(budget, before, after), "loop": loop_of(mode, args), **loop_info(llm)}
                         cells.add_row(result, args, mode, budget, prof, c, r, ref, rounds)
                         save()
-                    for c in (cells.gpu_profile_at(args, conc, conc[:1]) if prof is profiles[0] else ()):
-                        result.setdefault("gpu_profiles", []).append(
-                            {"mode": mode, "profile": prof.name, "concurrency": c,
-                             **cells.gpu_profile(llm, prompts[:c], args.max_tokens, budget)})
-                        save()
                 finally:
+                    od.uninstall()
+            # --gpu-profile after the engine's timed cells, under the first profile (a profiled run
+            # leaves the engine slower: _e2e_side_by_side.py)
+            at = cells.gpu_profile_at(args, conc, conc[:1]) if profiles else []
+            od = install_oracle(llm, reference, profiles[0], prompts, conc) if at else None
+            try:
+                for c in at:
+                    result.setdefault("gpu_profiles", []).append(
+                        {"mode": mode, "profile": profiles[0].name, "concurrency": c,
+                         **cells.gpu_profile(llm, prompts[:c], args.max_tokens, budget)})
+                    save()
+            finally:
+                if od is not None:
                     od.uninstall()
         finally:
             engines.shutdown(llm)
@@ -228,8 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models-dir", default=None, help="where the config-only model folders are written "
                     "(default: a new temporary folder)")
     ap.add_argument("--gpu-profile", nargs="?", const="all", default=None, type=_gpu_profile_concurrency,
-                    help="per mode, one more run at the first profile's concurrencies under torch.profiler: GPU busy "
-                    "ms per round and the top kernels (gpu_profiles); bare: every concurrency (--side-by-side) or "
+                    help="per mode, after every timed cell (a profiled run slows its engine for good), one more run "
+                    "under the first profile and torch.profiler: GPU busy ms per round and the top kernels "
+                    "(gpu_profiles); bare: every concurrency (--side-by-side) or "
                     "the first; or a list, e.g. '1,16' (a profiled run at c=64 takes minutes)")
     ap.add_argument("--phase-timers", action="store_true", help="host wall time per phase of vLLM's step "
                     "(scheduler, runner, drafter; _phase_timers.py) for every mode: rows get phase_ms_per_step")

@@ -66,8 +66,8 @@ def test_bench_e2e_smoke(bench, tmp_path):
 def test_bench_e2e_split_over_commands_and_merged(bench, tmp_path):
     """A GPU run spreads the modes over several commands: the reference is computed once and
     read back, and --merge recomputes the break-even across the parts."""
-    prof = {"name": "perfect", "rank_probs": [1.0]}
-    (tmp_path / "p.json").write_text(json.dumps({"profiles": [prof]}))
+    profs = [{"name": "perfect", "rank_probs": [1.0]}, {"name": "perfect2", "rank_probs": [1.0]}]
+    (tmp_path / "p.json").write_text(json.dumps({"profiles": profs}))
     common = ["--target", "tiny", "--max-tokens", "16", "--concurrency", "1", "--budgets", "8", "--top-k", "4",
               "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect",
               "--reference", str(tmp_path / "ref.json")]
@@ -155,26 +155,31 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
     """--side-by-side: the speculative engines are up together, each in a process of its own (on the
     GPU --devices names for it), and their runs alternate within each cell (the order rotated per
     repeat)."""
-    prof = {"name": "perfect", "rank_probs": [1.0]}
-    (tmp_path / "p.json").write_text(json.dumps({"profiles": [prof]}))
+    profs = [{"name": "perfect", "rank_probs": [1.0]}, {"name": "perfect2", "rank_probs": [1.0]}]
+    (tmp_path / "p.json").write_text(json.dumps({"profiles": profs}))
     out = tmp_path / "s.json"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "9,8,7,6,5,4")  # --devices index into the parent's list
     rc = bench.main(["--target", "tiny", "--max-tokens", "16", "--concurrency", "1,2", "--budgets", "8", "--top-k", "4",
-                     "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect",
+                     "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect,perfect2",
                      "--modes", "flat,ddtree8", "--repeats", "3", "--side-by-side", "--devices", "3,5",
                      "--gpu-profile", "2", "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0, [r for r in res["runs"] if "error" in r]
     # --gpu-profile 2: one profiled run per engine at c=2 only (CPU: no kernels, the host ops are counted)
-    assert [(g["mode"], g["concurrency"]) for g in res["gpu_profiles"]] == [("flat", 2), ("ddtree8", 2)]
+    assert [(g["mode"], g["concurrency"], g["profile"]) for g in res["gpu_profiles"]] == [("flat", 2, "perfect"),
+                                                                                         ("ddtree8", 2, "perfect")]
     assert all(g["rounds"] > 0 and g["host_aten_ops_per_round"] > 0 for g in res["gpu_profiles"])
+    # after every timed and warm-up run of both profiles (a profiled run slows its engine after it)
+    last = max(t for r in res["runs"] for t in r["run_started_s"] + r["warmup_started_s"])
+    assert min(g["started_s"] for g in res["gpu_profiles"]) > last
     assert res["worker_devices"] == {"flat": "6", "ddtree8": "4"}  # (CPU engines: the variable is all there is)
     pids = res["worker_pids"]
     assert set(pids) == {"flat", "ddtree8"} and len({*pids.values(), os.getpid()}) == 3, pids
     wall = res["worker_start_wall"]  # started together: every process spawned before any engine was up
     assert max(s for s, _ in wall.values()) < min(r for _, r in wall.values()), wall
-    runs = {(r["mode"], r["concurrency"]): r for r in res["runs"]}
+    runs = {(r["mode"], r["concurrency"]): r for r in res["runs"] if r["profile"] == "perfect"}
     assert set(runs) == {(m, c) for m in ("flat", "ddtree8") for c in (1, 2)}
+    assert len(res["runs"]) == 8  # (and the same cells of perfect2)
     for c in (1, 2):
         f, d = runs[("flat", c)], runs[("ddtree8", c)]
         starts = sorted([(t, "flat") for t in f["run_started_s"]] + [(t, "dd") for t in d["run_started_s"]])
