@@ -71,9 +71,9 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     cells.add_row(result, args, w.mode, w.budget, oracle.profile_from(prof), c,
                                   cells.median(runs[w.mode]), setup["ref"], {**rounds, **w.info["loop"]})
                 save()
-        # --gpu-profile after every timed cell, under the first profile: a profiled run leaves its engine
-        # slower for the rest of its life (on the H100 flat's step at thinking_2p5 c = 1 read 10.6 ms after
-        # one, 7.1 without), so no timed run may follow one
+        # --gpu-profile after every timed cell, under the first profile: on the H100 the cells after a
+        # profiled run read both engines' steps 1.1-1.5x those of a run without one (flat, thinking_2p5,
+        # c = 1: 10.6 ms against 7.1), so no timed run may follow one
         at = cells.gpu_profile_at(args, setup["conc"], setup["conc"]) if profiles else []
         for w in workers if at else ():
             w.call("profile", profiles[0])
