@@ -47,7 +47,7 @@ build_stage.BuildStage.drafter_tree = logged_tree
 class Counted(oracle.OracleDrafter):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
-        self.calls = {"topk": 0, "logits": 0}
+        self.calls = {"topk": 0, "logits": 0, "flat": 0}
         self.positions = []  # per proposal: the requests' bonus positions
 
     def _log(self, R):
@@ -58,6 +58,10 @@ class Counted(oracle.OracleDrafter):
         self.calls["topk"] += 1
         self._log(R)
         return super()._draft_topk(R, *a, **k)
+
+    def _flat_drafts(self, drafts):
+        self.calls["flat"] += 1
+        return super()._flat_drafts(drafts)
 
     def _compute_logits(self, original, hidden_states):
         self.calls["logits"] += 1
@@ -108,6 +112,22 @@ with tempfile.TemporaryDirectory() as tmp:
                          "counters": {k: c[k] for k in ("tree_steps", "nodes_accepted", "fallback_total")}}
             BUILDS.clear()
         out["drafter_builds"] = engines.find_state(llm).build_stage._drafter_builds
+    # budget "auto" held to the chain: after a played replay of the chain's drafter graph
+    with e2e.engine(**models.tiny_llm_kwargs(target, **kw, speculative_config=flat, additional_config={
+            "ddtree": {"budget": "auto", "auto_budget": 8, "top_k": 4}})) as llm:
+        engines.find_state(llm).ctx.auto.forced = "chain"
+        # (the held kind reaches vLLM's schedule per batch bucket, from the step after its first there:
+        # both buckets of 1 and 3 requests first)
+        e2e.generate(llm, prompts[:1], 8)
+        e2e.generate(llm, prompts, 8)
+        play_replays(llm)
+        od = Counted(reference, oracle.Profile.geometric("g", 0.7, 0.6, k=4), seed=1).install(llm)
+        before = metrics.collect(llm)[0]
+        tokens = e2e.generate(llm, prompts, 48)
+        c = metrics.counters_delta(metrics.collect(llm)[0], before)
+        od.uninstall()
+        out["chain"] = {"tokens": tokens, "calls": od.calls,
+                        "counters": {k: c[k] for k in ("tree_steps", "auto_chain_steps", "fallback_total")}}
 print("RESULT " + json.dumps(out))
 """
 
@@ -135,3 +155,13 @@ def test_after_a_replay_the_round_takes_the_hooks_top_k_lists(run):
         same += 1
     assert same >= 2, same
     assert eager["tokens"] == run["reference"] and replayed["tokens"] == run["reference"]
+
+
+def test_after_a_chain_steps_replay_the_hook_rewrites_the_drafts_as_flat_dflashs(run):
+    """A chain step's drafts after the drafter's graph: the hook's flat DFlash rewrite (the benchmark
+    oracle does for DDTree's chain step what it does for vLLM's flat DFlash), no top-k lists, no logits."""
+    r = run["chain"]
+    c = r["counters"]
+    assert c["auto_chain_steps"] > 10 and c["tree_steps"] == 0 and c["fallback_total"] == 0, c
+    assert r["calls"]["flat"] >= c["auto_chain_steps"] and r["calls"]["topk"] == r["calls"]["logits"] == 0, r["calls"]
+    assert r["tokens"] == run["reference"]

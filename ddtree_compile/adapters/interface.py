@@ -265,15 +265,20 @@ class RunnerView(abc.ABC):
         """Token index of each request's bonus token in the drafter's current forward ([R])."""
 
     @abc.abstractmethod
-    def wrap_drafter_logits(self, fn, topk=None) -> None:
+    def wrap_drafter_logits(self, fn, topk=None, flat=None) -> None:
         """The drafter's compute_logits -> fn(original, hidden_states); `topk`: the hook's own top-k
-        lists (BuildStage.hook_topk), for where a drafter graph replays past the wrapped method."""
+        lists (BuildStage.hook_topk), `flat`: its fn(drafts [R, L]) rewriting drafts in place as it
+        rewrites flat DFlash's (a chain step's), for where a drafter graph replays past the wrapped method."""
 
     @abc.abstractmethod
     def unwrap_drafter_logits(self) -> None: ...
 
     def drafter_hook_topk(self):
         """The `topk` a drafter hook wrapped with, where the round takes it (Model Runner V2), else None."""
+        return None
+
+    def drafter_hook_flat(self):
+        """The `flat` a drafter hook wrapped with, where the round takes it (Model Runner V2), else None."""
         return None
 
     def wrap_flat_drafts(self, fn) -> bool:

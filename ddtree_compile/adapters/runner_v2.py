@@ -294,18 +294,21 @@ class V2RunnerView(V1RunnerView):
         L = self.drafter_draft_len()
         return self.speculator.input_buffers.positions[: R * (1 + L)].view(R, 1 + L)[:, 0]
 
-    def wrap_drafter_logits(self, fn, topk=None) -> None:
+    def wrap_drafter_logits(self, fn, topk=None, flat=None) -> None:
         model = self.speculator.model
         original = model.compute_logits
         model.compute_logits = lambda hidden_states: fn(original, hidden_states)
-        model.__dict__["_ddtree_hook_topk"] = topk
+        model.__dict__["_ddtree_hook_topk"], model.__dict__["_ddtree_hook_flat"] = topk, flat
 
     def unwrap_drafter_logits(self) -> None:
-        self.speculator.model.__dict__.pop("compute_logits", None)
-        self.speculator.model.__dict__.pop("_ddtree_hook_topk", None)
+        for name in ("compute_logits", "_ddtree_hook_topk", "_ddtree_hook_flat"):
+            self.speculator.model.__dict__.pop(name, None)
 
     def drafter_hook_topk(self):
         return self.speculator.model.__dict__.get("_ddtree_hook_topk")
+
+    def drafter_hook_flat(self):
+        return self.speculator.model.__dict__.get("_ddtree_hook_flat")
 
     def drafter_hooked(self) -> bool:
         """A drafter hook (integration/drafter_logits.py) wraps compute_logits: eager Python, which a

@@ -214,9 +214,9 @@ class V1RunnerView(RunnerView):
     def prompt_token_ids(self, req_id: str) -> list[int]:
         return list(self.runner.requests[req_id].prompt_token_ids or ())
 
-    def wrap_drafter_logits(self, fn, topk=None):
+    def wrap_drafter_logits(self, fn, topk=None, flat=None):
         """drafter.model.compute_logits -> fn(original, hidden_states), on this instance; undo with
-        `unwrap_drafter_logits`. (`topk` unused: the round calls compute_logits eagerly here.)"""
+        `unwrap_drafter_logits`. (`topk`, `flat` unused: the round calls compute_logits eagerly here.)"""
         model = self.runner.drafter.model
         original = model.compute_logits
         model.compute_logits = lambda hidden_states: fn(original, hidden_states)

@@ -169,9 +169,14 @@ class DDTreeSpeculator:
             if not d.sampled and d.view.drafter_hooked():
                 hooked.append(True)
                 # a test or benchmark drafter hook (eager Python: a graph replay skipped it), after the
-                # graph: its own top-k lists where it has them (no [R * L, V] logits), else its logits'
-                # (of the hidden states the last tree step's graph kept, after a chain step's: the test
-                # harness, the one hook without lists, reads none of them)
+                # graph: on a chain step its drafts as it rewrites flat DFlash's (the benchmark oracle:
+                # the same work as for flat's step); else its own top-k lists where it has them (no
+                # [R * L, V] logits), else its logits' (of the hidden states the last tree step's graph
+                # kept, after a chain step's: the test harness, the one hook without lists, reads none)
+                flat = d.view.drafter_hook_flat() if chain else None
+                if flat is not None:
+                    flat(drafts[0][:, : d.L])
+                    return
                 fn = d.view.drafter_hook_topk()
                 top1 = d.round.hook_topk(fn, R) if fn is not None else None
                 if top1 is None:

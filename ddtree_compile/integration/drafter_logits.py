@@ -43,7 +43,7 @@ class DrafterLogitsHook:
         # capture sizes) calls compute_logits before V2's propose has handed the view its batch
         if self._flat_drafts is not None and view.wrap_flat_drafts(self._flat_drafts):
             return self
-        view.wrap_drafter_logits(self._compute_logits, self._draft_topk)
+        view.wrap_drafter_logits(self._compute_logits, self._draft_topk, self._flat_drafts)
         return self
 
     def uninstall(self) -> None:
