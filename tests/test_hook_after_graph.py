@@ -69,6 +69,16 @@ class Counted(oracle.OracleDrafter):
         return super()._compute_logits(original, hidden_states)
 
 
+def oracle_run(llm):
+    # 48 tokens of the prompts with the counted oracle drafting: (tokens, its calls, the round's counters)
+    od = Counted(reference, oracle.Profile.geometric("g", 0.7, 0.6, k=4), seed=1).install(llm)
+    before = metrics.collect(llm)[0]
+    tokens = e2e.generate(llm, prompts, 48)
+    c = metrics.counters_delta(metrics.collect(llm)[0], before)
+    od.uninstall()
+    return tokens, od, c
+
+
 def play_replays(llm):
     # the drafter as its captured graph runs it: without the hook (captured before it), no Python seen
     spec = engines.find_runner(llm).speculator
@@ -103,11 +113,7 @@ with tempfile.TemporaryDirectory() as tmp:
         for name in ("eager", "replayed"):
             if name == "replayed":
                 play_replays(llm)
-            od = Counted(reference, oracle.Profile.geometric("g", 0.7, 0.6, k=4), seed=1).install(llm)
-            before = metrics.collect(llm)[0]
-            tokens = e2e.generate(llm, prompts, 48)
-            c = metrics.counters_delta(metrics.collect(llm)[0], before)
-            od.uninstall()
+            tokens, od, c = oracle_run(llm)
             out[name] = {"tokens": tokens, "calls": od.calls, "positions": od.positions, "builds": BUILDS[:],
                          "counters": {k: c[k] for k in ("tree_steps", "nodes_accepted", "fallback_total")}}
             BUILDS.clear()
@@ -121,11 +127,7 @@ with tempfile.TemporaryDirectory() as tmp:
         e2e.generate(llm, prompts[:1], 8)
         e2e.generate(llm, prompts, 8)
         play_replays(llm)
-        od = Counted(reference, oracle.Profile.geometric("g", 0.7, 0.6, k=4), seed=1).install(llm)
-        before = metrics.collect(llm)[0]
-        tokens = e2e.generate(llm, prompts, 48)
-        c = metrics.counters_delta(metrics.collect(llm)[0], before)
-        od.uninstall()
+        tokens, od, c = oracle_run(llm)
         out["chain"] = {"tokens": tokens, "calls": od.calls,
                         "counters": {k: c[k] for k in ("tree_steps", "auto_chain_steps", "fallback_total")}}
 print("RESULT " + json.dumps(out))
