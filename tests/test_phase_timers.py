@@ -4,6 +4,8 @@ parts of V2's execute_model and propose where DDTree's driver adds work, are rea
 with DDTree (its re-typed model state and speculator timed, not bypassed) and on vLLM's flat DFlash,
 and each nested phase stays within the phase that calls it. Timings themselves are not checked (CPU)."""
 
+import pathlib
+
 import pytest
 
 from ddtree_compile.testing import runner_v2_cpu
@@ -43,8 +45,6 @@ V2_PARTS = ("v2.add_requests", "v2.prepare_attn", "v2.state.prepare_attn", "v2.s
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    import pathlib
-
     root = pathlib.Path(__file__).resolve().parents[1]
     return runner_v2_cpu.run_script(f"ROOT = {str(root)!r}\n" + SCRIPT, tmp_path_factory.mktemp("phases"))
 
