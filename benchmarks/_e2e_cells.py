@@ -8,6 +8,7 @@ import json
 import pathlib
 
 import _phase_timers
+import _step_clock
 from summarize_e2e import rounds_per_s
 
 
@@ -57,7 +58,7 @@ def counters(llm, budget) -> dict:
     from ddtree_compile.testing import e2e
 
     return {"vllm": e2e.spec_counters(llm), "ddtree": metrics.collect(llm)[0] if budget else None,
-            "phases": _phase_timers.snapshot(llm)}
+            "phases": _phase_timers.snapshot(llm), "clock": _step_clock.snapshot(llm)}
 
 
 def rounds_of(budget, before, after) -> dict:
@@ -72,6 +73,8 @@ def rounds_of(budget, before, after) -> dict:
     out = {"rounds": drafts, "tokens_per_round": 1 + acc / max(drafts, 1)}
     if after.get("phases") is not None:  # --phase-timers: host wall per phase (per step: add_row)
         out["phase_s"] = {k: v - (before.get("phases") or {}).get(k, 0.0) for k, v in after["phases"].items()}
+    if after.get("clock") is not None:  # and the steady steps by kind and bucket on one clock (_step_clock.py)
+        out["step_clock"] = _step_clock.summary(before.get("clock"), after["clock"])
     if budget:
         from ddtree_compile.integration import metrics
 

@@ -9,6 +9,7 @@ import time
 
 import _e2e_cells as cells
 import _phase_timers
+import _step_clock
 from _e2e_engine import ddtree_attached, force_chain, install_oracle, loop_info, loop_of, start_engine, use_loop
 
 
@@ -180,6 +181,7 @@ def worker_main(conn, mode, budget, spec, extra, setup) -> None:
         llm, start = start_engine(args, setup["target"], conc, prompts, spec, extra, share=setup["share"], mode=mode)
         if getattr(args, "phase_timers", False):
             _phase_timers.install(llm)
+            _step_clock.install(llm)
         if not budget or ddtree_attached(llm):
             force_chain(llm, mode)
         conn.send(("ok", {"start_s": start, "attached": not budget or ddtree_attached(llm),

@@ -46,6 +46,7 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _e2e_cells as cells  # noqa: E402  (beside this file)
 import _phase_timers  # noqa: E402
+import _step_clock  # noqa: E402
 from _e2e_engine import (LOOPS, SHAPES, VOCAB, attached, force_chain, install_oracle, loop_info,  # noqa: E402
                          loop_of, spec_of, start_engine, use_loop, write_shaped)
 from _e2e_side_by_side import side_by_side  # noqa: E402
@@ -89,6 +90,7 @@ def run(args) -> dict:
         llm, result["starts"][name] = start_engine(args, target, conc, prompts, spec, extra, mode=name)
         if args.phase_timers:
             _phase_timers.install(llm)
+            _step_clock.install(llm)
         return llm
 
     ref_path = pathlib.Path(args.reference) if args.reference else None
@@ -241,7 +243,9 @@ def main(argv=None) -> int:
                     "(gpu_profiles); bare: every concurrency (--side-by-side) or "
                     "the first; or a list, e.g. '1,16' (a profiled run at c=64 takes minutes)")
     ap.add_argument("--phase-timers", action="store_true", help="host wall time per phase of vLLM's step "
-                    "(scheduler, runner, drafter; _phase_timers.py) for every mode: rows get phase_ms_per_step")
+                    "(scheduler, runner, drafter; _phase_timers.py) for every mode: rows get phase_ms_per_step, and on "
+                    "Model Runner V2 step_clock: the steady steps by kind and batch bucket on the device's clock "
+                    "(_step_clock.py)")
     ap.add_argument("--side-by-side", action="store_true", help="all speculative modes' engines up at once, "
                     "one process each (GPU memory split evenly), their runs alternating within each cell: ratios "
                     "immune to a drift of the host's speed between engines (see _e2e_side_by_side.py)")

@@ -57,7 +57,7 @@ def tok_s_agg(r: dict) -> float | None:
 def summarize(result: dict) -> dict:
     runs = result["runs"]
     for r in runs:
-        for k in ("vs_flat", "vs_flat_agg", "gain", "break_even", "vs_flat_ci90"):
+        for k in ("vs_flat", "vs_flat_agg", "gain", "break_even", "vs_flat_ci90", "step_vs_flat"):
             # derived here, never kept from a saved file
             r.pop(k, None)
         if "error" not in r and (agg := tok_s_agg(r)) is not None:
@@ -98,6 +98,7 @@ def summarize(result: dict) -> dict:
             if paired:
                 f_row = next(x for x in runs if x.get("mode") == "flat" and "error" not in x and key(x) == key(r))
                 interval(r, f_row)
+                step_ratios(r, f_row)
     result["flat_baseline"] = {(_flat_key(*k) if paired else _unpaired_key(*k)): v for k, v in flat.items()}
     return result
 
@@ -109,6 +110,16 @@ def chain_labels(result: dict) -> dict[str, str]:
     profs = profs.get("profiles", []) if isinstance(profs, dict) else []
     label = {p["name"]: f"chain {p['chain_tokens_per_round']:.2f}" for p in profs if "chain_tokens_per_round" in p}
     return label if len(set(label.values())) > 1 else {}
+
+
+def step_ratios(r: dict, flat: dict) -> None:
+    """Each steady step kind of r over flat's step of the same cell and batch bucket, on one clock
+    (--phase-timers on Model Runner V2: step_clock, _step_clock.py): r["step_vs_flat"]["chain@4"]."""
+    mine, base = r.get("step_clock") or {}, flat.get("step_clock") or {}
+    ratios = {k: v["ms"] / base[f"flat@{k.rsplit('@', 1)[1]}"]["ms"] for k, v in mine.items()
+              if f"flat@{k.rsplit('@', 1)[1]}" in base}
+    if ratios:
+        r["step_vs_flat"] = ratios
 
 
 def interval(r: dict, flat: dict, n: int = 2000, seed: int = 0) -> None:
@@ -190,6 +201,15 @@ def table(result: dict) -> str:
                 f"{r['own_host_ms_per_step']:.2f} ms ({100 * r['own_host_share']:.0f}%)"
                 if (r := cell.get((m, p, c))) is not None and "own_host_share" in r else "-"
                 for p in profiles for c in conc) + " |")
+    clocked = [m for m in modes if any("step_vs_flat" in r for r in runs if r["mode"] == m)]
+    if clocked:  # the goal lines: auto's chain step within 2% of flat's; a tree step at c = 1 <= 1.10x flat's
+        lines.append("\nSteady steps over flat DFlash's of the same cell, on one clock (_step_clock.py: medians, "
+                     "the device's timeline on CUDA), at the cell's batch bucket (c rounded down to a power of 2):\n")
+        lines += [head, lines[1]]
+        for m in clocked:
+            lines.append(f"| {m} | " + " | ".join(
+                _steps_cell(r["step_vs_flat"], c) if (r := cell.get((m, p, c))) is not None
+                and "step_vs_flat" in r else "-" for p in profiles for c in conc) + " |")
     nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
     if nospec:
         lines.append("| no speculation tok/s | " + " | ".join(
@@ -204,6 +224,13 @@ def table(result: dict) -> str:
                 _kinds_cell(r["auto_decisions_in_cell"]) if (r := cell.get((m, p, c))) is not None
                 and "auto_decisions_in_cell" in r else "-" for p in profiles for c in conc) + " |")
     return "\n".join(lines)
+
+
+def _steps_cell(ratios: dict, c: int) -> str:
+    """{"chain@4": 1.12, "tree:32@4": 1.5, "chain@2": ...} at c = 4 -> "chain 1.12x, tree:32 1.50x"."""
+    b = 1 << (c.bit_length() - 1)
+    at = sorted((k.rsplit("@", 1)[0], v) for k, v in ratios.items() if k.endswith(f"@{b}"))
+    return ", ".join(f"{k} {v:.2f}x" for k, v in at) or "-"
 
 
 def _kinds_cell(decisions: dict) -> str:

@@ -333,6 +333,29 @@ def test_ratio_interval_resamples_the_paired_repeats(bench):
     assert "vs_flat_ci90" not in auto  # two repeats: no interval
 
 
+def test_steady_steps_over_flats_at_the_cells_bucket(bench):
+    """summarize_e2e's step_vs_flat: each kind's steady step (--phase-timers' step_clock) over flat's of
+    the same cell and batch bucket; the table shows the bucket of c (4 -> 4, 16 -> 16), "-" where flat has none."""
+    summ = importlib.import_module("summarize_e2e")
+    cell = dict(profile="p", reference_match=1.0, tokens_per_round=5.0, rounds=10, wall_s=1.0,
+                wall_s_total=4.0, output_tokens=100, tpot_p50_ms=1.0, tok_s=100.0)
+    runs = []
+    for c in (4, 16):
+        runs.append(dict(cell, mode="flat", concurrency=c, step_clock={f"flat@{c}": {"n": 9, "ms": 8.0},
+                                                                       "flat@2": {"n": 3, "ms": 6.0}}))
+        runs.append(dict(cell, mode="auto", concurrency=c, step_clock={f"chain@{c}": {"n": 9, "ms": 8.8},
+                                                                       f"tree:32@{c}": {"n": 2, "ms": 12.0},
+                                                                       "chain@2": {"n": 3, "ms": 6.3},
+                                                                       "chain@1": {"n": 3, "ms": 5.0}}))
+    res = summ.summarize({"args": {"side_by_side": True}, "runs": runs})
+    auto = runs[1]
+    assert auto["step_vs_flat"] == pytest.approx({"chain@4": 1.1, "tree:32@4": 1.5, "chain@2": 1.05}), auto
+    assert "| auto | chain 1.10x, tree:32 1.50x | chain 1.10x, tree:32 1.50x |" in summ.table(res)
+    del runs[2]["step_clock"]["flat@16"]  # flat timed no steady step at that bucket
+    summ.summarize(res)
+    assert "| auto | chain 1.10x, tree:32 1.50x | - |" in summ.table(res)
+
+
 def test_modes_take_a_loop_and_the_summary_compares_with_the_old_baseline(bench, capsys):
     """--modes NAME@LOOP: each mode's engine in its loop (v2async: vLLM's default, async scheduling left
     to vLLM; v2sync / v1sync: async off), mixed loops only side by side (one runner per process), an

