@@ -82,10 +82,13 @@ def rounds_of(budget, before, after) -> dict:
         d = metrics.counters_delta(a, b)
         split = {k: a["seconds"].get(k, 0) - b["seconds"].get(k, 0) for k in a.get("seconds", {})}
         # (graph_steps: tree verifies that replayed a FULL graph; plain_graph_steps: verifies without a
-        # tree that did, budget "auto"'s chain steps among them; the stage graphs' replays and eager runs)
+        # tree that did, budget "auto"'s chain steps among them; the stage graphs' replays and eager runs;
+        # proposals whose drafter ran eagerly, by kind, and the batch sizes the graphs were captured for)
         out.update(round_split_s=split, graph_steps=d.get("graph_steps"), tree_steps=d.get("tree_steps"),
                    plain_graph_steps=d.get("plain_graph_steps"), stage_replays=d.get("stage_replays"),
-                   stage_eager=d.get("stage_eager"), fallback_total=d.get("fallback_total"),
+                   stage_eager=d.get("stage_eager"), drafter_eager=d.get("drafter_eager"),
+                   graph_buckets=a.get("graph_buckets"), chain_graph_sizes=a.get("chain_graph_sizes"),
+                   fallback_total=d.get("fallback_total"),
                    tree_tokens_per_round=1 + d["nodes_accepted"] / max(d["tree_requests"], 1))
         if budget != "auto":
             out.update(rounds=d["tree_requests"] + d.get("chain_steps", 0),

@@ -98,7 +98,8 @@ with tempfile.TemporaryDirectory() as tmp:
                          "views": sorted(counter.views), "addresses": {k: len(v) for k, v in addresses.items()}}
             if state is not None:
                 c = metrics.counters_delta(metrics.collect(llm)[0], before)
-                out[name]["steps"] = {k: c[k] for k in ("tree_steps", "auto_chain_steps", "fallback_total")}
+                out[name]["steps"] = {k: c[k] for k in ("tree_steps", "auto_chain_steps", "fallback_total",
+                                                        "drafter_eager")}
                 d = engines.find_runner(llm).speculator._ddtree
                 out[name]["graph_sets"] = 0 if d.graphs is None else len({id(m) for m in d.graphs.values()})
 print("RESULT " + json.dumps(out))
@@ -132,6 +133,9 @@ def test_a_chain_step_is_flat_dflashs_step_but_for_the_policy(run):
     flat, dd = run["flat"], run["ddtree"]
     assert dd["steps"]["auto_chain_steps"] > 10 and dd["steps"]["tree_steps"] == 0, dd["steps"]
     assert dd["steps"]["fallback_total"] == 0, dd["steps"]
+    # (an eager engine: every proposal ran the drafter's Python, counted under its step's kind)
+    assert dd["steps"]["drafter_eager"]["tree"] == 0, dd["steps"]
+    assert dd["steps"]["drafter_eager"]["chain"] >= dd["steps"]["auto_chain_steps"], dd["steps"]
     assert dd["tokens"] == flat["tokens"]  # (the same drafts, verified by vLLM: the same steps)
     assert not _ops(dd, "step", "ddtree"), _ops(dd, "step", "ddtree")
     # the drafter's chain graphs: a set of their own, dispatched from at every chain step's proposal
@@ -162,6 +166,7 @@ def test_a_tree_steps_eager_operations_are_counted_by_stage(run):
     r = run["tree"]
     steps = r["steps"]["tree_steps"]
     assert steps > 10 and r["steps"]["fallback_total"] == 0, r["steps"]
+    assert r["steps"]["drafter_eager"]["tree"] >= steps and r["steps"]["drafter_eager"]["chain"] == 0, r["steps"]
     assert r["tokens"] == run["flat"]["tokens"]  # (float32: lossless)
     eager = {k: n for k, n in _ops(r, "step", "ddtree").items() if k.split("|")[2] not in r["views"]}
     per_step = sum(eager.values()) / steps

@@ -166,6 +166,8 @@ class DDTreeSpeculator:
                 drafts.append(vllm_class(self).propose(self, *call, **kw))  # (draft_tokens[:R])
             finally:
                 d.drafting_chain = False
+            if d.sampled:  # (no graph replayed the drafter)
+                d.round.metrics.drafter_eager["chain" if chain else "tree"] += 1
             if not d.sampled and d.view.drafter_hooked():
                 hooked.append(True)
                 # a test or benchmark drafter hook (eager Python: a graph replay skipped it), after the

@@ -101,6 +101,9 @@ class DDTreeMetrics:
         self.stage_replays: collections.Counter = collections.Counter()  # stage -> steps it replayed a graph
         self.stage_eager: collections.Counter = collections.Counter()  # stage -> steps it ran eagerly (CUDA)
         self.stage_graphs: dict[str, int] = {}  # stage -> graphs captured (round/stage_graphs.py)
+        # Model Runner V2: proposals whose drafter forward ran its Python (eager, not a CUDA graph's
+        # replay), by the step's kind ("tree", "chain"): on a GPU every one is host time a replay saves
+        self.drafter_eager: collections.Counter = collections.Counter()
         self.fallback_steps: collections.Counter = collections.Counter()  # reason -> steps
         self.fallback_requests: collections.Counter = collections.Counter()  # reason -> request rounds
         self.seconds: collections.Counter = collections.Counter()  # phase -> wall seconds
@@ -175,6 +178,7 @@ class DDTreeMetrics:
             "stage_replays": dict(self.stage_replays),
             "stage_eager": dict(self.stage_eager),
             "stage_graphs": dict(self.stage_graphs),
+            "drafter_eager": {k: self.drafter_eager[k] for k in ("tree", "chain")},
             "fallback_steps": dict(self.fallback_steps),
             "fallback_requests": dict(self.fallback_requests),
             "fallback_total": sum(self.fallback_steps.values()) + sum(self.fallback_requests.values()),

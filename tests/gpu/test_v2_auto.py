@@ -146,6 +146,7 @@ def test_auto_runs_tree_and_chain_steps_on_v2_with_async_scheduling(auto, record
     record(runner=info.get("runner"), start_s=info["start_s"], schedule=info["schedule"],
            graph_buckets=total.get("graph_buckets"), chain_graph_sizes=total.get("chain_graph_sizes"),
            policy=auto.get("policy"), drafter_replays=auto.get("drafter_replays"),
+           drafter_eager=total.get("drafter_eager"),
            **{f"{k}_{p}": {c: auto[k][f"counters_{p}"].get(c) for c in
                            ("tree_steps", "budget_steps", "auto_chain_steps", "graph_steps", "plain_graph_steps",
                             "chain_steps")}
