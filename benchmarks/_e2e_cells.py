@@ -12,11 +12,29 @@ import _step_clock
 from summarize_e2e import rounds_per_s
 
 
-def cell(timed, llm, prompts, max_tokens, repeats) -> dict:
+def cell(timed, llm, prompts, max_tokens, repeats, min_cell_s: float = 0.0) -> dict:
     """One (mode, profile, concurrency) cell: `repeats` timed runs, reported by the run of median
     tok/s. A run is c requests of max_tokens: at c=1 on the 4B shape well under a second, and
-    single runs of the same engine varied by up to 25% (a log line, a GC pause, a clock step)."""
-    return median([timed(llm, prompts, max_tokens) for _ in range(max(repeats, 1))])
+    single runs of the same engine varied by up to 25% (a log line, a GC pause, a clock step).
+    With `min_cell_s`, runs are added until they sum to that much wall time (more_runs)."""
+    runs = []
+    while more_runs(len(runs), [runs], repeats, min_cell_s):
+        runs.append(timed(llm, prompts, max_tokens))
+    return median(runs)
+
+
+def more_runs(done: int, runs_of_each: list, repeats: int, min_cell_s: float) -> bool:
+    """Whether a cell takes another run (of every mode, alike): fewer than `repeats` done, or some
+    mode's runs sum to less than `min_cell_s` of wall time, up to _MAX_RUNS_FACTOR x repeats (--min-cell-s:
+    a short cell's runs, c = 1 of a fast engine, are the ones a hiccup moves)."""
+    repeats = max(repeats, 1)
+    if done < repeats:
+        return True
+    return done < _MAX_RUNS_FACTOR * repeats and any(sum(r["wall_s"] for r in runs) < min_cell_s
+                                                      for runs in runs_of_each)
+
+
+_MAX_RUNS_FACTOR = 8
 
 
 def median(runs) -> dict:

@@ -61,10 +61,11 @@ def side_by_side(modes, profiles, setup, result, save) -> None:
                     for w in _rotated(workers, i):
                         warm[w.mode].append(w.call("run", c)["started_s"])
                 before = {w.mode: w.call("counters") for w in workers}
-                runs = {w.mode: [] for w in workers}
-                for i in range(max(args.repeats, 1)):
+                runs, i = {w.mode: [] for w in workers}, 0
+                while cells.more_runs(i, list(runs.values()), args.repeats, getattr(args, "min_cell_s", 0.0)):
                     for w in _rotated(workers, i):
                         runs[w.mode].append(w.call("run", c))
+                    i += 1
                 for w in workers:
                     rounds = cells.rounds_of(w.budget, before[w.mode], w.call("counters"))
                     rounds["run_started_s"] = [r["started_s"] for r in runs[w.mode]]  # the interleaving, on record

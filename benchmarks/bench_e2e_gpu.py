@@ -105,7 +105,7 @@ def run(args) -> dict:
                 if ref_path:
                     ref_path.write_text(json.dumps({"target": args.target, "outputs": ref}))
             for c in conc if "nospec" in args.modes else ():
-                r = cells.cell(_timed, llm, prompts[:c], args.max_tokens, args.repeats)
+                r = cells.cell(_timed, llm, prompts[:c], args.max_tokens, args.repeats, args.min_cell_s)
                 result["runs"].append({"mode": "nospec", "concurrency": c,
                                        **cells.summary(r, ref[:c], args.max_tokens)})
                 save()
@@ -137,7 +137,7 @@ def run(args) -> dict:
                         for _ in range(args.warmup_runs):
                             _timed(llm, prompts[:c], args.max_tokens)
                         before = cells.counters(llm, budget)
-                        r = cells.cell(_timed, llm, prompts[:c], args.max_tokens, args.repeats)
+                        r = cells.cell(_timed, llm, prompts[:c], args.max_tokens, args.repeats, args.min_cell_s)
                         after = cells.counters(llm, budget)
                         rounds = {**cells.rounds_of(budget, before, after), "loop": loop_of(mode, args), **loop_info(llm)}
                         cells.add_row(result, args, mode, budget, prof, c, r, ref, rounds)
@@ -220,6 +220,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per cell; the median tok/s is reported")
+    ap.add_argument("--min-cell-s", type=float, default=0.0, help="more timed runs (up to 8x --repeats) until the "
+                    "cell's runs sum to this many seconds of wall time (side by side: every mode's, each taking "
+                    "as many runs as the others)")
     ap.add_argument("--warmup-runs", type=int, default=1, help="untimed runs per cell and mode before its timed "
                     "runs: every engine enters a cell at its steady state (budget 'auto' carries the last cell's "
                     "costs and acceptance into the next: H100 4B runs without it lagged a profile switch, "

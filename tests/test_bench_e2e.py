@@ -333,6 +333,23 @@ def test_ratio_interval_resamples_the_paired_repeats(bench):
     assert "vs_flat_ci90" not in auto  # two repeats: no interval
 
 
+def test_min_cell_s_adds_runs_until_every_modes_wall_time_is_reached(bench):
+    """--min-cell-s: a cell of short runs takes more of them (side by side: every mode as many), at
+    least --repeats, at most 8x; without it exactly --repeats."""
+    cells = importlib.import_module("_e2e_cells")
+    run = lambda s: {"wall_s": s}  # noqa: E731
+    assert not cells.more_runs(5, [[run(0.1)] * 5], 5, 0.0)
+    assert cells.more_runs(5, [[run(1.0)] * 5, [run(0.3)] * 5], 5, 2.0)  # (the faster mode: 1.5 s)
+    assert not cells.more_runs(7, [[run(1.0)] * 7, [run(0.3)] * 7], 5, 2.0)  # (both past 2 s)
+    assert not cells.more_runs(40, [[run(0.01)] * 40], 5, 2.0)  # (8 x 5 runs at most)
+    assert cells.more_runs(1, [[run(9.0)]], 2, 2.0)  # (--repeats first)
+    walls = iter([0.4] * 20)
+    timed = lambda llm, prompts, n: {"wall_s": next(walls), "tok_s": 10.0, "outputs": [], "steps": 1,  # noqa: E731
+                                     "peak_batch": 1}
+    r = cells.cell(timed, None, [], 8, 3, min_cell_s=2.0)
+    assert len(r["tok_s_runs"]) == 5 and r["wall_s_total"] == pytest.approx(2.0), r
+
+
 def test_steady_steps_over_flats_at_the_cells_bucket(bench):
     """summarize_e2e's step_vs_flat: each kind's steady step (--phase-timers' step_clock) over flat's of
     the same cell and batch bucket; the table shows the bucket of c (4 -> 4, 16 -> 16), "-" where flat has none."""
