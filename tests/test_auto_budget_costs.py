@@ -156,3 +156,20 @@ def test_on_the_devices_timeline_a_step_is_its_own_work_however_far_the_host_run
         assert ratio == pytest.approx(10.8 / 17.5)
     else:  # (the host's lead past its depth: the tree's cost read near the chain's)
         assert ratio > 0.8 and host.decisions[ab.TREE] > 0.5 * sum(host.decisions.values()), (ratio, host.decisions)
+
+
+def test_a_stall_next_to_a_probe_is_no_ratio():
+    """A kind's first steps of a shape can stall (a graph captured, a kernel compiled, the device idle
+    through it); where two kinds meet only at probes their pairs are few, and two stalls made the
+    median: an H100's engine (4B shape, menu 8/16/32) read tree:16's step at 0.05x tree:8's at bucket 1.
+    A ratio past _STALL_RATIO is dropped (counted), so the pair's median is the steps' own."""
+    t8 = ab.tree_kind(8, BUDGET)
+    _, p = _policy(menu=(8, BUDGET))
+    steps = [(ab.TREE, 0.007), (t8, 0.150), (ab.TREE, 0.007), (t8, 0.150), (ab.TREE, 0.007), (t8, 0.0077),
+             (ab.TREE, 0.007)]
+    for i, (kind, seconds) in enumerate(steps):
+        p._observe(kind, 1, seconds, i)
+    assert p.stalled_pairs == 4, p.stalled_pairs  # (each stall against the step before and the one after)
+    # (kept, the four stalls' ratios would be the median of six: tree at 0.047x tree:8)
+    assert p.snapshot()["step_ratio"] == {"tree/tree:8@1": pytest.approx(0.007 / 0.0077)}
+

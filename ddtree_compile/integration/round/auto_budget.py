@@ -49,8 +49,8 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   DFlash step took 10.9 ms in one cell and 15.3 ms in the next) and so does the batch inside its
   bucket (16 holds 16..31 requests). So a probe's timed step is also compared with the winner's timed
   steps right before and after it (depth + 1 steps apart: one host speed, nearly one batch). Once a
-  pair of kinds has _MIN_PAIRS such ratios (a median: one stall cannot move it), the costs in the
-  choice (and in the probe gaps) are one consistent set: the log-costs that best fit, by least
+  pair of kinds has _MIN_PAIRS such ratios (a median; a ratio past _STALL_RATIO is a stall, not kept),
+  the costs in the choice (and in the probe gaps) are one consistent set: the log-costs that best fit, by least
   squares, every such pair's median log-ratio (weight 1) and the kinds' own costs (weight
   _OWN_WEIGHT: they set the level, and the cost of a kind no ratio reaches). With three kinds or
   more the medians need not agree around a cycle, and costs read against the last winner (before)
@@ -98,6 +98,11 @@ _SETTLED = 4  # measured steps before a losing kind's probes are priced (until t
 _PROBE_SHARE = 0.01  # of the rate that the probes of every losing kind together may cost
 _PROBE_MAX = 16  # a losing kind is probed at least every probe_interval * this steps
 _MIN_PAIRS = 3  # such comparisons of a pair of kinds before their median ratio enters the costs' fit
+# A neighbour ratio past this factor is a stall (a graph captured or a kernel compiled at a kind's first
+# steps of a shape: the device idles through it), not a cost, and is not kept: steps of two kinds at one
+# bucket differ by less (an H100, 4B shape, c = 16: the chain's step 0.48x the 33-slot tree's), but
+# pairs are few where kinds meet only at probes, and an H100's engine read tree:16 at 0.05x tree:8 (bucket 1)
+_STALL_RATIO = 4.0
 _OWN_WEIGHT = 1e-3  # the kinds' own log-costs in that fit, against 1 for each pair's median log-ratio
 _TRACE = 48  # the last steps kept for the snapshot: each decision's kind, each timed step's kind, bucket and ms
 
@@ -158,6 +163,7 @@ class AutoBudget:
         self._step = 0  # steps ended, to tell which timed steps were neighbours
         self._last: dict[int, dict] = {}  # bucket -> kind -> (step, seconds) of its last timed step there
         self._pairs: dict = {}  # (kind, other, bucket) -> the last _WINDOW log(its step / other's neighbouring step)
+        self.stalled_pairs = 0  # neighbour ratios past _STALL_RATIO, not kept
         self._medians: dict = {}  # the same keys -> their median, until the next ratio (the fit reads it every step)
         self.min_pairs = _MIN_PAIRS  # (benchmarks/sim_auto_budget.py --no-pairs: out of reach, the costs alone)
         self.forced: str | None = None  # a kind every step takes (precompile times each kind this way)
@@ -327,6 +333,9 @@ class AutoBudget:
         for other, (then, s) in last.items():
             if other != kind and step - then <= self.depth + 1:  # (a probe and its neighbours)
                 r = math.log(seconds / s)
+                if abs(r) > math.log(_STALL_RATIO):
+                    self.stalled_pairs += 1
+                    continue
                 for key, v in (((kind, other, b), r), ((other, kind, b), -r)):
                     self._pairs.setdefault(key, collections.deque(maxlen=_WINDOW)).append(v)
                     self._medians.pop(key, None)
@@ -367,6 +376,7 @@ class AutoBudget:
                 "decisions": dict(self.decisions),
                 "decisions_at": {f"{k}@{b}": n for (k, b), n in sorted(self.decisions_at.items())},
                 "probes": self.probes, "probe_gap": dict(self.probe_gap), "chain_probes": self.chain_probes,
+                "stalled_pairs": self.stalled_pairs,
                 "budget_probes": self.budget_probes, "repeatable": dict(self.repeatable),
                 "tokens_per_round": dict(self.tokens), "table": self.table_path,
                 "draft_ms": None if self.draft_s is None else 1e3 * self.draft_s,
