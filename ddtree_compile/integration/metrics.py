@@ -199,10 +199,19 @@ class DDTreeMetrics:
         if self._acc.device.type != "cuda":
             logger.info("DDTree: %s", format_line(self.snapshot()))
             return
-        acc, hist = self._acc.to("cpu", non_blocking=True), self._hist.to("cpu", non_blocking=True)  # pinned
-        event = torch.cuda.Event()
-        event.record()
-        self._log_copy = (event, acc, hist)
+        self._log_copy = self.host_copy()
+
+    def host_copy(self) -> tuple:
+        """(event, accepted counts, histogram): the device counters' copy to the host, started now on this
+        thread's stream (pinned, non-blocking) and complete once `event.query()` (None off CUDA: the
+        counters themselves); for `snapshot(copy[1:])` without a host sync."""
+        if self._acc.device.type != "cuda":
+            return None, self._acc, self._hist
+        with torch.cuda.device(self._acc.device):
+            acc, hist = self._acc.to("cpu", non_blocking=True), self._hist.to("cpu", non_blocking=True)  # pinned
+            event = torch.cuda.Event()
+            event.record()
+        return event, acc, hist
 
     def close(self) -> None:
         with _LOCK:

@@ -97,19 +97,22 @@ def _export_loop(m, folder: str) -> None:
     import time
 
     path = os.path.join(folder, f"worker-{os.getpid()}-{id(m)}.json")
-    last = None
+    last, copy = None, None
     while os.path.isdir(folder):
-        # Host-side counters move on every step; the device ones are only read when they did
-        # (on CUDA `snapshot()` copies a few ints to the host, once per interval at most).
+        # Host-side counters move on every step; the device ones are only read when they did: on CUDA
+        # a copy of a few ints started then (no host sync: a sync here, on vLLM's device, would wait
+        # for the steps queued ahead) and written at the first interval that finds it done.
         sig = (m.tree_steps, m.chain_steps, m.auto_chain_steps, sum(m.fallback_steps.values()),
                sum(m.fallback_requests.values()))
-        if sig != last:
-            snap = {"model_name": _MODEL.get(id(m), ""), **m.snapshot()}
+        if copy is None and sig != last:
+            copy, last = m.host_copy(), sig
+        if copy is not None and (copy[0] is None or copy[0].query()):
+            snap = {"model_name": _MODEL.get(id(m), ""), **m.snapshot(copy[1:])}
+            copy = None
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(snap, f)
             os.replace(tmp, path)
-            last = sig
         time.sleep(EXPORT_INTERVAL)
 
 
