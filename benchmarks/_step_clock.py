@@ -97,12 +97,14 @@ def snapshot(llm) -> dict | None:
 
 
 def summary(before: dict | None, after: dict | None) -> dict | None:
-    """The cell's steps per key: their count and median (ms)."""
+    """The cell's steps per key: their count, median and 10th / 90th percentiles (ms; a kind whose steps
+    took one time in some runs and another in others shows apart from one whose every step varies)."""
     if after is None:
         return None
     out = {}
     for k, v in sorted(after.items()):
-        new = v[len((before or {}).get(k, ())):]
+        new = sorted(v[len((before or {}).get(k, ())):])
         if new:
-            out[k] = {"n": len(new), "ms": 1e3 * statistics.median(new)}
+            out[k] = {"n": len(new), "ms": 1e3 * statistics.median(new), "p10_ms": 1e3 * new[len(new) // 10],
+                      "p90_ms": 1e3 * new[(9 * len(new)) // 10]}
     return out
