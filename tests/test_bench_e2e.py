@@ -162,7 +162,7 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
     rc = bench.main(["--target", "tiny", "--max-tokens", "16", "--concurrency", "1,2", "--budgets", "8", "--top-k", "4",
                      "--flat-len", "7", "--profiles", str(tmp_path / "p.json"), "--profile-names", "perfect,perfect2",
                      "--modes", "flat,ddtree8", "--repeats", "3", "--side-by-side", "--devices", "3,5",
-                     "--gpu-profile", "2", "--out", str(out)])
+                     "--gpu-profile", "2", "--phase-timers", "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0, [r for r in res["runs"] if "error" in r]
     # --gpu-profile 2: one profiled run per engine at c=2 only (CPU: no kernels, the host ops are counted)
@@ -194,6 +194,9 @@ def test_bench_e2e_side_by_side(bench, tmp_path, monkeypatch):
             assert r["tokens_per_round"] > 5  # the perfect oracle: (nearly) every draft accepted
         assert d["tree_steps"] > 0 and d["fallback_total"] == 0  # the tree ran, in its own process
         assert math.isclose(d["tok_s_vs_flat"], d["tok_s"] / f["tok_s"])
+        # --phase-timers in each engine's process: its phases; the step clock is Model Runner V2's (these
+        # CPU engines run the V1 runner; test_phase_timers.py clocks V2's)
+        assert f["runner"].endswith("CPUModelRunner") and f["phase_ms_per_step"] and "step_clock" not in f, f
 
 
 def test_bench_devices_repeat_and_name_the_option(bench, monkeypatch, capsys):
