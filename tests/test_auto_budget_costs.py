@@ -172,4 +172,3 @@ def test_a_stall_next_to_a_probe_is_no_ratio():
     assert p.stalled_pairs == 4, p.stalled_pairs  # (each stall against the step before and the one after)
     # (kept, the four stalls' ratios would be the median of six: tree at 0.047x tree:8)
     assert p.snapshot()["step_ratio"] == {"tree/tree:8@1": pytest.approx(0.007 / 0.0077)}
-

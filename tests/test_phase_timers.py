@@ -39,7 +39,7 @@ with tempfile.TemporaryDirectory() as tmp:
             clock = _step_clock.install(llm)
             state = engines.find_state(llm)
             if name == "autochain":
-                e2e.generate(llm, prompts, 8)  # (a tree step first: the kind read from the counts it moved)
+                e2e.generate(llm, prompts, 8)  # (the policy starts with trees: the clock reads kinds step by step)
                 state.ctx.auto.forced = "chain"  # (written to vLLM's schedule: from the next batch on)
             before = _step_clock.snapshot(llm)
             e2e.generate(llm, prompts, 16)
