@@ -4,6 +4,7 @@
 import json
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ddtree_compile.integration import metrics, prometheus
@@ -82,6 +83,53 @@ def test_worker_exports_when_only_auto_chain_steps_move(tmp_path, monkeypatch):
     exported()
     m.auto_chain_steps += 3  # nothing else moves
     assert exported()["tree_steps"] == 0
+    for f in folder.iterdir():
+        f.unlink()
+    folder.rmdir()  # ends the loop
+    t.join(5)
+
+
+def test_worker_writes_the_device_counters_once_their_copy_is_done(tmp_path, monkeypatch):
+    """On CUDA the worker's counters reach the host by a non-blocking copy (DDTreeMetrics.host_copy), not
+    a sync: the export loop writes the counters as copied, at the first interval that finds the copy's
+    event done, never waiting on it. Here the event is a stand-in done at its fourth query (CUDA events
+    are not on this machine); the counters move after the copy started and are not what is written."""
+    import threading
+    import time
+
+    class Event:
+        def __init__(self):
+            self.queries = 0
+
+        def query(self):
+            self.queries += 1
+            return self.queries >= 4
+
+    monkeypatch.setattr(prometheus, "EXPORT_INTERVAL", 0.01)
+    m = metrics.DDTreeMetrics(max_depth=4, device="cpu")
+    m.record_round(torch.ones(1, dtype=torch.bool), torch.full((1,), 8), torch.tensor([3]), torch.tensor([1]),
+                   torch.zeros(1, dtype=torch.bool))
+    m.tree_steps = 1
+    copies, started = [], threading.Event()
+
+    def host_copy():
+        copies.append((Event(), m._acc.clone(), m._hist.clone()))
+        started.set()
+        return copies[-1]
+
+    monkeypatch.setattr(m, "host_copy", host_copy)
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    t = threading.Thread(target=prometheus._export_loop, args=(m, str(folder)), daemon=True)
+    t.start()
+    assert started.wait(10)
+    m.record_round(torch.ones(1, dtype=torch.bool), torch.full((1,), 8), torch.tensor([4]), torch.tensor([0]),
+                   torch.zeros(1, dtype=torch.bool))  # (after the copy: not in this export)
+    deadline = time.monotonic() + 10
+    while not list(folder.glob("worker-*.json")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    snap = json.loads(next(folder.glob("worker-*.json")).read_text())
+    assert copies[0][0].queries >= 4 and snap["nodes_accepted"] == 3 and snap["tree_requests"] == 1, snap
     for f in folder.iterdir():
         f.unlink()
     folder.rmdir()  # ends the loop
