@@ -6,7 +6,7 @@ and vLLM's own flat DFlash server as the control. Same jobs, same checks, one co
 
 `run(srv, plain, size)`: `size.requests` streaming chat requests at once (plain text, thinking on,
 forced tool calls, JSON-schema output, two-turn conversations, images where served, and `size.cap`
-requests that decode into --max-model-len), `size.cancel` of them hung up after a few chunks. Then:
+requests that decode into --max-model-len), `size.cancel` of them hung up at their first tokens. Then:
 the server settles (nothing running, KV-cache usage back to its idle value), answers a final request,
 and every completed greedy request is gated (the regret gate) against the same request sent alone to
 the no-speculation server with log-probs. `check(out, size, control)` asserts, with the same load on
@@ -25,7 +25,10 @@ from ddtree_compile.testing import e2e, tokenizer
 
 import _serve_cases as sc
 
-CANCEL_AFTER = 3  # chunks with tokens before a cancelled request hangs up (mid-stream)
+# chunks with tokens before a cancelled request hangs up (mid-stream). One: under load the server merges
+# the steps a slow client has not read into one chunk, and after three a forced tool call of 24 tokens
+# had already finished (vLLM's flat DFlash, make test-layouts), so it was not hung up
+CANCEL_AFTER = 1
 TOP_LOGPROBS = 20  # vLLM's default --max-logprobs: a divergent token outside the reference's list is rare
 # Under load a request's steps mix prefills, chains and trees (bf16 kernels next to the float32 tree
 # templates), so its recurrent state takes another rounding path than alone: the drift bound of
