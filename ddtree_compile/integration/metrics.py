@@ -101,8 +101,8 @@ class DDTreeMetrics:
         self.stage_replays: collections.Counter = collections.Counter()  # stage -> steps it replayed a graph
         self.stage_eager: collections.Counter = collections.Counter()  # stage -> steps it ran eagerly (CUDA)
         self.stage_graphs: dict[str, int] = {}  # stage -> graphs captured (round/stage_graphs.py)
-        # Model Runner V2: proposals whose drafter forward ran its Python (eager, not a CUDA graph's
-        # replay), by the step's kind ("tree", "chain"): on a GPU every one is host time a replay saves
+        # Model Runner V2: proposals whose drafter forward ran its Python (no FULL CUDA graph replayed
+        # it), by the step's kind ("tree", "chain"): on a GPU every one is host time a replay saves
         self.drafter_eager: collections.Counter = collections.Counter()
         self.fallback_steps: collections.Counter = collections.Counter()  # reason -> steps
         self.fallback_requests: collections.Counter = collections.Counter()  # reason -> request rounds
