@@ -25,9 +25,8 @@ from ddtree_compile.testing import e2e, tokenizer
 
 import _serve_cases as sc
 
-# chunks with tokens before a cancelled request hangs up (mid-stream). One: under load the server merges
-# the steps a slow client has not read into one chunk, and after three a forced tool call of 24 tokens
-# had already finished (vLLM's flat DFlash, make test-layouts), so it was not hung up
+# token chunks before a cancelled request hangs up (mid-stream): one, as a loaded server merges unread steps
+# into a chunk (after three, a 24-token forced tool call had finished on flat DFlash: make test-layouts)
 CANCEL_AFTER = 1
 TOP_LOGPROBS = 20  # vLLM's default --max-logprobs: a divergent token outside the reference's list is rare
 # Under load a request's steps mix prefills, chains and trees (bf16 kernels next to the float32 tree
