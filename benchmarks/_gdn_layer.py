@@ -20,6 +20,8 @@ from ddtree_compile.templates.tree_conv import tree_conv1d_triton  # noqa: E402
 from ddtree_compile.templates.tree_gdn import tree_gdn_triton  # noqa: E402
 
 QWEN36 = dict(H=16, HV=48, K=128, V=128, W=4, layers=48)  # Qwen3.6-27B: 48 of its 64 layers are GDN
+QWEN35_4B = dict(H=16, HV=32, K=128, V=128, W=4, layers=24)  # Qwen3.5-4B: 24 of its 32 layers are GDN
+SHAPES = {"qwen36_27b": QWEN36, "qwen35_4b": QWEN35_4B}
 TINY = dict(H=2, HV=4, K=16, V=16, W=4, layers=3)
 L_DRAFT = 15  # DFlash block 16 -> tree depth <= 15
 DEV = "cpu" if SMOKE else "cuda"

@@ -3,6 +3,7 @@ a chain of the same token count, snapshot vs replay (records) commit over all 48
 written per step, and the drift of bf16/fp16 state storage vs fp32 after 256 committed rounds.
 
 GPU:   python benchmarks/bench_tree_gdn.py --out build/tree_gdn_h100.json
+       python benchmarks/bench_tree_gdn.py --sweep --shape qwen35_4b --out build/tree_gdn_sweep_4b.json
 CPU:   python benchmarks/bench_tree_gdn.py --smoke   (Triton interpreter, tiny shapes: checks the script)
 Times are CUDA-graph replays with a cold L2 (triton.testing.do_bench flushes it), i.e. one layer as it
 runs inside a 48-layer model whose states do not stay in L2 between steps.
@@ -18,7 +19,7 @@ import sys
 import time
 
 # first: with --smoke it selects Triton's interpreter before torch and the templates load
-from _gdn_layer import DEV, L_DRAFT, QWEN36, SMOKE, TINY, Layer, accepted, metas, side_path, timer  # isort: skip
+from _gdn_layer import DEV, L_DRAFT, SHAPES, SMOKE, TINY, Layer, accepted, metas, side_path, timer  # isort: skip
 
 import torch
 
@@ -49,6 +50,27 @@ def tune(cfg, shapes):
             rows.append(dict(R=R, B=B, kernel="tree_conv", **kw, ms=ms))
         del L
     return gdn_cfgs[min(gt, key=gt.get)], conv_cfgs[min(ct, key=ct.get)], rows
+
+
+SWEEP_CFGS = [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8)]  # (block_v, num_warps)
+
+
+def sweep(cfg, Rs, Bs):
+    """The recurrence's (block_v, num_warps) on every (R, B) bucket, the product's strategy (records)."""
+    rows = []
+    for R in Rs:
+        for B in Bs:
+            L = Layer(cfg, R, B, seed=3)
+            _, mt, _ = metas(R, B, cfg["W"], 100)
+            t = {}
+            for bv, nw in SWEEP_CFGS[:2] if SMOKE else SWEEP_CFGS:
+                t[f"{bv}x{nw}"] = round(timer(lambda: L.gdn(mt, "records", block_v=bv, num_warps=nw)), 5)
+            best = min(t, key=t.get)
+            rows.append(dict(R=R, B=B, programs_bv32=R * cfg["HV"] * -(-cfg["V"] // 32), ms=t, best=best,
+                             best_vs_32x4=round(t[best] / t.get("32x4", t[best]), 3)))
+            print(json.dumps(rows[-1]), flush=True)
+            del L
+    return rows
 
 
 def bytes_per_layer(cfg, R, N, tree, state_bytes):
@@ -148,8 +170,19 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--rounds", type=int, default=256)
+    ap.add_argument("--sweep", action="store_true", help="only the recurrence's launch configs on every bucket")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen36_27b")
     args = ap.parse_args()
-    cfg = TINY if SMOKE else QWEN36
+    cfg = TINY if SMOKE else SHAPES[args.shape]
+    if args.sweep:
+        Rs, Bs = ([1, 2], [4]) if SMOKE else ([1, 2, 4, 8, 16, 32], [8, 16, 32, 64])
+        doc = dict(command="python benchmarks/bench_tree_gdn.py " + " ".join(sys.argv[1:]), shape=cfg,
+                   device=torch.cuda.get_device_name() if not SMOKE else "cpu-interpreter", torch=torch.__version__,
+                   sweep=sweep(cfg, Rs, Bs))
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        return
     Bs, Rs = ([4, 6], [1, 2]) if SMOKE else ([16, 22, 32, 64], [1, 8, 32])
     fla = None
     if not args.no_fla and not SMOKE:

@@ -170,6 +170,26 @@ def with_overrides(tiles: AttnTiles, **kw) -> AttnTiles:
 
 
 @dataclass(frozen=True)
+class GdnTiles:
+    block_v: int  # value rows of the [BV, K] fp32 state tile one program carries through its request's walk
+    num_warps: int
+
+
+# Tree gated delta rule (tree_gdn.py) on sm_90: 16 value rows, one warp. The H100 sweep (bench_tree_gdn.py
+# --sweep, records strategy, 8 configs; tree_gdn_sweep_h100.json) on both Qwen GDN shapes (HV = 32 and 48),
+# R = 1-32 requests, B = 8-64 nodes, put it first or within 4% of the first in all 48 buckets, and 3-45%
+# ahead of 32 rows / 4 warps (vLLM's chain-kernel choice, the old default): 5% at the 4B shape's R = 1,
+# B = 32, 43% at R = 4. Likely why (not profiled): the walk is sequential per program, so a step's latency
+# is its reductions over K, which one warp does with shuffles alone; smaller programs also fill more SMs.
+_GDN = {"sm_90": GdnTiles(16, 1)}
+
+
+def gdn_tiles(arch: str) -> GdnTiles:
+    """Unmeasured architectures keep the chain kernel's 32 rows / 4 warps."""
+    return _GDN.get(arch, GdnTiles(32, 4))
+
+
+@dataclass(frozen=True)
 class CompactTiles:
     num_warps: int
 
