@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ddtree_compile.templates.gdn_meta import F_FROM_COMMITTED, F_PAD, F_RELOAD, F_SAVE
 from ddtree_compile.templates.tree_gdn_ref import check_gdn_args
-from ddtree_compile.templates.tuning import arch_of, gdn_tiles
+from ddtree_compile.templates.tuning import gdn_tiles
 
 try:
     import triton
@@ -120,15 +120,15 @@ if triton is not None:
 def tree_gdn_triton(qkv, a, b, A_log, dt_bias, ssm_state, state_indices, num_accepted, walk, stack, out,
                     rec_kv, rec_gb, num_k_heads, head_k_dim, scale, write_snapshots,
                     block_v: int | None = None, num_warps: int | None = None):
-    """Triton launcher; same contract as `tree_gdn_ref`. No host sync, no allocation. The tile is the
-    architecture's (tuning.gdn_tiles) unless given."""
+    """Triton launcher; same contract as `tree_gdn_ref`. No host sync, no allocation. The tile is
+    tuning.gdn_tiles()'s unless given."""
     if triton is None:
         raise RuntimeError("tree_gdn: triton is not installed")
     check_gdn_args(qkv, a, b, ssm_state, state_indices, num_accepted, walk, stack, out, rec_kv, rec_gb,
                    num_k_heads, head_k_dim, write_snapshots)
     R, N = walk.shape[:2]
     _, HV, V, K = ssm_state.shape
-    tiles = gdn_tiles(arch_of(qkv.device)[0])
+    tiles = gdn_tiles()
     block_v = tiles.block_v if block_v is None else block_v
     num_warps = tiles.num_warps if num_warps is None else num_warps
     BV = min(block_v, triton.next_power_of_2(V))

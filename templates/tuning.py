@@ -13,6 +13,7 @@ and no wgmma, so tiles are small and pipelining shallow. Anything else uses the 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -175,18 +176,37 @@ class GdnTiles:
     num_warps: int
 
 
-# Tree gated delta rule (tree_gdn.py) on sm_90: 16 value rows, one warp. The H100 sweep (bench_tree_gdn.py
-# --sweep, records strategy, 8 configs; tree_gdn_sweep_h100.json) on both Qwen GDN shapes (HV = 32 and 48),
-# R = 1-32 requests, B = 8-64 nodes, put it first or within 4% of the first in all 48 buckets, and 3-45%
-# ahead of 32 rows / 4 warps (vLLM's chain-kernel choice, the old default): 5% at the 4B shape's R = 1,
-# B = 32, 43% at R = 4. Likely why (not profiled): the walk is sequential per program, so a step's latency
-# is its reductions over K, which one warp does with shuffles alone; smaller programs also fill more SMs.
-_GDN = {"sm_90": GdnTiles(16, 1)}
+# Tree gated delta rule (tree_gdn.py): 32 value rows on 4 warps everywhere, the tile of vLLM's
+# `fused_sigmoid_gating_delta_rule_update`, so a chain's GDN outputs are bit-identical to flat DFlash's
+# (tests/gpu/test_layer_diff.py; CHANGELOG: 1-2 bf16 ulps at the first verify became gate misses on the
+# tiny bf16 hybrids at long context). Faster, not yet the default: 16 rows on one warp. The H100 sweep
+# (bench_tree_gdn.py --sweep, records strategy, 8 configs; tree_gdn_sweep_h100.json) on both Qwen GDN
+# shapes (HV = 32 and 48), R = 1-32 requests, B = 8-64 nodes, put it first or within 4% of the first in
+# all 48 buckets and 3-45% ahead of 32 / 4 (5% at the 4B shape's R = 1, B = 32, 43% at R = 4). One warp
+# may sum q's and k's norms in another association than four warps do, which can move a bit; it becomes
+# sm_90's default once test_layer_diff passes with DDTREE_GDN_TILES=16x1 (the override,
+# "<block_v>x<num_warps>", for that check and the benchmarks).
+_GDN_DEFAULT = GdnTiles(32, 4)
+_GDN_ENV = "DDTREE_GDN_TILES"
 
 
-def gdn_tiles(arch: str) -> GdnTiles:
-    """Unmeasured architectures keep the chain kernel's 32 rows / 4 warps."""
-    return _GDN.get(arch, GdnTiles(32, 4))
+@functools.lru_cache(maxsize=None)
+def _gdn_override(value: str) -> GdnTiles | None:
+    if not value:
+        return None
+    try:
+        bv, nw = (int(x) for x in value.lower().split("x"))
+    except ValueError:
+        bv = nw = 0
+    if bv not in (8, 16, 32, 64, 128) or nw not in (1, 2, 4, 8):
+        raise ValueError(f"{_GDN_ENV}={value!r}: expected '<block_v>x<num_warps>' with block_v in 8, 16, 32, 64, "
+                         f"128 and num_warps in 1, 2, 4, 8 (e.g. '16x1'), or unset")
+    return GdnTiles(bv, nw)
+
+
+def gdn_tiles() -> GdnTiles:
+    """The tree recurrence's tile: vLLM's chain-kernel tile unless DDTREE_GDN_TILES overrides it."""
+    return _gdn_override(os.environ.get(_GDN_ENV, "")) or _GDN_DEFAULT
 
 
 @dataclass(frozen=True)

@@ -208,3 +208,24 @@ def test_budget_128_triton():
     meta = build_gdn_meta(case[0], 4)
     out, _, _, _ = run(tree_gdn_triton, case, meta, H, K, False, False)
     check_oracle(case, out, H, K, 1e-4)
+
+
+def test_tile_override_runs_the_tile_it_names(monkeypatch):
+    """DDTREE_GDN_TILES picks the launcher's tile where none is passed (how test_layer_diff and the benchmarks
+    check a faster one); the tile changes the grid (V = 32: one program of 32 rows or two of 16), not the result.
+    A malformed value names the variable and the allowed form."""
+    from ddtree_compile.templates import tuning
+
+    H, HV, K, V = 2, 4, 16, 32
+    case = make_case(9, H, HV, K, V, ("bushy", "deep", "chain"), seed=5)
+    meta = build_gdn_meta(case[0], 4)
+    ref = run(tree_gdn_ref, case, meta, H, K, False, True)
+    for value, want in (("", tuning.GdnTiles(32, 4)), ("16x1", tuning.GdnTiles(16, 1))):
+        monkeypatch.setenv("DDTREE_GDN_TILES", value)
+        assert tuning.gdn_tiles() == want
+        tri = run(tree_gdn_triton, case, meta, H, K, False, True)
+        torch.testing.assert_close(tri[0], ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tri[3], ref[3], rtol=1e-6, atol=1e-6, equal_nan=True)
+    monkeypatch.setenv("DDTREE_GDN_TILES", "16")
+    with pytest.raises(ValueError, match=r"DDTREE_GDN_TILES='16': expected '<block_v>x<num_warps>'"):
+        tuning.gdn_tiles()
