@@ -24,6 +24,7 @@ QWEN35_4B = dict(H=16, HV=32, K=128, V=128, W=4, layers=24)  # Qwen3.5-4B: 24 of
 SHAPES = {"qwen36_27b": QWEN36, "qwen35_4b": QWEN35_4B}
 TINY = dict(H=2, HV=4, K=16, V=16, W=4, layers=3)
 L_DRAFT = 15  # DFlash block 16 -> tree depth <= 15
+MAX_SPLITS = 8
 DEV = "cpu" if SMOKE else "cuda"
 
 
@@ -116,7 +117,8 @@ class Layer:
         self.na = torch.ones(R, device=DEV, dtype=torch.int32)
         self.y = torch.empty_like(self.x)
         self.out = torch.empty(R * N, HV, V, device=DEV, dtype=torch.bfloat16)
-        self.stack = torch.empty(R, L_DRAFT, HV, V, K, device=DEV)
+        # a split walk (tree_gdn.py) gives each part its own stack row; swept at R <= 4 only (memory)
+        self.stack = torch.empty(R * (MAX_SPLITS if R <= 4 else 1), L_DRAFT, HV, V, K, device=DEV)
         self.rec_kv = torch.empty(R, N, H * K + HV * V, device=DEV, dtype=torch.bfloat16)
         self.rec_gb = torch.empty(R, N, 2, HV, device=DEV)
 

@@ -53,23 +53,27 @@ def tune(cfg, shapes):
 
 
 SWEEP_CFGS = [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8)]  # (block_v, num_warps)
+SPLIT_CFGS = [(32, 4, 2), (32, 4, 4), (32, 4, 8), (16, 1, 2), (16, 1, 4), (16, 1, 8)]  # + splits, at R <= 4
 
 
 def sweep(cfg, Rs, Bs):
-    """The recurrence's (block_v, num_warps) on every (R, B) bucket, the product's strategy (records)."""
+    """The recurrence's launch configs on every (R, B) bucket, the product's strategy (records): tiles
+    (block_v x num_warps) everywhere, split walks (x splits) where R <= 4."""
     rows = []
     for R in Rs:
         for B in Bs:
             L = Layer(cfg, R, B, seed=3)
             _, mt, _ = metas(R, B, cfg["W"], 100)
+            cfgs = [(bv, nw, 1) for bv, nw in SWEEP_CFGS] + (SPLIT_CFGS if R <= 4 else [])
             t = {}
-            for bv, nw in SWEEP_CFGS[:2] if SMOKE else SWEEP_CFGS:
-                t[f"{bv}x{nw}"] = round(timer(lambda: L.gdn(mt, "records", block_v=bv, num_warps=nw)), 5)
+            for bv, nw, sp in cfgs[:2] + cfgs[-1:] if SMOKE else cfgs:
+                name = f"{bv}x{nw}" + (f"x{sp}" if sp > 1 else "")
+                t[name] = round(timer(lambda: L.gdn(mt, "records", block_v=bv, num_warps=nw, splits=sp)), 5)
             best = min(t, key=t.get)
-            rows.append(dict(R=R, B=B, programs_bv32=R * cfg["HV"] * -(-cfg["V"] // 32), ms=t, best=best,
+            rows.append(dict(R=R, B=B, max_depth=int(mt.walk[..., 2].max()), ms=t, best=best,
                              best_vs_32x4=round(t[best] / t.get("32x4", t[best]), 3)))
             print(json.dumps(rows[-1]), flush=True)
-            del L
+            L = None  # free the layer's buffers before the next bucket's
     return rows
 
 

@@ -50,13 +50,22 @@ if triton is not None:
         return s, tl.load(wp + 2), tl.load(wp + 3), q, kr, v, av, bv
 
     @triton.jit
+    def _gates(av, bv, A, dtb):
+        """The step's decay (log space) and write strength, as vLLM's chain kernel computes them."""
+        x = av + dtb
+        g = -tl.exp(A) * tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+        return g, tl.sigmoid(bv)
+
+    @triton.jit
     def _tree_gdn_kernel(qkv, s_qt, a, b, s_abt, A_log, dt_bias,
                          state, s_sl, s_sh, s_sv, s_sk, idx, s_ir, s_ic, nacc, walk, stack, s_kr, s_kd,
-                         out, s_ot, s_oh, rec_kv, rec_gb, scale, N, NS,
+                         out, s_ot, s_oh, rec_kv, rec_gb, scale, N, NS, NSPLIT,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, SNAP: tl.constexpr, REC: tl.constexpr):
+                         BK: tl.constexpr, BV: tl.constexpr, SNAP: tl.constexpr, REC: tl.constexpr,
+                         NP2: tl.constexpr):
         i_v = tl.program_id(0)
         i_rh = tl.program_id(1)
+        i_p = tl.program_id(2)  # this program's part of the walk (NSPLIT parts; 1: the whole walk)
         r = i_rh // HV
         hv = i_rh % HV
         hk = hv // (HV // H)
@@ -67,7 +76,7 @@ if triton is not None:
         mh = mv[:, None] & mk[None, :]
         st_off = hv * s_sh + ov[:, None] * s_sv + ok[None, :] * s_sk
         sk_off = hv * (V * K) + ov[:, None] * K + ok[None, :]
-        stack_r = stack + r.to(tl.int64) * s_kr
+        stack_r = stack + (r * NSPLIT + i_p).to(tl.int64) * s_kr  # each part its own depth stack
         A = tl.load(A_log + hv).to(tl.float32)
         dtb = tl.load(dt_bias + hv).to(tl.float32)
         col0 = 0
@@ -75,14 +84,35 @@ if triton is not None:
             col0 = tl.load(nacc + r) - 1
         line0 = tl.load(idx + r * s_ir + col0 * s_ic).to(tl.int64)
         KVD: tl.constexpr = H * K + HV * V
+        chunk = tl.cdiv(N, NSPLIT)
+        k0 = i_p * chunk  # this part visits walk positions [k0, k1)
+        k1 = tl.minimum(N, k0 + chunk)
         h = tl.zeros([BV, BK], dtype=tl.float32)
+        if NP2 > 1:  # split walk: replay the ancestors of position k0 (no outputs), saving branch points
+            f0 = tl.load(walk + (r * N + tl.minimum(k0, N - 1)) * 4 + 3)
+            if (k0 > 0) & (k0 < N) & ((f0 & _PAD) == 0):
+                d0 = tl.load(walk + (r * N + k0) * 4 + 2)
+                pos = tl.arange(0, NP2)
+                dep = tl.load(walk + (r * N + pos) * 4 + 2, mask=pos < k0, other=-1)
+                h = tl.load(state + line0 * s_sl + st_off, mask=tl.where(line0 > 0, mh, False),
+                            other=0.0).to(tl.float32)
+                for t in range(0, d0):
+                    # In preorder the ancestor at depth t is the last position before k0 at depth t.
+                    at = tl.max(tl.where(dep == t, pos, -1), 0)
+                    _, _, fa, _, kr, v, av, bv = _load_node(qkv, s_qt, a, b, s_abt, walk, r, at, N, hk, hv,
+                                                             ok, mk, ov, mv, H, HV, K, V)
+                    g, beta = _gates(av, bv, A, dtb)
+                    h = gdn_update(h, kr, v, g, beta)
+                    if (fa & _SAVE) != 0:
+                        tl.store(stack_r + t * s_kd + sk_off, h, mask=mh)
         # Software pipelining: the next position's inputs are loaded before this one is computed.
-        s_n, d_n, f_n, q_n, k_n, v_n, a_n, b_n = _load_node(qkv, s_qt, a, b, s_abt, walk, r, 0, N, hk, hv,
+        s_n, d_n, f_n, q_n, k_n, v_n, a_n, b_n = _load_node(qkv, s_qt, a, b, s_abt, walk, r,
+                                                            tl.minimum(k0, N - 1), N, hk, hv,
                                                             ok, mk, ov, mv, H, HV, K, V)
-        for kk in range(N):
+        for kk in range(k0, k1):
             s, d, f, q, kr, v, av, bv = s_n, d_n, f_n, q_n, k_n, v_n, a_n, b_n
             s_n, d_n, f_n, q_n, k_n, v_n, a_n, b_n = _load_node(qkv, s_qt, a, b, s_abt, walk, r,
-                                                                tl.minimum(kk + 1, N - 1), N, hk, hv,
+                                                                tl.minimum(kk + 1, k1 - 1), N, hk, hv,
                                                                 ok, mk, ov, mv, H, HV, K, V)
             row = (r * N + s).to(tl.int64)
             op = out + row * s_ot + hv * s_oh + ov
@@ -95,9 +125,7 @@ if triton is not None:
                 elif (f & _RELOAD) != 0:
                     tl.debug_barrier()
                     h = tl.load(stack_r + (d - 1) * s_kd + sk_off, mask=mh, other=0.0)
-                x = av + dtb
-                g = -tl.exp(A) * tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
-                beta = tl.sigmoid(bv)
+                g, beta = _gates(av, bv, A, dtb)
                 h = gdn_update(h, kr, v, g, beta)
                 qn = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
                 tl.store(op, tl.sum(h * qn[None, :], 1).to(out.dtype.element_ty), mask=mv)
@@ -119,9 +147,18 @@ if triton is not None:
 
 def tree_gdn_triton(qkv, a, b, A_log, dt_bias, ssm_state, state_indices, num_accepted, walk, stack, out,
                     rec_kv, rec_gb, num_k_heads, head_k_dim, scale, write_snapshots,
-                    block_v: int | None = None, num_warps: int | None = None):
-    """Triton launcher; same contract as `tree_gdn_ref`. No host sync, no allocation. The tile is
-    tuning.gdn_tiles()'s unless given."""
+                    block_v: int | None = None, num_warps: int | None = None, splits: int | None = None):
+    """Triton launcher; same contract as `tree_gdn_ref`. No host sync, no allocation. The tile and the
+    walk split are tuning.gdn_tiles()'s unless given.
+
+    `splits` > 1 cuts each request's walk into that many parts of consecutive positions, one program
+    each: a part first replays, without outputs, the ancestors of its first position (in preorder,
+    the last earlier position at each smaller depth), so its sequential steps are that depth plus its
+    part's length rather than all N, and every node's state comes from the same updates in the same
+    order as in one part. Each part has its own depth stack: the split is capped at stack rows // R.
+    Snapshots take one part: a part would read the committed state from a line another part's snapshot
+    may already have overwritten (the slot num_accepted - 1's).
+    """
     if triton is None:
         raise RuntimeError("tree_gdn: triton is not installed")
     check_gdn_args(qkv, a, b, ssm_state, state_indices, num_accepted, walk, stack, out, rec_kv, rec_gb,
@@ -131,13 +168,16 @@ def tree_gdn_triton(qkv, a, b, A_log, dt_bias, ssm_state, state_indices, num_acc
     tiles = gdn_tiles()
     block_v = tiles.block_v if block_v is None else block_v
     num_warps = tiles.num_warps if num_warps is None else num_warps
+    splits = max(1, min(tiles.splits if splits is None else splits, stack.shape[0] // R, N))
+    if write_snapshots:
+        splits = 1
     BV = min(block_v, triton.next_power_of_2(V))
-    grid = (triton.cdiv(V, BV), R * HV)
+    grid = (triton.cdiv(V, BV), R * HV, splits)
     rec = rec_kv is not None
     _tree_gdn_kernel[grid](
         qkv, qkv.stride(0), a, b, a.stride(0), A_log, dt_bias,
         ssm_state, *ssm_state.stride(), state_indices, *state_indices.stride(), num_accepted, walk,
         stack, stack.stride(0), stack.stride(1), out, out.stride(0), out.stride(1),
-        rec_kv if rec else qkv, rec_gb if rec else stack, float(scale), N, state_indices.shape[1],
+        rec_kv if rec else qkv, rec_gb if rec else stack, float(scale), N, state_indices.shape[1], splits,
         H=num_k_heads, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        SNAP=bool(write_snapshots), REC=rec, num_warps=num_warps)
+        SNAP=bool(write_snapshots), REC=rec, NP2=triton.next_power_of_2(N) if splits > 1 else 1, num_warps=num_warps)

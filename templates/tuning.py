@@ -174,6 +174,7 @@ def with_overrides(tiles: AttnTiles, **kw) -> AttnTiles:
 class GdnTiles:
     block_v: int  # value rows of the [BV, K] fp32 state tile one program carries through its request's walk
     num_warps: int
+    splits: int = 1  # programs per (request, head, tile) walking consecutive parts of the walk (tree_gdn.py)
 
 
 # Tree gated delta rule (tree_gdn.py): 32 value rows on 4 warps everywhere, the tile of vLLM's
@@ -185,7 +186,9 @@ class GdnTiles:
 # all 48 buckets and 3-45% ahead of 32 / 4 (5% at the 4B shape's R = 1, B = 32, 43% at R = 4). One warp
 # may sum q's and k's norms in another association than four warps do, which can move a bit; it becomes
 # sm_90's default once test_layer_diff passes with DDTREE_GDN_TILES=16x1 (the override,
-# "<block_v>x<num_warps>", for that check and the benchmarks).
+# "<block_v>x<num_warps>[x<splits>]", for that check and the benchmarks). A split walk (splits > 1: a
+# request's walk in parts, each replaying its first node's ancestors) keeps the arithmetic and shortens
+# the sequential chain where the GPU idles (few requests); not yet measured, so 1 part.
 _GDN_DEFAULT = GdnTiles(32, 4)
 _GDN_ENV = "DDTREE_GDN_TILES"
 
@@ -194,14 +197,16 @@ _GDN_ENV = "DDTREE_GDN_TILES"
 def _gdn_override(value: str) -> GdnTiles | None:
     if not value:
         return None
+    parts = value.lower().split("x")
     try:
-        bv, nw = (int(x) for x in value.lower().split("x"))
+        bv, nw, sp = (int(x) for x in (parts + ["1"])[:3]) if len(parts) in (2, 3) else (0, 0, 0)
     except ValueError:
-        bv = nw = 0
-    if bv not in (8, 16, 32, 64, 128) or nw not in (1, 2, 4, 8):
-        raise ValueError(f"{_GDN_ENV}={value!r}: expected '<block_v>x<num_warps>' with block_v in 8, 16, 32, 64, "
-                         f"128 and num_warps in 1, 2, 4, 8 (e.g. '16x1'), or unset")
-    return GdnTiles(bv, nw)
+        bv = nw = sp = 0
+    if bv not in (8, 16, 32, 64, 128) or nw not in (1, 2, 4, 8) or not 1 <= sp <= 64:
+        raise ValueError(f"{_GDN_ENV}={value!r}: expected '<block_v>x<num_warps>[x<splits>]' with block_v in 8, "
+                         f"16, 32, 64, 128, num_warps in 1, 2, 4, 8 and splits in 1..64 (e.g. '16x1', '32x4x4'), "
+                         f"or unset")
+    return GdnTiles(bv, nw, sp)
 
 
 def gdn_tiles() -> GdnTiles:

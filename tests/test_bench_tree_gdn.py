@@ -29,3 +29,15 @@ def test_bench_tree_gdn_smoke(tmp_path):
     checks = res["gpu_check"]  # (on CPU: the interpreter against the references)
     states = {k: v for k, v in checks.items() if k.endswith(("state_max_abs", "num_accepted_max_abs"))}
     assert len(states) == 6 and all(v < 1e-5 for v in states.values()), checks
+
+
+def test_bench_tree_gdn_sweep_smoke(tmp_path):
+    """`--sweep` (the recurrence's launch configs, split walks at small R) runs to its JSON."""
+    out = tmp_path / "sweep.json"
+    script = ROOT / "benchmarks" / "bench_tree_gdn.py"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--sweep", "--out", str(out)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["sweep"]
+    assert [(r["R"], r["B"]) for r in rows] == [(1, 4), (2, 4)]
+    assert all(set(r["ms"]) == {"8x1", "16x1", "16x1x8"} and r["best"] in r["ms"] for r in rows), rows

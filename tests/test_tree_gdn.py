@@ -34,13 +34,15 @@ def make_case(N, H, HV, K, V, kinds, seed, dtype=torch.float32, state_dtype=torc
     return parents, qkv, a, b, A_log, dt_bias, ssm, si, na
 
 
-def run(fn, case, meta, H, K, write_snapshots, records):
+def run(fn, case, meta, H, K, write_snapshots, records, stack_rows=None, stacks=None):
     parents, qkv, a, b, A_log, dt_bias, ssm, si, na = case
     R, N = parents.shape
     HV, V = ssm.shape[1], ssm.shape[2]
     ssm = ssm.clone()
     out = poison(torch.empty(R * N, HV, V, dtype=qkv.dtype))
-    stack = poison(torch.empty(R, max(meta.max_depth, 1), HV, V, K))
+    stack = poison(torch.empty(stack_rows or R, max(meta.max_depth, 1), HV, V, K))
+    if stacks is not None:
+        stacks.append(stack)
     rec_kv = poison(torch.empty(R, N, H * K + HV * V, dtype=qkv.dtype)) if records else None
     rec_gb = poison(torch.empty(R, N, 2, HV)) if records else None
     fn(qkv, a, b, A_log, dt_bias, ssm, si, na, meta.walk, stack, out, rec_kv, rec_gb, H, K, K ** -0.5,
@@ -227,5 +229,37 @@ def test_tile_override_runs_the_tile_it_names(monkeypatch):
         torch.testing.assert_close(tri[0], ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(tri[3], ref[3], rtol=1e-6, atol=1e-6, equal_nan=True)
     monkeypatch.setenv("DDTREE_GDN_TILES", "16")
-    with pytest.raises(ValueError, match=r"DDTREE_GDN_TILES='16': expected '<block_v>x<num_warps>'"):
-        tuning.gdn_tiles()
+    monkeypatch.setenv("DDTREE_GDN_TILES", "32x4x2")
+    assert tuning.gdn_tiles() == tuning.GdnTiles(32, 4, 2)
+    for bad in ("16", "16x3", "32x4x0", "axb"):
+        monkeypatch.setenv("DDTREE_GDN_TILES", bad)
+        want = rf"DDTREE_GDN_TILES='{bad}': expected '<block_v>x<num_warps>\[x<splits>\]'"
+        with pytest.raises(ValueError, match=want):
+            tuning.gdn_tiles()
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_split_walk_is_the_whole_walk_bit_for_bit(splits):
+    """A request's walk in `splits` parts (each replays its first node's ancestors, then walks its part with
+    its own depth stack) gives the one-part kernel's outputs, states and records exactly: the same updates in
+    the same order. Parts start inside branches, at backtracks and on padding; a stack of R rows allows one
+    part only, so the one-part run is also the capped split. Records (the default commit): snapshots take
+    one part (tree_gdn_triton says why)."""
+    H, HV, K, V, N = 2, 4, 16, 16, 13
+    case = make_case(N, H, HV, K, V, ("bushy", "deep", "star", "random", "chain"), seed=11)
+    meta = build_gdn_meta(case[0], 4)
+    R = case[0].shape[0]
+    snap, rec = False, True
+    whole = run(lambda *a: tree_gdn_triton(*a, block_v=8, splits=splits), case, meta, H, K, snap, rec)
+    stacks = []
+    parts = run(lambda *a: tree_gdn_triton(*a, block_v=8, splits=splits), case, meta, H, K, snap, rec,
+                stack_rows=R * splits, stacks=stacks)
+    assert not stacks[0].view(R, splits, -1)[:, 1:].isnan().all()  # later parts saved branch points: they ran
+    later = meta.walk[:, -(-N // splits)::-(-N // splits), 3]  # the flags at the first position of parts 2..
+    assert (later & F_RELOAD).any() and ((later & F_PAD) == 0).any()  # at a backtrack; on a live node
+    assert (later & F_PAD).any() or splits == 2  # on padding
+    for got, want in zip(parts, whole):
+        if want is not None:
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    ref = run(tree_gdn_ref, case, meta, H, K, snap, rec)
+    torch.testing.assert_close(parts[0], ref[0], rtol=1e-5, atol=1e-5)

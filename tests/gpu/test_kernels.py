@@ -8,7 +8,8 @@ CUDA op dispatching to Triton and replaying in a CUDA graph, the direct launcher
 launch; the K/V compaction equal to its reference; long context at `vllm serve` case 9's shapes
 (split-KV plan of the engine, a CUDA graph captured at a short context then replayed, vLLM's FA3 as
 the yardstick). GatedDeltaNet (benchmarks/_gdn_checks.py): tree conv1d, tree GDN (snapshot and
-records strategies) and the commit against their torch references at Qwen3.6-27B's head shapes. The
+records strategies) and the commit against their torch references at Qwen3.6-27B's head shapes; at the
+4B shape a split walk equal to one part bit for bit, both tiles. The
 tree build at the 4B shape: after its warm-up's batch sizes, no batch of 1-64 requests compiles a
 Triton kernel (issue 27).
 """
@@ -97,6 +98,40 @@ def test_gdn_templates_and_commit_against_their_references(gdn, record):
     bad = {k: v for k, v in err.items()
            if v > GDN_TOL[k.removeprefix("snapshot_").removeprefix("records_").removesuffix("_max_abs")]}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("tiles", ["32x4", "16x1"])
+def test_split_walk_and_tiles_on_the_4b_shape(gdn, record, tiles):
+    """The tree recurrence compiled at the 4B GDN shape, records strategy, R = 1 and 2 requests of a 33-slot
+    DDTree-shaped tree: a walk split in 2, 4 and 8 parts (templates/tree_gdn.py) gives the one-part
+    kernel's outputs and records bit for bit, for vLLM's tile (the default) and the faster opt-in one
+    (DDTREE_GDN_TILES=16x1, templates/tuning.py); the one-part run against the float32 reference."""
+    import torch
+
+    from ddtree_compile.templates.tree_gdn_ref import tree_gdn_ref
+
+    checks, layer = gdn
+    bv, nw = (int(x) for x in tiles.split("x"))
+    cfg, H, K = layer.QWEN35_4B, layer.QWEN35_4B["H"], layer.QWEN35_4B["K"]
+    err = {}
+    for R in (1, 2):
+        L = layer.Layer(cfg, R, 32, seed=4)
+        _, mt, _ = layer.metas(R, 32, cfg["W"], 5)
+        L.conv(mt)  # the recurrence's input
+        L.gdn(mt, "records", block_v=bv, num_warps=nw, splits=1)
+        one = (L.out.clone(), L.rec_kv.clone(), L.rec_gb.clone())
+        for sp in (2, 4, 8):
+            L.out.zero_(), L.rec_kv.zero_(), L.rec_gb.zero_()
+            L.gdn(mt, "records", block_v=bv, num_warps=nw, splits=sp)
+            torch.cuda.synchronize()
+            assert all(torch.equal(x, y) for x, y in zip((L.out, L.rec_kv, L.rec_gb), one)), (R, sp)
+        out = torch.empty_like(L.out)
+        tree_gdn_ref(L.y, L.a, L.b, L.A_log, L.dt, L.ssm, L.si1, L.na, mt.walk, L.stack, out, None, None, H, K,
+                     K ** -0.5, False)
+        err[f"R{R}_out_max_abs_vs_ref"] = (one[0].float() - out.float()).abs().max().item()
+        err[f"R{R}_max_depth"] = int(mt.walk[..., 2].max())
+    record(tiles=tiles, **err)
+    assert all(v <= GDN_TOL["gdn_out"] for k, v in err.items() if k.endswith("vs_ref")), err
 
 
 def test_tree_build_compiles_nothing_after_its_warm_up(gpu_env, record):

@@ -284,7 +284,8 @@ class VerifyStage:
         return self._record_views[rows, N]
 
     def gdn_verify(self, rows: int, N: int, records: bool) -> GdnVerify:
-        """The GDN addressing of a verify of `rows` trees of N slots: the workspace's depth stack (and
-        its records when the commit replays, or a graph or a test reads them)."""
-        return GdnVerify(write_snapshots=self.ctx.cfg.gdn_state == "snapshots", stack=self.workspace.stack[:rows],
+        """The GDN addressing of a verify of `rows` trees of N slots: the workspace's depth stack, all
+        its rows (a split walk gives each part of a request's walk its own, templates/tree_gdn.py), and
+        its records when the commit replays, or a graph or a test reads them."""
+        return GdnVerify(write_snapshots=self.ctx.cfg.gdn_state == "snapshots", stack=self.workspace.stack,
                          records=self.records(rows, N)[0] if records else {})
