@@ -148,15 +148,16 @@ def tree_conv_case(arch, R, B, heads):
                        _t(R, N, CONV_W - 1, dtype=torch.int32), _t(R * N, dim), True)
 
 
-def tree_gdn_case(arch, R, B, heads, snapshots, records):
+def tree_gdn_case(arch, R, B, heads, snapshots, records, **launch):
+    """`launch`: block_v / num_warps / splits (a split walk needs R x splits stack rows)."""
     N, K, dim, nacc = _gdn_io(R, B, *heads)
     H, HV = heads
     rec = (_t(R, N, H * K + HV * K), _t(R, N, 2, HV, dtype=torch.float32)) if records else (None, None)
     f32 = dict(dtype=torch.float32)
     tree_gdn_triton(_t(R * N, dim), _t(R * N, HV), _t(R * N, HV), _t(HV, **f32), _t(HV, **f32),
                     _t(R * N + 1, HV, K, K), _t(R, N if snapshots else 1, dtype=torch.int32), nacc,
-                    _t(R, N, 4, dtype=torch.int32), _t(R, DRAFT_LEN, HV, K, K, **f32), _t(R * N, HV, K), *rec,
-                    H, K, K ** -0.5, snapshots)
+                    _t(R, N, 4, dtype=torch.int32), _t(R * launch.get("splits", 1), DRAFT_LEN, HV, K, K, **f32),
+                    _t(R * N, HV, K), *rec, H, K, K ** -0.5, snapshots, **launch)
 
 
 def gdn_commit_case(arch, R, B, heads):
@@ -198,6 +199,9 @@ def cases(quick: bool, probe: bool):
                 out.append(("tree_gdn", f"{lab} {'snapshots' if snap else 'records' if rec else 'plain'}",
                             lambda a, B=B, h=heads, s=snap, r=rec: tree_gdn_case(a, 4, B, h, s, r)))
             out.append(("gdn_commit", lab, lambda a, B=B, h=heads: gdn_commit_case(a, 4, B, h)))
+        # the opt-in tile with a split walk (tuning.gdn_tiles: DDTREE_GDN_TILES=16x1x4), records, one request
+        out.append(("tree_gdn", f"{model} R=1 B=32 records 16x1 split 4",
+                    lambda a, h=heads: tree_gdn_case(a, 1, 32, h, False, True, block_v=16, num_warps=1, splits=4)))
     if probe:  # meant NOT to fit sm_121a: the H100's D=256 tile (the check must be able to say no)
         out.append(("probe", "sm_90 D=256 tile on sm_121a",
                     lambda a: attention_case(a, 1, 64, ATTN_SHAPES["qwen3.5-4b"], tuning.attention_tiles("sm_90", 256))))
