@@ -117,8 +117,8 @@ class Layer:
         self.na = torch.ones(R, device=DEV, dtype=torch.int32)
         self.y = torch.empty_like(self.x)
         self.out = torch.empty(R * N, HV, V, device=DEV, dtype=torch.bfloat16)
-        # a split walk (tree_gdn.py) gives each part its own stack row; swept at R <= 4 only (memory)
-        self.stack = torch.empty(R * (MAX_SPLITS if R <= 4 else 1), L_DRAFT, HV, V, K, device=DEV)
+        # a split walk (tree_gdn.py) gives each part its own stack row; swept at R <= 8 only (memory)
+        self.stack = torch.empty(R * (MAX_SPLITS if R <= 8 else 1), L_DRAFT, HV, V, K, device=DEV)
         self.rec_kv = torch.empty(R, N, H * K + HV * V, device=DEV, dtype=torch.bfloat16)
         self.rec_gb = torch.empty(R, N, 2, HV, device=DEV)
 

@@ -52,19 +52,20 @@ def tune(cfg, shapes):
     return gdn_cfgs[min(gt, key=gt.get)], conv_cfgs[min(ct, key=ct.get)], rows
 
 
-SWEEP_CFGS = [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8)]  # (block_v, num_warps)
-SPLIT_CFGS = [(32, 4, 2), (32, 4, 4), (32, 4, 8), (16, 1, 2), (16, 1, 4), (16, 1, 8)]  # + splits, at R <= 4
+# (block_v, num_warps). 8 x 4 and 16 x 4 reduce exactly as vLLM's 32 x 4 does (same layouts; tuning.py)
+SWEEP_CFGS = [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8), (16, 4), (8, 4)]
+SPLIT_CFGS = [(32, 4, 4), (16, 4, 2), (16, 4, 4), (16, 4, 8), (16, 1, 2), (16, 1, 4), (16, 1, 8)]  # at R <= 8
 
 
 def sweep(cfg, Rs, Bs):
     """The recurrence's launch configs on every (R, B) bucket, the product's strategy (records): tiles
-    (block_v x num_warps) everywhere, split walks (x splits) where R <= 4."""
+    (block_v x num_warps) everywhere, split walks (x splits) where R <= 8."""
     rows = []
     for R in Rs:
         for B in Bs:
             L = Layer(cfg, R, B, seed=3)
             _, mt, _ = metas(R, B, cfg["W"], 100)
-            cfgs = [(bv, nw, 1) for bv, nw in SWEEP_CFGS] + (SPLIT_CFGS if R <= 4 else [])
+            cfgs = [(bv, nw, 1) for bv, nw in SWEEP_CFGS] + (SPLIT_CFGS if R <= 8 else [])
             t = {}
             for bv, nw, sp in cfgs[:2] + cfgs[-1:] if SMOKE else cfgs:
                 name = f"{bv}x{nw}" + (f"x{sp}" if sp > 1 else "")
