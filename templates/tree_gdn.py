@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ddtree_compile.templates.gdn_meta import F_FROM_COMMITTED, F_PAD, F_RELOAD, F_SAVE
 from ddtree_compile.templates.tree_gdn_ref import check_gdn_args
-from ddtree_compile.templates.tuning import gdn_tiles
+from ddtree_compile.templates import tuning
 
 try:
     import triton
@@ -165,7 +165,7 @@ def tree_gdn_triton(qkv, a, b, A_log, dt_bias, ssm_state, state_indices, num_acc
                    num_k_heads, head_k_dim, write_snapshots)
     R, N = walk.shape[:2]
     _, HV, V, K = ssm_state.shape
-    tiles = gdn_tiles()
+    tiles = tuning.gdn_tiles(tuning.arch_of(qkv.device)[0], R)  # (by module: aot_compile sets the arch)
     block_v = tiles.block_v if block_v is None else block_v
     num_warps = tiles.num_warps if num_warps is None else num_warps
     splits = max(1, min(tiles.splits if splits is None else splits, stack.shape[0] // R, N))

@@ -177,18 +177,19 @@ class GdnTiles:
     splits: int = 1  # programs per (request, head, tile) walking consecutive parts of the walk (tree_gdn.py)
 
 
-# Tree gated delta rule (tree_gdn.py): 32 value rows on 4 warps everywhere, the tile of vLLM's
+# Tree gated delta rule (tree_gdn.py). Everywhere by default: 32 value rows on 4 warps, the tile of vLLM's
 # `fused_sigmoid_gating_delta_rule_update`, so a chain's GDN outputs are bit-identical to flat DFlash's
 # (tests/gpu/test_layer_diff.py; CHANGELOG: 1-2 bf16 ulps at the first verify became gate misses on the
-# tiny bf16 hybrids at long context). Faster, not yet the default: 16 rows on one warp. The H100 sweep
-# (bench_tree_gdn.py --sweep, records strategy, 8 configs; tree_gdn_sweep_h100.json) on both Qwen GDN
-# shapes (HV = 32 and 48), R = 1-32 requests, B = 8-64 nodes, put it first or within 4% of the first in
-# all 48 buckets and 3-45% ahead of 32 / 4 (5% at the 4B shape's R = 1, B = 32, 43% at R = 4). One warp
-# may sum q's and k's norms in another association than four warps do, which can move a bit; it becomes
-# sm_90's default once test_layer_diff passes with DDTREE_GDN_TILES=16x1 (the override,
-# "<block_v>x<num_warps>[x<splits>]", for that check and the benchmarks). A split walk (splits > 1: a
-# request's walk in parts, each replaying its first node's ancestors) keeps the arithmetic and shortens
-# the sequential chain where the GPU idles (few requests); not yet measured, so 1 part.
+# tiny bf16 hybrids at long context). Bit-identical too: 16 or 8 rows on 4 warps. Triton lays the norms'
+# 128-vector one element a thread over the 4 warps and the [rows, K] tile 8 columns a thread over 16 lanes,
+# whatever the row count, so every sum has vLLM's association (tests/gpu/test_kernels.py checks a chain
+# against vLLM's kernel bit for bit). 16 rows on one warp (DDTREE_GDN_TILES=16x1) is no longer so: its
+# norms sum 4 elements a thread before the lanes. Fewer rows a program means more programs and fewer
+# registers a thread (32 x 4 runs two programs an SM at the 4B shape). A split walk (splits > 1: a
+# request's walk in parts, each replaying its first node's ancestors; same updates in the same order)
+# shortens the sequential chain where few requests leave the GPU idle.
+# Rows (most requests, tiles): the first whose bound holds; None: any number.
+_GDN_PLANS: dict[str, tuple[tuple[int | None, GdnTiles], ...]] = {}
 _GDN_DEFAULT = GdnTiles(32, 4)
 _GDN_ENV = "DDTREE_GDN_TILES"
 
@@ -209,9 +210,16 @@ def _gdn_override(value: str) -> GdnTiles | None:
     return GdnTiles(bv, nw, sp)
 
 
-def gdn_tiles() -> GdnTiles:
-    """The tree recurrence's tile: vLLM's chain-kernel tile unless DDTREE_GDN_TILES overrides it."""
-    return _gdn_override(os.environ.get(_GDN_ENV, "")) or _GDN_DEFAULT
+def gdn_tiles(arch: str = "default", requests: int = 1) -> GdnTiles:
+    """The tree recurrence's tile and walk split for `requests` requests on `arch` (arch_of's key):
+    DDTREE_GDN_TILES if set, else the arch's first row that holds them, else vLLM's chain-kernel tile."""
+    override = _gdn_override(os.environ.get(_GDN_ENV, ""))
+    if override is not None:
+        return override
+    for most, tiles in _GDN_PLANS.get(arch, ()):
+        if most is None or requests <= most:
+            return tiles
+    return _GDN_DEFAULT
 
 
 @dataclass(frozen=True)
