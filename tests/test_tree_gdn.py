@@ -212,6 +212,27 @@ def test_budget_128_triton():
     check_oracle(case, out, H, K, 1e-4)
 
 
+def test_gdn_plan_rows_pick_by_request_count(monkeypatch):
+    """tuning.gdn_tiles: an arch's first row whose request bound holds, vLLM's tile on an arch without
+    rows, DDTREE_GDN_TILES above both; every committed row is a tile the kernel takes, bounds rising to a
+    last row for any count (so no batch falls through to another tile by accident)."""
+    from ddtree_compile.templates import tuning
+
+    T = tuning.GdnTiles
+    for arch, rows in tuning._GDN_PLANS.items():
+        bounds = [most for most, _ in rows]
+        assert bounds[-1] is None and bounds[:-1] == sorted(bounds[:-1]), (arch, rows)
+        assert all(t.block_v in (8, 16, 32, 64, 128) and t.num_warps in (1, 2, 4, 8) and 1 <= t.splits <= 8
+                   for _, t in rows), (arch, rows)
+    monkeypatch.delenv("DDTREE_GDN_TILES", raising=False)
+    monkeypatch.setattr(tuning, "_GDN_PLANS", {"sm_90": ((1, T(16, 4, 4)), (3, T(16, 4, 2)), (None, T(16, 4)))})
+    picked = [tuning.gdn_tiles("sm_90", r) for r in (1, 2, 3, 4, 64)]
+    assert picked == [T(16, 4, 4), T(16, 4, 2), T(16, 4, 2), T(16, 4), T(16, 4)]
+    assert tuning.gdn_tiles("sm_121", 1) == tuning.gdn_tiles("default", 1) == T(32, 4)
+    monkeypatch.setenv("DDTREE_GDN_TILES", "8x4")
+    assert tuning.gdn_tiles("sm_90", 1) == T(8, 4)
+
+
 def test_tile_override_runs_the_tile_it_names(monkeypatch):
     """DDTREE_GDN_TILES picks the launcher's tile where none is passed (how test_layer_diff and the benchmarks
     check a faster one); the tile changes the grid (V = 32: one program of 32 rows or two of 16), not the result.
@@ -228,7 +249,6 @@ def test_tile_override_runs_the_tile_it_names(monkeypatch):
         tri = run(tree_gdn_triton, case, meta, H, K, False, True)
         torch.testing.assert_close(tri[0], ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(tri[3], ref[3], rtol=1e-6, atol=1e-6, equal_nan=True)
-    monkeypatch.setenv("DDTREE_GDN_TILES", "16")
     monkeypatch.setenv("DDTREE_GDN_TILES", "32x4x2")
     assert tuning.gdn_tiles() == tuning.GdnTiles(32, 4, 2)
     for bad in ("16", "16x3", "32x4x0", "axb"):
