@@ -189,7 +189,9 @@ class GdnTiles:
 # request's walk in parts, each replaying its first node's ancestors; same updates in the same order)
 # shortens the sequential chain where few requests leave the GPU idle.
 # Rows (most requests, tiles): the first whose bound holds; None: any number.
-_GDN_PLANS: dict[str, tuple[tuple[int | None, GdnTiles], ...]] = {}
+_GDN_PLANS: dict[str, tuple[tuple[int | None, GdnTiles], ...]] = {
+    "sm_90": ((1, GdnTiles(16, 1, 4)), (2, GdnTiles(16, 1, 2)), (None, GdnTiles(16, 1))),
+}
 _GDN_DEFAULT = GdnTiles(32, 4)
 _GDN_ENV = "DDTREE_GDN_TILES"
 
