@@ -199,9 +199,11 @@ def cases(quick: bool, probe: bool):
                 out.append(("tree_gdn", f"{lab} {'snapshots' if snap else 'records' if rec else 'plain'}",
                             lambda a, B=B, h=heads, s=snap, r=rec: tree_gdn_case(a, 4, B, h, s, r)))
             out.append(("gdn_commit", lab, lambda a, B=B, h=heads: gdn_commit_case(a, 4, B, h)))
-        # the opt-in tile with a split walk (tuning.gdn_tiles: DDTREE_GDN_TILES=16x1x4), records, one request
-        out.append(("tree_gdn", f"{model} R=1 B=32 records 16x1 split 4",
-                    lambda a, h=heads: tree_gdn_case(a, 1, 32, h, False, True, block_v=16, num_warps=1, splits=4)))
+        # one request's split walk (records): sm_90's plan (tuning.gdn_tiles) and the opt-in FAST_PLAN's
+        for bv, nw in ((32, 4), (16, 1)):
+            out.append(("tree_gdn", f"{model} R=1 B=32 records {bv}x{nw} split 4",
+                        lambda a, h=heads, bv=bv, nw=nw: tree_gdn_case(a, 1, 32, h, False, True, block_v=bv,
+                                                                       num_warps=nw, splits=4)))
     if probe:  # meant NOT to fit sm_121a: the H100's D=256 tile (the check must be able to say no)
         out.append(("probe", "sm_90 D=256 tile on sm_121a",
                     lambda a: attention_case(a, 1, 64, ATTN_SHAPES["qwen3.5-4b"], tuning.attention_tiles("sm_90", 256))))

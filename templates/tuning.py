@@ -177,48 +177,58 @@ class GdnTiles:
     splits: int = 1  # programs per (request, head, tile) walking consecutive parts of the walk (tree_gdn.py)
 
 
-# Tree gated delta rule (tree_gdn.py). Everywhere by default: 32 value rows on 4 warps, the tile of vLLM's
+# Tree gated delta rule (tree_gdn.py): 32 value rows on 4 warps, the tile of vLLM's
 # `fused_sigmoid_gating_delta_rule_update`, so a chain's GDN outputs are bit-identical to flat DFlash's
 # (tests/gpu/test_layer_diff.py; CHANGELOG: 1-2 bf16 ulps at the first verify became gate misses on the
-# tiny bf16 hybrids at long context). Bit-identical too: 16 or 8 rows on 4 warps. Triton lays the norms'
-# 128-vector one element a thread over the 4 warps and the [rows, K] tile 8 columns a thread over 16 lanes,
-# whatever the row count, so every sum has vLLM's association (tests/gpu/test_kernels.py checks a chain
-# against vLLM's kernel bit for bit). 16 rows on one warp (DDTREE_GDN_TILES=16x1) is no longer so: its
-# norms sum 4 elements a thread before the lanes. Fewer rows a program means more programs and fewer
-# registers a thread (32 x 4 runs two programs an SM at the 4B shape). A split walk (splits > 1: a
-# request's walk in parts, each replaying its first node's ancestors; same updates in the same order)
-# shortens the sequential chain where few requests leave the GPU idle.
+# tiny bf16 hybrids at long context). On sm_90 one request's walk is split in 4 parts (each replays its
+# first node's ancestors: the same updates in the same order; test_layer_diff passed with it): 27% off the
+# kernel at the 4B shape, R = 1, B = 32 (9-38% over B = 8-64), none from 2 requests on (H100 sweep,
+# tree_gdn_sweep_h100.json, bench_tree_gdn.py --sweep). Faster, opt-in (DDTREE_GDN_TILES=FAST_PLAN): 16 rows
+# on one warp, 44% off at R = 1, B = 32 with 4 parts, 24-46% from R = 4 on. But its q / k norms sum 4
+# elements a thread before the lanes, where vLLM's 4 warps sum one a thread across lanes, then warps:
+# test_layer_diff finds its GDN layers' outputs off vLLM's (within bf16 rounding; tokens equal). 16 or 8
+# rows on 4 warps keep vLLM's association but are slower than 32 / 4 from 8 requests on.
 # Rows (most requests, tiles): the first whose bound holds; None: any number.
 _GDN_PLANS: dict[str, tuple[tuple[int | None, GdnTiles], ...]] = {
-    "sm_90": ((1, GdnTiles(16, 1, 4)), (2, GdnTiles(16, 1, 2)), (None, GdnTiles(16, 1))),
+    "sm_90": ((1, GdnTiles(32, 4, 4)), (None, GdnTiles(32, 4))),
 }
 _GDN_DEFAULT = GdnTiles(32, 4)
 _GDN_ENV = "DDTREE_GDN_TILES"
+FAST_PLAN = "1:16x1x4,2:16x1x2,16x1"  # the sweep's fastest at every request count (sm_90)
 
 
 @functools.lru_cache(maxsize=None)
-def _gdn_override(value: str) -> GdnTiles | None:
+def _gdn_override(value: str) -> tuple[tuple[int | None, GdnTiles], ...] | None:
+    """DDTREE_GDN_TILES: one tile for every batch, or a plan of rows "<most requests>:<tile>" ending in a
+    bare tile, e.g. FAST_PLAN; a tile is "<block_v>x<num_warps>[x<splits>]"."""
     if not value:
         return None
-    parts = value.lower().split("x")
-    try:
-        bv, nw, sp = (int(x) for x in (parts + ["1"])[:3]) if len(parts) in (2, 3) else (0, 0, 0)
-    except ValueError:
-        bv = nw = sp = 0
-    if bv not in (8, 16, 32, 64, 128) or nw not in (1, 2, 4, 8) or not 1 <= sp <= 64:
-        raise ValueError(f"{_GDN_ENV}={value!r}: expected '<block_v>x<num_warps>[x<splits>]' with block_v in 8, "
-                         f"16, 32, 64, 128, num_warps in 1, 2, 4, 8 and splits in 1..64 (e.g. '16x1', '32x4x4'), "
-                         f"or unset")
-    return GdnTiles(bv, nw, sp)
+    rows, entries = [], value.lower().split(",")
+    for i, entry in enumerate(entries):
+        most, _, tile = entry.rpartition(":")
+        parts = tile.split("x")
+        try:
+            bv, nw, sp = (int(x) for x in (parts + ["1"])[:3]) if len(parts) in (2, 3) else (0, 0, 0)
+            bound = None if not most else int(most)
+        except ValueError:
+            bv = nw = sp = 0
+            bound = None
+        last = i == len(entries) - 1
+        if (bv not in (8, 16, 32, 64, 128) or nw not in (1, 2, 4, 8) or not 1 <= sp <= 64
+                or (bound is None) != last or (rows and bound is not None and bound <= rows[-1][0])):
+            raise ValueError(f"{_GDN_ENV}={value!r}: expected '<block_v>x<num_warps>[x<splits>]' with block_v in 8, "
+                             f"16, 32, 64, 128, num_warps in 1, 2, 4, 8 and splits in 1..64 (e.g. '16x1', '32x4x4'), "
+                             f"or rows '<most requests>:<tile>' with rising bounds ending in a bare tile (e.g. "
+                             f"'{FAST_PLAN}'), or unset")
+        rows.append((bound, GdnTiles(bv, nw, sp)))
+    return tuple(rows)
 
 
 def gdn_tiles(arch: str = "default", requests: int = 1) -> GdnTiles:
-    """The tree recurrence's tile and walk split for `requests` requests on `arch` (arch_of's key):
-    DDTREE_GDN_TILES if set, else the arch's first row that holds them, else vLLM's chain-kernel tile."""
-    override = _gdn_override(os.environ.get(_GDN_ENV, ""))
-    if override is not None:
-        return override
-    for most, tiles in _GDN_PLANS.get(arch, ()):
+    """The tree recurrence's tile and walk split for `requests` requests on `arch` (arch_of's key): the
+    first row that holds them of DDTREE_GDN_TILES if set, else of the arch's plan, else vLLM's tile."""
+    rows = _gdn_override(os.environ.get(_GDN_ENV, "")) or _GDN_PLANS.get(arch, ())
+    for most, tiles in rows:
         if most is None or requests <= most:
             return tiles
     return _GDN_DEFAULT

@@ -213,9 +213,10 @@ def test_budget_128_triton():
 
 
 def test_gdn_plan_rows_pick_by_request_count(monkeypatch):
-    """tuning.gdn_tiles: an arch's first row whose request bound holds, vLLM's tile on an arch without
-    rows, DDTREE_GDN_TILES above both; every committed row is a tile the kernel takes, bounds rising to a
-    last row for any count (so no batch falls through to another tile by accident)."""
+    """tuning.gdn_tiles: the first row whose request bound holds, of DDTREE_GDN_TILES if set (one tile, or a
+    plan such as FAST_PLAN), else of the arch's plan (sm_90: vLLM's tile, one request's walk in 4 parts),
+    else vLLM's tile; every committed row is a tile the kernel takes, bounds rising to a last row for any
+    count (so no batch falls through to another tile by accident)."""
     from ddtree_compile.templates import tuning
 
     T = tuning.GdnTiles
@@ -225,10 +226,11 @@ def test_gdn_plan_rows_pick_by_request_count(monkeypatch):
         assert all(t.block_v in (8, 16, 32, 64, 128) and t.num_warps in (1, 2, 4, 8) and 1 <= t.splits <= 8
                    for _, t in rows), (arch, rows)
     monkeypatch.delenv("DDTREE_GDN_TILES", raising=False)
-    monkeypatch.setattr(tuning, "_GDN_PLANS", {"sm_90": ((1, T(16, 4, 4)), (3, T(16, 4, 2)), (None, T(16, 4)))})
-    picked = [tuning.gdn_tiles("sm_90", r) for r in (1, 2, 3, 4, 64)]
-    assert picked == [T(16, 4, 4), T(16, 4, 2), T(16, 4, 2), T(16, 4), T(16, 4)]
+    assert [tuning.gdn_tiles("sm_90", r) for r in (1, 2, 64)] == [T(32, 4, 4), T(32, 4), T(32, 4)]
     assert tuning.gdn_tiles("sm_121", 1) == tuning.gdn_tiles("default", 1) == T(32, 4)
+    monkeypatch.setenv("DDTREE_GDN_TILES", tuning.FAST_PLAN)
+    picked = [tuning.gdn_tiles(arch, r) for arch in ("sm_90", "default") for r in (1, 2, 3, 64)]
+    assert picked == [T(16, 1, 4), T(16, 1, 2), T(16, 1), T(16, 1)] * 2
     monkeypatch.setenv("DDTREE_GDN_TILES", "8x4")
     assert tuning.gdn_tiles("sm_90", 1) == T(8, 4)
 
@@ -251,7 +253,7 @@ def test_tile_override_runs_the_tile_it_names(monkeypatch):
         torch.testing.assert_close(tri[3], ref[3], rtol=1e-6, atol=1e-6, equal_nan=True)
     monkeypatch.setenv("DDTREE_GDN_TILES", "32x4x2")
     assert tuning.gdn_tiles() == tuning.GdnTiles(32, 4, 2)
-    for bad in ("16", "16x3", "32x4x0", "axb"):
+    for bad in ("16", "16x3", "32x4x0", "axb", "1:16x1", "16x1,32x4", "2:16x1,1:16x2,32x4", "a:16x1,32x4"):
         monkeypatch.setenv("DDTREE_GDN_TILES", bad)
         want = rf"DDTREE_GDN_TILES='{bad}': expected '<block_v>x<num_warps>\[x<splits>\]'"
         with pytest.raises(ValueError, match=want):

@@ -129,12 +129,16 @@ def commit() -> str:
     return "unknown"
 
 
+TUNING_ENV = ("DDTREE_GDN_TILES",)  # switches that change the kernels' launch plans (templates/tuning.py)
+
+
 def _machine() -> dict:
     import torch
 
     n = torch.cuda.device_count()
+    env = {k: os.environ[k] for k in TUNING_ENV if os.environ.get(k)}  # a kernel plan the tests ran under
     return {"device": torch.cuda.get_device_name(0) + (f" x{n}" if n > 1 else ""), "gpus": n,
-            "vllm": _vllm_version(), "torch": torch.__version__, "commit": commit()}
+            "vllm": _vllm_version(), "torch": torch.__version__, "commit": commit(), **({"env": env} if env else {})}
 
 
 def pytest_runtest_logfinish(nodeid, location):
