@@ -184,10 +184,10 @@ class GdnTiles:
 # first node's ancestors: the same updates in the same order; test_layer_diff passed with it): 27% off the
 # kernel at the 4B shape, R = 1, B = 32 (9-38% over B = 8-64), none from 2 requests on (H100 sweep,
 # tree_gdn_sweep_h100.json, bench_tree_gdn.py --sweep). Faster, opt-in (DDTREE_GDN_TILES=FAST_PLAN): 16 rows
-# on one warp, 44% off at R = 1, B = 32 with 4 parts, 24-46% from R = 4 on. But its q / k norms sum 4
+# on one warp, 44% off at R = 1, B = 32 with 4 parts, 23-46% from R = 4 on. But its q / k norms sum 4
 # elements a thread before the lanes, where vLLM's 4 warps sum one a thread across lanes, then warps:
 # test_layer_diff finds its GDN layers' outputs off vLLM's (within bf16 rounding; tokens equal). 16 or 8
-# rows on 4 warps keep vLLM's association but are slower than 32 / 4 from 8 requests on.
+# rows on 4 warps get 32 / 4's reduction layouts (Triton's TTGIR) but are slower from 8 / 2 requests on.
 # Rows (most requests, tiles): the first whose bound holds; None: any number.
 _GDN_PLANS: dict[str, tuple[tuple[int | None, GdnTiles], ...]] = {
     "sm_90": ((1, GdnTiles(32, 4, 4)), (None, GdnTiles(32, 4))),
