@@ -52,7 +52,7 @@ def tune(cfg, shapes):
     return gdn_cfgs[min(gt, key=gt.get)], conv_cfgs[min(ct, key=ct.get)], rows
 
 
-# (block_v, num_warps). 8 x 4 and 16 x 4 reduce exactly as vLLM's 32 x 4 does (same layouts; tuning.py)
+# (block_v, num_warps). 8 x 4 and 16 x 4 get vLLM's 32 x 4 reduction layouts (Triton's TTGIR; tuning.py)
 SWEEP_CFGS = [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8), (16, 4), (8, 4)]
 SPLIT_CFGS = [(32, 4, 4), (16, 4, 2), (16, 4, 4), (16, 4, 8), (16, 1, 2), (16, 1, 4), (16, 1, 8)]  # at R <= 8
 

@@ -188,9 +188,10 @@ class GdnTiles:
 # elements a thread before the lanes, where vLLM's 4 warps sum one a thread across lanes, then warps:
 # test_layer_diff finds its GDN layers' outputs off vLLM's (within bf16 rounding; tokens equal). 16 or 8
 # rows on 4 warps get 32 / 4's reduction layouts (Triton's TTGIR) but are slower from 8 / 2 requests on.
-# Rewriting 16 / 1's norms in 4 warps' order is no way out: in that order's PTX each lane's first step is
-# an fma of its own square (the lanes' sums differ) and every lane stores its warp's partial to one word.
-# The way out is the norms computed apart, by vLLM's own code on 4 warps, read by any tile (not built).
+# Rewriting 16 / 1's norms in 4 warps' order is no way out: in that order's PTX (Triton 3.9, sm_90) each
+# lane's first step is an fma of its own square (the lanes' sums differ) and every lane stores its warp's
+# partial to one word. The way out is the norms computed apart, by vLLM's own code on 4 warps, read by any
+# tile (not built).
 # Rows (most requests, tiles): the first whose bound holds; None: any number.
 _GDN_PLANS: dict[str, tuple[tuple[int | None, GdnTiles], ...]] = {
     "sm_90": ((1, GdnTiles(32, 4, 4)), (None, GdnTiles(32, 4))),
