@@ -231,7 +231,13 @@ def _gdn_override(value: str) -> tuple[tuple[int | None, GdnTiles], ...] | None:
 def gdn_tiles(arch: str = "default", requests: int = 1) -> GdnTiles:
     """The tree recurrence's tile and walk split for `requests` requests on `arch` (arch_of's key): the
     first row that holds them of DDTREE_GDN_TILES if set, else of the arch's plan, else vLLM's tile."""
-    rows = _gdn_override(os.environ.get(_GDN_ENV, "")) or _GDN_PLANS.get(arch, ())
+    return _gdn_pick(os.environ.get(_GDN_ENV, ""), arch, requests)
+
+
+@functools.lru_cache(maxsize=None)
+def _gdn_pick(value: str, arch: str, requests: int) -> GdnTiles:
+    """(every GDN layer's launch of an eager step asks the same question: answered once)"""
+    rows = _gdn_override(value) or _GDN_PLANS.get(arch, ())
     for most, tiles in rows:
         if most is None or requests <= most:
             return tiles
