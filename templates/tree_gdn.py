@@ -6,9 +6,15 @@ registers and visits the request's slots in `GdnTreeMeta.walk` order (DFS preord
 node's parent is the previous position unless the walk backtracks, so the state is reloaded only
 there (F_RELOAD, from the per-depth fp32 `stack`) and saved only at branch points (F_SAVE). The next
 position's inputs are loaded before the current one is computed.
+
+The q / k L2 norms are vLLM's bits only in vLLM's warp count (4): a tile on other warps reduces the
+128 squares in another order. Such a tile reads them from `_qk_norms_kernel`, a pre-pass on vLLM's 4
+warps (the same load, sum and rsqrt as vLLM's kernel), so every tile's outputs can be vLLM's.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ddtree_compile.templates.gdn_meta import F_FROM_COMMITTED, F_PAD, F_RELOAD, F_SAVE
 from ddtree_compile.templates.tree_gdn_ref import check_gdn_args
@@ -28,16 +34,34 @@ if triton is not None:
     _PAD = tl.constexpr(F_PAD)
 
     @triton.jit
-    def gdn_update(h, kr, v, g, beta):
-        """One delta-rule step on an fp32 [BV, BK] tile; shared by the verify walk and the replay."""
-        k = kr * tl.rsqrt(tl.sum(kr * kr) + 1e-6)
+    def gdn_step(h, k, v, g, beta):
+        """One delta-rule step on an fp32 [BV, BK] tile with k already L2-normalised."""
         h = h * tl.exp(g)
         vn = (v - tl.sum(h * k[None, :], 1)) * beta
         return h + vn[:, None] * k[None, :]
 
     @triton.jit
-    def _load_node(qkv, s_qt, a, b, s_abt, walk, r, kk, N, hk, hv, ok, mk, ov, mv,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    def gdn_update(h, kr, v, g, beta):
+        """One delta-rule step from the raw k; shared by the verify walk and the replay."""
+        return gdn_step(h, kr * tl.rsqrt(tl.sum(kr * kr) + 1e-6), v, g, beta)
+
+    @triton.jit
+    def _qk_norms_kernel(qkv, s_qt, norms, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+        """norms[row, 0 / 1, hk] = rsqrt(|q|^2 + 1e-6) / rsqrt(|k|^2 + 1e-6) of key head hk: vLLM's
+        expression on vLLM's 4 warps (the launcher's), one program per (row, key head)."""
+        row = tl.program_id(0).to(tl.int64)
+        hk = tl.program_id(1)
+        ok = tl.arange(0, BK)
+        mk = ok < K
+        qp = qkv + row * s_qt + hk * K + ok
+        q = tl.load(qp, mask=mk, other=0).to(tl.float32)
+        k = tl.load(qp + H * K, mask=mk, other=0).to(tl.float32)
+        tl.store(norms + row * (2 * H) + hk, tl.rsqrt(tl.sum(q * q) + 1e-6))
+        tl.store(norms + row * (2 * H) + H + hk, tl.rsqrt(tl.sum(k * k) + 1e-6))
+
+    @triton.jit
+    def _load_node(qkv, s_qt, a, b, s_abt, norms, walk, r, kk, N, hk, hv, ok, mk, ov, mv,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NORMS: tl.constexpr):
         wp = walk + (r * N + kk) * 4
         s = tl.load(wp)
         row = (r * N + s).to(tl.int64)
@@ -47,7 +71,12 @@ if triton is not None:
         v = tl.load(qp + 2 * H * K + hv * V + ov, mask=mv, other=0.0).to(tl.float32)
         av = tl.load(a + row * s_abt + hv).to(tl.float32)
         bv = tl.load(b + row * s_abt + hv).to(tl.float32)
-        return s, tl.load(wp + 2), tl.load(wp + 3), q, kr, v, av, bv
+        fq = 1.0
+        fk = 1.0
+        if NORMS:  # the pre-pass's factors (else the caller computes them from q and kr)
+            fq = tl.load(norms + row * (2 * H) + hk)
+            fk = tl.load(norms + row * (2 * H) + H + hk)
+        return s, tl.load(wp + 2), tl.load(wp + 3), q, kr, v, av, bv, fq, fk
 
     @triton.jit
     def _gates(av, bv, A, dtb):
@@ -57,12 +86,12 @@ if triton is not None:
         return g, tl.sigmoid(bv)
 
     @triton.jit
-    def _tree_gdn_kernel(qkv, s_qt, a, b, s_abt, A_log, dt_bias,
+    def _tree_gdn_kernel(qkv, s_qt, a, b, s_abt, norms, A_log, dt_bias,
                          state, s_sl, s_sh, s_sv, s_sk, idx, s_ir, s_ic, nacc, walk, stack, s_kr, s_kd,
                          out, s_ot, s_oh, rec_kv, rec_gb, scale, N, NS, NSPLIT,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, SNAP: tl.constexpr, REC: tl.constexpr,
-                         NP2: tl.constexpr):
+                         NP2: tl.constexpr, NORMS: tl.constexpr):
         i_v = tl.program_id(0)
         i_rh = tl.program_id(1)
         i_p = tl.program_id(2)  # this program's part of the walk (NSPLIT parts; 1: the whole walk)
@@ -99,21 +128,24 @@ if triton is not None:
                 for t in range(0, d0):
                     # In preorder the ancestor at depth t is the last position before k0 at depth t.
                     at = tl.max(tl.where(dep == t, pos, -1), 0)
-                    _, _, fa, _, kr, v, av, bv = _load_node(qkv, s_qt, a, b, s_abt, walk, r, at, N, hk, hv,
-                                                             ok, mk, ov, mv, H, HV, K, V)
+                    _, _, fa, _, kr, v, av, bv, _, fk = _load_node(qkv, s_qt, a, b, s_abt, norms, walk, r, at, N,
+                                                                   hk, hv, ok, mk, ov, mv, H, HV, K, V, NORMS)
                     g, beta = _gates(av, bv, A, dtb)
-                    h = gdn_update(h, kr, v, g, beta)
+                    if NORMS:
+                        h = gdn_step(h, kr * fk, v, g, beta)
+                    else:
+                        h = gdn_update(h, kr, v, g, beta)
                     if (fa & _SAVE) != 0:
                         tl.store(stack_r + t * s_kd + sk_off, h, mask=mh)
         # Software pipelining: the next position's inputs are loaded before this one is computed.
-        s_n, d_n, f_n, q_n, k_n, v_n, a_n, b_n = _load_node(qkv, s_qt, a, b, s_abt, walk, r,
-                                                            tl.minimum(k0, N - 1), N, hk, hv,
-                                                            ok, mk, ov, mv, H, HV, K, V)
+        s_n, d_n, f_n, q_n, k_n, v_n, a_n, b_n, fq_n, fk_n = _load_node(
+            qkv, s_qt, a, b, s_abt, norms, walk, r, tl.minimum(k0, N - 1), N, hk, hv, ok, mk, ov, mv,
+            H, HV, K, V, NORMS)
         for kk in range(k0, k1):
-            s, d, f, q, kr, v, av, bv = s_n, d_n, f_n, q_n, k_n, v_n, a_n, b_n
-            s_n, d_n, f_n, q_n, k_n, v_n, a_n, b_n = _load_node(qkv, s_qt, a, b, s_abt, walk, r,
-                                                                tl.minimum(kk + 1, k1 - 1), N, hk, hv,
-                                                                ok, mk, ov, mv, H, HV, K, V)
+            s, d, f, q, kr, v, av, bv, fq, fk = s_n, d_n, f_n, q_n, k_n, v_n, a_n, b_n, fq_n, fk_n
+            s_n, d_n, f_n, q_n, k_n, v_n, a_n, b_n, fq_n, fk_n = _load_node(
+                qkv, s_qt, a, b, s_abt, norms, walk, r, tl.minimum(kk + 1, k1 - 1), N, hk, hv, ok, mk, ov, mv,
+                H, HV, K, V, NORMS)
             row = (r * N + s).to(tl.int64)
             op = out + row * s_ot + hv * s_oh + ov
             if (f & _PAD) != 0:
@@ -126,8 +158,12 @@ if triton is not None:
                     tl.debug_barrier()
                     h = tl.load(stack_r + (d - 1) * s_kd + sk_off, mask=mh, other=0.0)
                 g, beta = _gates(av, bv, A, dtb)
-                h = gdn_update(h, kr, v, g, beta)
-                qn = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+                if NORMS:
+                    h = gdn_step(h, kr * fk, v, g, beta)
+                    qn = q * fq * scale
+                else:
+                    h = gdn_update(h, kr, v, g, beta)
+                    qn = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
                 tl.store(op, tl.sum(h * qn[None, :], 1).to(out.dtype.element_ty), mask=mv)
                 if (f & _SAVE) != 0:
                     tl.store(stack_r + d * s_kd + sk_off, h, mask=mh)
@@ -145,11 +181,38 @@ if triton is not None:
                         tl.store(rec_gb + row * (2 * HV) + HV + hv, beta)
 
 
+VLLM_WARPS = 4  # vLLM's `fused_sigmoid_gating_delta_rule_update` launches 4 warps whatever the shape
+
+
+def norms_apart(num_warps: int) -> bool:
+    """Whether a tile on `num_warps` warps reads its q / k norms from the pre-pass (see the module doc)."""
+    return num_warps != VLLM_WARPS
+
+
+def qk_norms_triton(qkv, num_k_heads, head_k_dim, norms=None):
+    """The pre-pass alone: float32 [rows, 2, H] rsqrt factors of every row's q and k heads (`norms`, if
+    given, is written and returned). Reference: tree_gdn_ref.qk_norms_ref."""
+    if triton is None:
+        raise RuntimeError("tree_gdn: triton is not installed")
+    T, H, K = qkv.shape[0], num_k_heads, head_k_dim
+    if norms is None:
+        norms = torch.empty(T, 2, H, dtype=torch.float32, device=qkv.device)
+    elif norms.shape != (T, 2, H) or norms.dtype != torch.float32 or not norms.is_contiguous():
+        raise ValueError(f"norms must be contiguous float32 [rows, 2, H] = [{T}, 2, {H}], got {norms.dtype} "
+                         f"{tuple(norms.shape)}")
+    if T:
+        _qk_norms_kernel[(T, H)](qkv, qkv.stride(0), norms, H=H, K=K, BK=triton.next_power_of_2(K),
+                                 num_warps=VLLM_WARPS)
+    return norms
+
+
 def tree_gdn_triton(qkv, a, b, A_log, dt_bias, ssm_state, state_indices, num_accepted, walk, stack, out,
                     rec_kv, rec_gb, num_k_heads, head_k_dim, scale, write_snapshots,
-                    block_v: int | None = None, num_warps: int | None = None, splits: int | None = None):
-    """Triton launcher; same contract as `tree_gdn_ref`. No host sync, no allocation. The tile and the
-    walk split are tuning.gdn_tiles()'s unless given.
+                    block_v: int | None = None, num_warps: int | None = None, splits: int | None = None,
+                    norms=None):
+    """Triton launcher; same contract as `tree_gdn_ref`. No host sync; no allocation but, for a tile off
+    vLLM's 4 warps, the pre-pass's [R*N, 2, H] norms when `norms` is not given. The tile and the walk
+    split are tuning.gdn_tiles()'s unless given.
 
     `splits` > 1 cuts each request's walk into that many parts of consecutive positions, one program
     each: a part first replays, without outputs, the ancestors of its first position (in preorder,
@@ -174,10 +237,14 @@ def tree_gdn_triton(qkv, a, b, A_log, dt_bias, ssm_state, state_indices, num_acc
     BV = min(block_v, triton.next_power_of_2(V))
     grid = (triton.cdiv(V, BV), R * HV, splits)
     rec = rec_kv is not None
+    apart = norms_apart(num_warps)
+    if apart:
+        norms = qk_norms_triton(qkv, num_k_heads, head_k_dim, norms)
     _tree_gdn_kernel[grid](
-        qkv, qkv.stride(0), a, b, a.stride(0), A_log, dt_bias,
+        qkv, qkv.stride(0), a, b, a.stride(0), norms if apart else qkv, A_log, dt_bias,
         ssm_state, *ssm_state.stride(), state_indices, *state_indices.stride(), num_accepted, walk,
         stack, stack.stride(0), stack.stride(1), out, out.stride(0), out.stride(1),
         rec_kv if rec else qkv, rec_gb if rec else stack, float(scale), N, state_indices.shape[1], splits,
         H=num_k_heads, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        SNAP=bool(write_snapshots), REC=rec, NP2=triton.next_power_of_2(N) if splits > 1 else 1, num_warps=num_warps)
+        SNAP=bool(write_snapshots), REC=rec, NP2=triton.next_power_of_2(N) if splits > 1 else 1, NORMS=apart,
+        num_warps=num_warps)

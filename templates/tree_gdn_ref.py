@@ -43,6 +43,14 @@ def l2norm_ref(x):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
+def qk_norms_ref(qkv, num_k_heads, head_k_dim):
+    """float32 [rows, 2, H]: rsqrt(|x|^2 + eps) of every row's q (0) and k (1) heads: the tree GDN's
+    norm pre-pass (tree_gdn.qk_norms_triton), which tiles off vLLM's warp count read."""
+    H, K = num_k_heads, head_k_dim
+    qk = qkv[:, : 2 * H * K].float().reshape(-1, 2, H, K)
+    return torch.rsqrt((qk * qk).sum(-1) + L2_EPS)
+
+
 def gdn_update_ref(h, k_raw, v, g, beta):
     """One delta-rule step. h [..., V, K] fp32; k_raw [..., K]; v [..., V]; g, beta [...]."""
     k = l2norm_ref(k_raw)

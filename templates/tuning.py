@@ -184,14 +184,14 @@ class GdnTiles:
 # first node's ancestors: the same updates in the same order; test_layer_diff passed with it): 27% off the
 # kernel at the 4B shape, R = 1, B = 32 (9-38% over B = 8-64), none from 2 requests on (H100 sweep,
 # tree_gdn_sweep_h100.json, bench_tree_gdn.py --sweep). Faster, opt-in (DDTREE_GDN_TILES=FAST_PLAN): 16 rows
-# on one warp, 44% off at R = 1, B = 32 with 4 parts, 23-46% from R = 4 on. But its q / k norms sum 4
-# elements a thread before the lanes, where vLLM's 4 warps sum one a thread across lanes, then warps:
-# test_layer_diff finds its GDN layers' outputs off vLLM's (within bf16 rounding; tokens equal). 16 or 8
-# rows on 4 warps get 32 / 4's reduction layouts (Triton's TTGIR) but are slower from 8 / 2 requests on.
-# Rewriting 16 / 1's norms in 4 warps' order is no way out: in that order's PTX (Triton 3.9, sm_90) each
-# lane's first step is an fma of its own square (the lanes' sums differ) and every lane stores its warp's
-# partial to one word. The way out is the norms computed apart, by vLLM's own code on 4 warps, read by any
-# tile (not built).
+# on one warp, 44% off at R = 1, B = 32 with 4 parts, 23-46% from R = 4 on. Its q / k norms would sum 4
+# elements a thread before the lanes, where vLLM's 4 warps sum one a thread across lanes, then warps (and
+# in that order's PTX each lane's first step is an fma of its own square and every lane stores its warp's
+# partial to one word: no other warp count can redo it). So a tile off 4 warps reads the norms from a
+# pre-pass on vLLM's 4 warps (tree_gdn.py; its PTX on sm_90 is vLLM's reduction instruction for
+# instruction, Triton 3.9). The row sums of 16 or 8 rows on 1 or 4 warps have 32 / 4's layouts (TTGIR).
+# Without the pre-pass test_layer_diff found 16 / 1's GDN layers off vLLM's (within bf16 rounding; tokens
+# equal); with it, not yet run on a GPU (tests/gpu/test_kernels.py checks every tile against 32 / 4's bits).
 # Rows (most requests, tiles): the first whose bound holds; None: any number.
 _GDN_PLANS: dict[str, tuple[tuple[int | None, GdnTiles], ...]] = {
     "sm_90": ((1, GdnTiles(32, 4, 4)), (None, GdnTiles(32, 4))),

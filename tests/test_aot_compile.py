@@ -23,7 +23,7 @@ TEMPLATES = {"tree_attention", "kv_compact", "draft_topk", "tree_build", "tree_w
              "tree_gdn", "gdn_commit"}
 KERNELS = {"tree_attn_fwd_kernel", "tree_attn_combine_kernel", "kv_compact_kernel", "topk_partial_kernel",
            "topk_merge_kernel", "tree_build_kernel", "tree_walk_kernel", "gdn_meta_kernel", "tree_conv_kernel",
-           "tree_gdn_kernel", "state_commit_kernel", "conv_commit_kernel"}
+           "tree_gdn_kernel", "qk_norms_kernel", "state_commit_kernel", "conv_commit_kernel"}
 
 
 def _ptxas_path() -> str:

@@ -285,3 +285,43 @@ def test_split_walk_is_the_whole_walk_bit_for_bit(splits):
             assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
     ref = run(tree_gdn_ref, case, meta, H, K, snap, rec)
     torch.testing.assert_close(parts[0], ref[0], rtol=1e-5, atol=1e-5)
+
+
+def test_norm_prepass_matches_its_reference():
+    """The q / k norm pre-pass (tree_gdn.qk_norms_triton, vLLM's expression on vLLM's 4 warps) against its
+    torch reference, bf16 rows of two key heads of K = 24 (a masked tail past 24 of the 32-lane block)."""
+    from ddtree_compile.templates.tree_gdn import qk_norms_triton
+    from ddtree_compile.templates.tree_gdn_ref import qk_norms_ref
+
+    H, HV, K, V = 2, 4, 24, 16
+    qkv = (torch.randn(11, 2 * H * K + HV * V, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    norms = poison(torch.empty(11, 2, H))
+    assert qk_norms_triton(qkv, H, K, norms) is norms
+    torch.testing.assert_close(norms, qk_norms_ref(qkv, H, K), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match=r"norms must be contiguous float32 \[rows, 2, H\] = \[11, 2, 2\]"):
+        qk_norms_triton(qkv, H, K, torch.empty(11, 2, H + 1))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tile_off_vllm_warps_reads_the_prepass_norms(splits):
+    """A tile on a warp count other than vLLM's 4 takes its q / k norms from the pre-pass (so its bits can be
+    vLLM's on a GPU, tests/gpu/test_kernels.py): the launcher writes the norms it is given, and the walk, the
+    split walk's replay included, reads them: outputs and records equal the in-kernel norms' bit for bit (the
+    interpreter does both in one order) and the reference."""
+    from ddtree_compile.templates.tree_gdn import norms_apart
+
+    H, HV, K, V, N = 2, 4, 16, 16, 13
+    case = make_case(N, H, HV, K, V, ("bushy", "deep", "random"), seed=6, dtype=torch.bfloat16)
+    meta = build_gdn_meta(case[0], 4)
+    R = case[0].shape[0]
+    assert norms_apart(1) and not norms_apart(4)
+    norms = poison(torch.empty(R * N, 2, H))
+    apart = run(lambda *a: tree_gdn_triton(*a, block_v=8, num_warps=1, splits=splits, norms=norms), case, meta,
+                H, K, False, True, stack_rows=R * splits)
+    assert not norms.isnan().any()  # the pre-pass ran
+    inside = run(lambda *a: tree_gdn_triton(*a, block_v=8, num_warps=4, splits=splits), case, meta, H, K, False,
+                 True, stack_rows=R * splits)
+    for got, want in zip(apart, inside):
+        assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+    ref = run(tree_gdn_ref, case, meta, H, K, False, True)
+    torch.testing.assert_close(apart[0].float(), ref[0].float(), rtol=2e-2, atol=2e-2)

@@ -9,7 +9,7 @@ launch; the K/V compaction equal to its reference; long context at `vllm serve` 
 (split-KV plan of the engine, a CUDA graph captured at a short context then replayed, vLLM's FA3 as
 the yardstick). GatedDeltaNet (benchmarks/_gdn_checks.py): tree conv1d, tree GDN (snapshot and
 records strategies) and the commit against their torch references at Qwen3.6-27B's head shapes; at the
-4B shape a split walk equal to one part bit for bit, both tiles. The
+4B shape a split walk equal to one part bit for bit, every tile equal to vLLM's. The
 tree build at the 4B shape: after its warm-up's batch sizes, no batch of 1-64 requests compiles a
 Triton kernel (issue 27).
 """
@@ -100,14 +100,16 @@ def test_gdn_templates_and_commit_against_their_references(gdn, record):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("tiles", ["32x4", "16x1"])
+@pytest.mark.parametrize("tiles", ["32x4", "16x1", "16x4", "8x4"])
 def test_split_walk_and_tiles_on_the_4b_shape(gdn, record, tiles):
     """The tree recurrence compiled at the 4B GDN shape, records strategy, R = 1 and 2 requests of a 33-slot
     DDTree-shaped tree: a walk split in 2, 4 and 8 parts (templates/tree_gdn.py) gives the one-part
-    kernel's outputs and records bit for bit, for vLLM's tile (the default) and the faster opt-in one
-    (DDTREE_GDN_TILES=16x1, templates/tuning.py); the one-part run against the float32 reference."""
+    kernel's outputs and records bit for bit; every tile gives vLLM's tile's (32 rows on 4 warps) bit for bit
+    (a tile off 4 warps through the q / k norm pre-pass: the tile plans of templates/tuning.py need not
+    cost vLLM's arithmetic); the one-part run against the float32 reference."""
     import torch
 
+    from ddtree_compile.templates.tree_gdn import norms_apart
     from ddtree_compile.templates.tree_gdn_ref import tree_gdn_ref
 
     checks, layer = gdn
@@ -118,8 +120,12 @@ def test_split_walk_and_tiles_on_the_4b_shape(gdn, record, tiles):
         L = layer.Layer(cfg, R, 32, seed=4)
         _, mt, _ = layer.metas(R, 32, cfg["W"], 5)
         L.conv(mt)  # the recurrence's input
+        L.gdn(mt, "records", block_v=32, num_warps=4, splits=1)
+        vllm_tile = (L.out.clone(), L.rec_kv.clone(), L.rec_gb.clone())
+        L.out.zero_(), L.rec_kv.zero_(), L.rec_gb.zero_()
         L.gdn(mt, "records", block_v=bv, num_warps=nw, splits=1)
         one = (L.out.clone(), L.rec_kv.clone(), L.rec_gb.clone())
+        err[f"R{R}_out_max_abs_vs_vllm_tile"] = (one[0].float() - vllm_tile[0].float()).abs().max().item()
         for sp in (2, 4, 8):
             L.out.zero_(), L.rec_kv.zero_(), L.rec_gb.zero_()
             L.gdn(mt, "records", block_v=bv, num_warps=nw, splits=sp)
@@ -130,7 +136,8 @@ def test_split_walk_and_tiles_on_the_4b_shape(gdn, record, tiles):
                      K ** -0.5, False)
         err[f"R{R}_out_max_abs_vs_ref"] = (one[0].float() - out.float()).abs().max().item()
         err[f"R{R}_max_depth"] = int(mt.walk[..., 2].max())
-    record(tiles=tiles, **err)
+        assert all(torch.equal(x, y) for x, y in zip(one, vllm_tile)), (R, err)
+    record(tiles=tiles, norm_prepass=norms_apart(nw), **err)
     assert all(v <= GDN_TOL["gdn_out"] for k, v in err.items() if k.endswith("vs_ref")), err
 
 
