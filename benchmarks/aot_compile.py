@@ -199,7 +199,7 @@ def cases(quick: bool, probe: bool):
                 out.append(("tree_gdn", f"{lab} {'snapshots' if snap else 'records' if rec else 'plain'}",
                             lambda a, B=B, h=heads, s=snap, r=rec: tree_gdn_case(a, 4, B, h, s, r)))
             out.append(("gdn_commit", lab, lambda a, B=B, h=heads: gdn_commit_case(a, 4, B, h)))
-        # one request's split walk (records): sm_90's plan (tuning.gdn_tiles) and the opt-in FAST_PLAN's
+        # one request's split walk (records): vLLM's tile and sm_90's plan's (tuning.gdn_tiles; with the norm pre-pass)
         for bv, nw in ((32, 4), (16, 1)):
             out.append(("tree_gdn", f"{model} R=1 B=32 records {bv}x{nw} split 4",
                         lambda a, h=heads, bv=bv, nw=nw: tree_gdn_case(a, 1, 32, h, False, True, block_v=bv,

@@ -177,28 +177,27 @@ class GdnTiles:
     splits: int = 1  # programs per (request, head, tile) walking consecutive parts of the walk (tree_gdn.py)
 
 
-# Tree gated delta rule (tree_gdn.py): 32 value rows on 4 warps, the tile of vLLM's
-# `fused_sigmoid_gating_delta_rule_update`, so a chain's GDN outputs are bit-identical to flat DFlash's
-# (tests/gpu/test_layer_diff.py; CHANGELOG: 1-2 bf16 ulps at the first verify became gate misses on the
-# tiny bf16 hybrids at long context). On sm_90 one request's walk is split in 4 parts (each replays its
-# first node's ancestors: the same updates in the same order; test_layer_diff passed with it): 27% off the
-# kernel at the 4B shape, R = 1, B = 32 (9-38% over B = 8-64), none from 2 requests on (H100 sweep,
-# tree_gdn_sweep_h100.json, bench_tree_gdn.py --sweep). Faster, opt-in (DDTREE_GDN_TILES=FAST_PLAN): 16 rows
-# on one warp, 44% off at R = 1, B = 32 with 4 parts, 23-46% from R = 4 on. Its q / k norms would sum 4
-# elements a thread before the lanes, where vLLM's 4 warps sum one a thread across lanes, then warps (and
-# in that order's PTX each lane's first step is an fma of its own square and every lane stores its warp's
-# partial to one word: no other warp count can redo it). So a tile off 4 warps reads the norms from a
-# pre-pass on vLLM's 4 warps (tree_gdn.py; its PTX on sm_90 is vLLM's reduction instruction for
-# instruction, Triton 3.9). The row sums of 16 or 8 rows on 1 or 4 warps have 32 / 4's layouts (TTGIR).
-# Without the pre-pass test_layer_diff found 16 / 1's GDN layers off vLLM's (within bf16 rounding; tokens
-# equal); with it, not yet run on a GPU (tests/gpu/test_kernels.py checks every tile against 32 / 4's bits).
+# Tree gated delta rule (tree_gdn.py). Its outputs must be vLLM's `fused_sigmoid_gating_delta_rule_update`'s
+# bit for bit, so a chain's GDN outputs equal flat DFlash's (tests/gpu/test_layer_diff.py; CHANGELOG: 1-2
+# bf16 ulps at the first verify became gate misses on the tiny bf16 hybrids at long context). vLLM's tile is
+# 32 value rows on 4 warps (the default off sm_90). On sm_90, the H100 sweep's fastest (tree_gdn_sweep_h100.json,
+# bench_tree_gdn.py --sweep, 4B shape): 16 rows on one warp, one request's walk in 4 parts and two requests'
+# in 2 (a part replays its first node's ancestors: the same updates in the same order), 41% off 32 / 4 at
+# R = 1, B = 32 (7-50% over B = 8-64), 28% at R = 2, 30-45% from R = 4 on (norm pre-pass included). One
+# warp would sum the q / k norms' 128 squares 4 a thread before the lanes, where vLLM's 4 warps sum one a
+# thread across lanes, then warps (each lane's first step an fma of its own square, every lane storing its
+# warp's partial to one word: no other warp count can redo it). So a tile off 4 warps reads the norms from a
+# pre-pass on vLLM's 4 warps (tree_gdn.py; on sm_90 its PTX is vLLM's reduction instruction for instruction);
+# the row sums of 16 or 8 rows on 1 or 4 warps already have 32 / 4's layouts. On an H100 every tile's outputs
+# and records equal 32 / 4's bit for bit (tests/gpu/test_kernels.py) and test_layer_diff passes with this plan.
+# DDTREE_GDN_TILES overrides it (e.g. "32x4": vLLM's tile; FAST_PLAN spells sm_90's plan).
 # Rows (most requests, tiles): the first whose bound holds; None: any number.
 _GDN_PLANS: dict[str, tuple[tuple[int | None, GdnTiles], ...]] = {
-    "sm_90": ((1, GdnTiles(32, 4, 4)), (None, GdnTiles(32, 4))),
+    "sm_90": ((1, GdnTiles(16, 1, 4)), (2, GdnTiles(16, 1, 2)), (None, GdnTiles(16, 1))),
 }
 _GDN_DEFAULT = GdnTiles(32, 4)
 _GDN_ENV = "DDTREE_GDN_TILES"
-FAST_PLAN = "1:16x1x4,2:16x1x2,16x1"  # the sweep's fastest at every request count (sm_90)
+FAST_PLAN = "1:16x1x4,2:16x1x2,16x1"  # sm_90's plan in DDTREE_GDN_TILES' spelling (other archs may opt in)
 
 
 @functools.lru_cache(maxsize=None)

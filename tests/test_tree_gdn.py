@@ -214,7 +214,7 @@ def test_budget_128_triton():
 
 def test_gdn_plan_rows_pick_by_request_count(monkeypatch):
     """tuning.gdn_tiles: the first row whose request bound holds, of DDTREE_GDN_TILES if set (one tile, or a
-    plan such as FAST_PLAN), else of the arch's plan (sm_90: vLLM's tile, one request's walk in 4 parts),
+    plan such as FAST_PLAN), else of the arch's plan (sm_90: FAST_PLAN),
     else vLLM's tile; every committed row is a tile the kernel takes, bounds rising to a last row for any
     count (so no batch falls through to another tile by accident)."""
     from ddtree_compile.templates import tuning
@@ -226,7 +226,7 @@ def test_gdn_plan_rows_pick_by_request_count(monkeypatch):
         assert all(t.block_v in (8, 16, 32, 64, 128) and t.num_warps in (1, 2, 4, 8) and 1 <= t.splits <= 8
                    for _, t in rows), (arch, rows)
     monkeypatch.delenv("DDTREE_GDN_TILES", raising=False)
-    assert [tuning.gdn_tiles("sm_90", r) for r in (1, 2, 64)] == [T(32, 4, 4), T(32, 4), T(32, 4)]
+    assert [tuning.gdn_tiles("sm_90", r) for r in (1, 2, 3, 64)] == [T(16, 1, 4), T(16, 1, 2), T(16, 1), T(16, 1)]
     assert tuning.gdn_tiles("sm_121", 1) == tuning.gdn_tiles("default", 1) == T(32, 4)
     monkeypatch.setenv("DDTREE_GDN_TILES", tuning.FAST_PLAN)
     picked = [tuning.gdn_tiles(arch, r) for arch in ("sm_90", "default") for r in (1, 2, 3, 64)]
