@@ -183,7 +183,7 @@ class GdnTiles:
 # 32 value rows on 4 warps (the default off sm_90). On sm_90, the H100 sweep's fastest (tree_gdn_sweep_h100.json,
 # bench_tree_gdn.py --sweep, 4B shape): 16 rows on one warp, one request's walk in 4 parts and two requests'
 # in 2 (a part replays its first node's ancestors: the same updates in the same order), 41% off 32 / 4 at
-# R = 1, B = 32 (7-50% over B = 8-64), 28% at R = 2, 30-45% from R = 4 on (norm pre-pass included). One
+# R = 1, B = 32 (7-50% over B = 8-64), 3-34% at R = 2, 22-45% from R = 4 on (norm pre-pass included). One
 # warp would sum the q / k norms' 128 squares 4 a thread before the lanes, where vLLM's 4 warps sum one a
 # thread across lanes, then warps (each lane's first step an fma of its own square, every lane storing its
 # warp's partial to one word: no other warp count can redo it). So a tile off 4 warps reads the norms from a
