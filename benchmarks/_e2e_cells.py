@@ -128,7 +128,7 @@ def gpu_profile_at(args, conc: list, bare: list) -> list:
     return list(bare) if wanted == "all" else [c for c in wanted if c in conc]
 
 
-def gpu_profile(llm, prompts, max_tokens, budget, top=30) -> dict:
+def gpu_profile(llm, prompts, max_tokens, budget, top=60) -> dict:
     """One more timed run under torch.profiler: the GPU's busy time per round (kernel and copy
     durations, which host overhead does not change) next to the wall time per round, and the
     kernels that fill it. Wall - busy is the time the GPU waited for the host."""
