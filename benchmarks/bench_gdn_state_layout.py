@@ -18,8 +18,9 @@ and replayed: ms per step. A layout is
 - the KV cache's size, over `tensors` buffers each shared by one layer of every KV cache group (the 4B
   shape: 8 attention and 24 GDN layers, groups of 8), and where the requests' blocks lie in it: the first
   blocks, or spread over the whole cache (a long-running engine's free list).
-Every run checks that each layout gives the first's outputs and states and writes every token's state
-(the layouts are built right: the same computation, only the addresses differ).
+Every run checks that each layout gives the first's outputs (every layer's) and states (the first and the
+last layer's) and writes every token's state (the layouts are built right: the same computation, only
+the addresses differ).
 """
 
 from __future__ import annotations
