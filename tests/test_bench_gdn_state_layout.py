@@ -3,21 +3,11 @@ interpreter on CPU): every layout (flat DFlash's page and state indices, DDTree'
 blocks first or spread) runs vLLM's kernel to the same outputs and states, every token's state written.
 Timings are not checked (the GPU run's JSON holds them)."""
 
-import json
-import pathlib
-import subprocess
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _bench_smoke import smoke
 
 
 def test_bench_gdn_state_layout_smoke(tmp_path):
-    out = tmp_path / "layout.json"
-    script = ROOT / "benchmarks" / "bench_gdn_state_layout.py"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = smoke("bench_gdn_state_layout.py", tmp_path)
     assert res["device"] == "cpu-interpreter"
     rows = res["rows"]
     assert {r["layout"] for r in rows} == {"flat", "flat, 24 GiB", "ddtree page", "ddtree indices",

@@ -5,21 +5,11 @@ a GPU run), and its check of the Triton kernels against the torch references is 
 and counts equal (the bf16 outputs are compared to their references by the template tests). Timings are
 not checked."""
 
-import json
-import pathlib
-import subprocess
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _bench_smoke import smoke
 
 
 def test_bench_tree_gdn_smoke(tmp_path):
-    out = tmp_path / "gdn.json"
-    script = ROOT / "benchmarks" / "bench_tree_gdn.py"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = smoke("bench_tree_gdn.py", tmp_path)
     assert res["device"] == "cpu-interpreter"
     assert res["records"], res
     for rec in res["records"]:  # every shape: both commits and every template strategy timed
@@ -33,11 +23,6 @@ def test_bench_tree_gdn_smoke(tmp_path):
 
 def test_bench_tree_gdn_sweep_smoke(tmp_path):
     """`--sweep` (the recurrence's launch configs, split walks at small R) runs to its JSON."""
-    out = tmp_path / "sweep.json"
-    script = ROOT / "benchmarks" / "bench_tree_gdn.py"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--sweep", "--out", str(out)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["sweep"]
+    rows = smoke("bench_tree_gdn.py", tmp_path, "--sweep")["sweep"]
     assert [(r["R"], r["B"]) for r in rows] == [(1, 4), (2, 4)]
     assert all(set(r["ms"]) == {"8x1", "16x1", "16x1x8"} and r["best"] in r["ms"] for r in rows), rows
