@@ -181,7 +181,7 @@ class AutoBudget:
         if seeded and not self.forced:
             # Its tokens must repeat when the same requests run again, and in bf16 a verify of another
             # shape rounds the target's logits otherwise: one kind per bucket for the engine's life.
-            kind = self.repeatable.setdefault(b, self._settled(b))
+            kind = self.repeatable[b] if b in self.repeatable else self.repeatable.setdefault(b, self._settled(b))
         else:
             again, self._again = self._again, None
             if again is not None and again[1] > 1:
@@ -201,7 +201,9 @@ class AutoBudget:
         scheduler gives a new request its first draft count before its first proposal); a held kind's own."""
         if self.forced:
             return {b: self.forced for b in buckets}
-        return {b: self.repeatable.setdefault(b, self._settled(b)) for b in buckets}
+        # (_settled only where not fixed yet: its cost fit runs once per bucket, not before every schedule)
+        return {b: self.repeatable[b] if b in self.repeatable else self.repeatable.setdefault(b, self._settled(b))
+                for b in buckets}
 
     def budget_of(self, kind: str) -> int:
         """The tree bucket (nodes) of a tree kind."""
