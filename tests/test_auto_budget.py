@@ -379,3 +379,9 @@ def test_a_step_with_a_seeded_request_takes_one_kind_per_bucket_for_the_engines_
     assert p.choose(1, seeded=True) == ab.TREE and p.snapshot()["repeatable"] == {1: ab.TREE, 4: ab.CHAIN}
     p.forced = ab.CHAIN  # (a held kind, as precompile times each kind, outranks it)
     assert p.choose(1, seeded=True) == ab.CHAIN
+    # where the scheduler decides the counts, every bucket's seeded kind is fixed before a seeded schedule
+    # (draft_schedule.hold_seeded): the fixed ones kept, the others the best now; a held kind its own
+    assert p.hold_seeded([1, 2, 4]) == {1: ab.CHAIN, 2: ab.CHAIN, 4: ab.CHAIN}
+    p.forced = None
+    assert p.hold_seeded([1, 2, 4, 8]) == {1: ab.TREE, 2: ab.TREE, 4: ab.CHAIN, 8: ab.TREE}
+    assert p.snapshot()["repeatable"] == {1: ab.TREE, 2: ab.TREE, 4: ab.CHAIN, 8: ab.TREE}

@@ -73,3 +73,25 @@ def test_a_choice_rewrites_the_batch_sizes_of_its_bucket():
     assert s.choose(4, 32) and s.lookup()[1:8] == [32] * 7
     assert s.choose(2, 8) and s.lookup()[1:8] == [32, 8, 8] + [32] * 4  # a smaller bucket's count
     assert s.written == {32: 1, 15: 2, 8: 1}
+
+
+def test_a_seeded_request_holds_every_bucket_at_the_seeded_kinds_before_a_schedule():
+    """Before a schedule with a request that brought its own seed, every bucket of the scheduler's lookup
+    gets the round's seeded counts (the policy's AutoBudget.hold_seeded); without one, the lookup is left
+    as the policy wrote it."""
+    from types import SimpleNamespace as NS
+
+    s = draft_schedule.DraftSchedule()
+    s._lookup = [0] + [15] * 6  # (max_num_seqs 4, then the chain's and a bucket's counts for V2's graphs)
+    asked = []
+    s.hold_seeded_with(lambda buckets: asked.append(buckets) or {b: 32 if b < 4 else 8 for b in buckets})
+    sched = NS(dynamic_sd_lookup=s._lookup, requests={"a": NS(sampling_params=NS(seed=None)),
+                                                      "b": NS(sampling_params=None)})
+    draft_schedule.hold_seeded(sched)
+    assert s.lookup()[1:] == [15] * 6 and not asked  # no seeded request: the policy's own choices stay
+    sched.requests["c"] = NS(sampling_params=NS(seed=7))
+    draft_schedule.hold_seeded(sched)
+    assert asked == [[1, 2, 4]] and s.lookup()[1:] == [32, 32, 32, 8, 8, 8]
+    other = NS(dynamic_sd_lookup=[0] + [15] * 6, requests=sched.requests)  # another engine's scheduler
+    draft_schedule.hold_seeded(other)
+    assert other.dynamic_sd_lookup[1:] == [15] * 6 and len(asked) == 1

@@ -17,7 +17,12 @@ every count of the schedule (0.26 `cudagraph_utils.py:196-218`). So:
   L drafts are the drafter's chain (flat DFlash's step: its graphs, vLLM's sampler), b a tree bucket.
   So the counts must differ: a bucket of exactly L nodes is not served here (round/auto_setup.serveable_menu);
 - the round's policy (round/auto_budget.py) writes its choice per batch bucket into the scheduler's
-  lookup (`DraftSchedule.choose`), which applies from the next schedule on: a host list, no sync.
+  lookup (`DraftSchedule.choose`), which applies from the next schedule on: a host list, no sync;
+- a request that brought its own seed takes one kind per batch bucket (its tokens repeat when the same
+  requests run again). The scheduler gives a step's requests their next draft count before any proposal
+  sees them (a new request's first, at the schedule of its prefill), so before every schedule with such a
+  request among the scheduler's, every bucket's entry is made the kind seeded steps take
+  (`hold_seeded`, the policy's `AutoBudget.hold_seeded`), not at the request's first proposal.
 
 The lookup is reachable where the scheduler and the worker share a process (the engine core with
 one GPU worker); elsewhere (workers of their own: tensor parallel) auto is refused there, logged.
@@ -29,6 +34,7 @@ import collections
 import weakref
 
 _SCHEDULERS: list = []  # weak references to this process's schedulers with a dynamic draft schedule
+_SCHEDULES: list = []  # weak references to this process's DraftSchedules that hold seeded requests' kinds
 
 
 def auto_schedule(menu: tuple, draft_len: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
@@ -69,6 +75,29 @@ def install() -> None:
 
     __init__._ddtree_schedule = True
     Scheduler.__init__ = __init__
+    schedule = Scheduler.schedule  # (0.26 and 0.32: AsyncScheduler inherits it)
+
+    def scheduled(self, *args, **kwargs):
+        if getattr(self, "dynamic_sd_lookup", None) is not None:
+            hold_seeded(self)
+        return schedule(self, *args, **kwargs)
+
+    Scheduler.schedule = scheduled
+
+
+def hold_seeded(scheduler) -> None:
+    """Before `scheduler` schedules a step: where one of its requests brought its own seed, every bucket of
+    its lookup gets the count of the kind seeded steps take there (module docstring)."""
+    if not any(getattr(r.sampling_params, "seed", None) is not None for r in scheduler.requests.values()):
+        return
+    lookup = scheduler.dynamic_sd_lookup
+    for ref in _SCHEDULES:
+        mine = ref()
+        if mine is not None and mine.seeded_counts is not None and mine.lookup() is lookup:
+            buckets = [1 << i for i in range(len(lookup).bit_length()) if 1 << i < len(lookup)]
+            for b, count in mine.seeded_counts(buckets).items():
+                _write(lookup, b, count)
+            return
 
 
 class DraftSchedule:
@@ -79,6 +108,13 @@ class DraftSchedule:
         self.vllm_config = vllm_config
         self._lookup: list[int] | None = None
         self.written: collections.Counter = collections.Counter()  # choices written, by draft count (tests)
+        # buckets -> {bucket: the draft count of the kind seeded steps take there}: the round's (hold_seeded)
+        self.seeded_counts = None
+
+    def hold_seeded_with(self, counts) -> None:
+        """`counts(buckets)` gives this lookup's entries while a seeded request is the scheduler's."""
+        self.seeded_counts = counts
+        _SCHEDULES.append(weakref.ref(self))
 
     def lookup(self) -> list[int] | None:
         """The lookup of the scheduler built from this engine's config (the engine core hands the worker
@@ -97,8 +133,12 @@ class DraftSchedule:
         lookup = self.lookup()
         if lookup is None:
             return False
-        lo = 1 << (max(R, 1).bit_length() - 1)
         self.written[count] += 1
-        if lo < len(lookup) and lookup[lo] != count:  # (the bucket is written whole: one entry tells)
-            lookup[lo:min(2 * lo, len(lookup))] = [count] * (min(2 * lo, len(lookup)) - lo)
+        _write(lookup, 1 << (max(R, 1).bit_length() - 1), count)
         return True
+
+
+def _write(lookup: list[int], lo: int, count: int) -> None:
+    """Batch sizes lo .. 2 lo - 1 (a bucket) get `count` drafts per request."""
+    if lo < len(lookup) and lookup[lo] != count:  # (the bucket is written whole: one entry tells)
+        lookup[lo:min(2 * lo, len(lookup))] = [count] * (min(2 * lo, len(lookup)) - lo)

@@ -84,6 +84,12 @@ class RunnerView(abc.ABC):
         where there is none to hand it to."""
         return False
 
+    def hold_seeded_with(self, counts) -> None:
+        """Where the scheduler decides the draft counts (next_draft_count): `counts(buckets)` -> {bucket:
+        drafts per request} of the kinds seeded steps take, written before each schedule that has a
+        request with its own seed (draft_schedule.hold_seeded). Elsewhere the round proposes each step's
+        kind itself: nothing to hold."""
+
     def gdn_takes_short_drafts(self) -> bool:
         """Whether vLLM's own GatedDeltaNet verify takes fewer drafts per request than
         num_speculative_tokens (budget "auto"'s chain steps); where not, the round verifies them as

@@ -150,6 +150,12 @@ class V2RunnerView(V1RunnerView):
         s.schedule = s.schedule or DraftSchedule(self.runner.vllm_config)
         return s.schedule.choose(R, count)
 
+    def hold_seeded_with(self, counts) -> None:
+        if self.schedules_draft_counts():
+            s = self._shared
+            s.schedule = s.schedule or DraftSchedule(self.runner.vllm_config)
+            s.schedule.hold_seeded_with(counts)
+
     def has_drafter(self) -> bool:
         return self.speculator is not None
 

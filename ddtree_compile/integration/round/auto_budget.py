@@ -72,7 +72,8 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   chain for most of a cell after the acceptance rose: CHANGELOG).
 
 - A step with a request that brought its own seed takes one kind per batch bucket for the engine's
-  life (`repeatable`: the same seed and requests give the same tokens again); others keep choosing.
+  life (`repeatable`: the same seed and requests give the same tokens again); others keep choosing
+  (where the scheduler decides draft counts, not while a seeded request is its: hold_seeded).
 
 FULL CUDA graphs per kind and batch bucket: on V1 vLLM's own for the largest tree and the adapter's
 for the others (round/graphs.py); on V2 its own for every count of the draft schedule that carries
@@ -180,7 +181,7 @@ class AutoBudget:
         if seeded and not self.forced:
             # Its tokens must repeat when the same requests run again, and in bf16 a verify of another
             # shape rounds the target's logits otherwise: one kind per bucket for the engine's life.
-            kind = self.repeatable.setdefault(b, self._settled(b))
+            kind = self.repeatable[b] if b in self.repeatable else self.repeatable.setdefault(b, self._settled(b))
         else:
             again, self._again = self._again, None
             if again is not None and again[1] > 1:
@@ -194,6 +195,15 @@ class AutoBudget:
         for k in self.kinds:
             self._since[k, b] = 0 if k == kind else self._since[k, b] + 1
         return kind
+
+    def hold_seeded(self, buckets) -> dict[int, str]:
+        """The kind of each bucket's seeded steps, fixed now where not yet (adapters/draft_schedule.py: the
+        scheduler gives a new request its first draft count before its first proposal); a held kind's own."""
+        if self.forced:
+            return {b: self.forced for b in buckets}
+        # (_settled only where not fixed yet: its cost fit runs once per bucket, not before every schedule)
+        return {b: self.repeatable[b] if b in self.repeatable else self.repeatable.setdefault(b, self._settled(b))
+                for b in buckets}
 
     def budget_of(self, kind: str) -> int:
         """The tree bucket (nodes) of a tree kind."""

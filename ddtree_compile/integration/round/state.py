@@ -37,6 +37,7 @@ from .. import config as config_mod
 from ..engines import set_state, state_of
 from ..metrics import PROCESS_STARTUP_FALLBACKS, DDTreeMetrics, logger
 from ..tree_ops import kv_layout, redirect_ops_for_eager, release_eager_redirects
+from .auto_budget import CHAIN
 from .auto_setup import from_config as auto_policy
 from .auto_setup import serveable_menu
 from .build_stage import BuildStage
@@ -95,8 +96,10 @@ class DDTreeRound:
                 PROCESS_STARTUP_FALLBACKS[reason] += 1
                 logger.warning("DDTree: %s; budget \"auto\" chooses among trees of %s nodes and the chain.",
                                reason, "/".join(map(str, ctx.menu)))
-            ctx.auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.settings, spec.budget, draft_len,
-                                                       ctx.menu, adapters.current().tp_agree())
+            ctx.auto = auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.settings, spec.budget,
+                                                              draft_len, ctx.menu, adapters.current().tp_agree())
+            view.hold_seeded_with(lambda buckets: {b: draft_len if k == CHAIN else auto.budget_of(k)
+                                                   for b, k in auto.hold_seeded(buckets).items()})
         ctx.chain_steps = ctx.auto is not None or view.schedules_draft_counts()
         self.max_tokens = self._gdn_state_slots(view, cfg, draft_len) if ctx.hybrid else None
         self.build_stage = BuildStage(ctx)
