@@ -190,6 +190,8 @@ def test_auto_on_v2_is_lossless(auto, record):
     # differ from no speculation (the gates above); under the policy's own choice the kinds follow
     # measured step times, except a seeded step's: one kind per batch bucket (round/auto_budget.py), so
     # a seeded batch repeats under the policy too ("policy"; on an H200 at 8ecd6be, before, it differed).
+    # The batch's very first seeded run repeats as well: every bucket holds its seeded kind from the
+    # first schedule (draft_schedule.hold_seeded; on an H100 at 0852dc9, before, it differed).
     # Where the engine batched a repeat otherwise (a request in another row where the proposals first
     # part) the drafter's bf16 numerics differ with the batch as vLLM's do: that run is recorded, not
     # judged. On an H100 at e5fe052 `tree:8` alone was: an image request's second step sat in row 0
@@ -198,3 +200,4 @@ def test_auto_on_v2_is_lossless(auto, record):
     repeats, batch_apart = auto["seeded_kind_repeats"], auto["seeded_batch_apart"]
     judged = [k for k in repeats if not batch_apart[k]]
     assert judged and all(repeats[k] for k in judged) and auto["seeded_seeds_differ"], auto
+    assert auto["seeded_repeat_equal"], auto
