@@ -50,8 +50,8 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   bucket (16 holds 16..31 requests). So a probe's timed step is also compared with the winner's timed
   steps right before and after it (depth + 1 steps apart: one host speed, nearly one batch). Once a
   pair of kinds has _MIN_PAIRS such ratios (a median; a ratio past _STALL_RATIO is a stall, not kept),
-  the costs in the choice (and in the probe gaps) are one consistent set: the log-costs that best fit, by least
-  squares, every such pair's median log-ratio (weight 1) and the kinds' own costs (weight
+  the costs in the choice (and in the probe gaps) are one consistent set: the log-costs that best fit,
+  by least squares, every such pair's median log-ratio (weight 1) and the kinds' own costs (weight
   _OWN_WEIGHT: they set the level, and the cost of a kind no ratio reaches). With three kinds or
   more the medians need not agree around a cycle, and costs read against the last winner (before)
   made each winner's view prefer the next: on an H200 (4B shape, menu 8/16/32, c = 16) the decisions
@@ -71,9 +71,9 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   the race, the more often the loser is re-measured (a fixed back-off to 256 steps kept auto on the
   chain for most of a cell after the acceptance rose: CHANGELOG).
 
-- A step with a request that brought its own seed takes one kind per batch bucket for the engine's
-  life (`repeatable`: the same seed and requests give the same tokens again); others keep choosing
-  (where the scheduler decides draft counts, not while a seeded request is its: hold_seeded).
+- A step with a request that brought its own seed takes one kind per batch bucket for the engine's life
+  (`repeatable`: the same seed and requests give the same tokens again); others keep choosing (where the
+  scheduler decides draft counts: not while a seeded request is the scheduler's, hold_seeded).
 
 FULL CUDA graphs per kind and batch bucket: on V1 vLLM's own for the largest tree and the adapter's
 for the others (round/graphs.py); on V2 its own for every count of the draft schedule that carries
@@ -179,9 +179,7 @@ class AutoBudget:
         self._poll()
         b = bucket(R)
         if seeded and not self.forced:
-            # Its tokens must repeat when the same requests run again, and in bf16 a verify of another
-            # shape rounds the target's logits otherwise: one kind per bucket for the engine's life.
-            kind = self.repeatable[b] if b in self.repeatable else self.repeatable.setdefault(b, self._settled(b))
+            kind = self._seeded_kind(b)
         else:
             again, self._again = self._again, None
             if again is not None and again[1] > 1:
@@ -199,11 +197,14 @@ class AutoBudget:
     def hold_seeded(self, buckets) -> dict[int, str]:
         """The kind of each bucket's seeded steps, fixed now where not yet (adapters/draft_schedule.py: the
         scheduler gives a new request its first draft count before its first proposal); a held kind's own."""
-        if self.forced:
-            return {b: self.forced for b in buckets}
-        # (_settled only where not fixed yet: its cost fit runs once per bucket, not before every schedule)
-        return {b: self.repeatable[b] if b in self.repeatable else self.repeatable.setdefault(b, self._settled(b))
-                for b in buckets}
+        return {b: self.forced or self._seeded_kind(b) for b in buckets}
+
+    def _seeded_kind(self, b: int) -> str:
+        """Bucket b's kind for seeded steps, fixed at its first use (its cost fit runs once per bucket): their
+        tokens must repeat, and in bf16 a verify of another shape rounds the target's logits otherwise."""
+        if b not in self.repeatable:
+            self.repeatable[b] = self._settled(b)
+        return self.repeatable[b]
 
     def budget_of(self, kind: str) -> int:
         """The tree bucket (nodes) of a tree kind."""
