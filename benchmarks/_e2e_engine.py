@@ -82,7 +82,8 @@ def use_loop(loop: str) -> None:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = LOOPS[loop][0]
 
 
-def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, loop: str = "v1sync") -> dict:
+def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, loop: str = "v1sync",
+                  alike: bool = False) -> dict:
     from ddtree_compile.testing import models
 
     hybrid = args.target != "tiny" or args.tiny_kind != "qwen3"
@@ -93,7 +94,9 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, l
     if args.device == "cuda":
         from ddtree_compile.passes.entry import compilation_config
 
-        plain = spec is not None and "ddtree" not in extra and getattr(args, "flat_compile", "alike") == "vllm"
+        # (alike: mode "flatalike", flat DFlash compiled as DDTree's engines are, whatever --flat-compile)
+        plain = (spec is not None and "ddtree" not in extra and getattr(args, "flat_compile", "alike") == "vllm"
+                 and not alike)
         cc = {} if plain else compilation_config("cuda")  # (plain: vLLM's own split, no DDTree pass)
         cc["cudagraph_mode"] = args.cudagraph_mode
         if spec is not None:  # every concurrency's verify batch in a graph (vLLM's default stops at 512 tokens)
@@ -187,7 +190,8 @@ def start_engine(args, target, conc, prompts, spec=None, extra=None, share=1, mo
     from vllm import LLM
 
     t = time.perf_counter()
-    kw = engine_kwargs(target, args, max(conc), spec, extra or {}, loop_of(mode or "", args))
+    kw = engine_kwargs(target, args, max(conc), spec, extra or {}, loop_of(mode or "", args),
+                       alike=(mode or "").partition("@")[0] == "flatalike")
     if share > 1 and "gpu_memory_utilization" in kw:
         # the engines start together (side_by_side): a KV cache sized from a memory profile would count
         # what the other engines allocate meanwhile as this one's, so each gets a fixed cache instead

@@ -336,6 +336,29 @@ def test_ratio_interval_resamples_the_paired_repeats(bench):
     assert "vs_flat_ci90" not in auto  # two repeats: no interval
 
 
+def test_flatalike_is_flat_dflash_compiled_as_ddtree_engines_are(bench):
+    """Mode "flatalike": flat DFlash's speculative config compiled with DDTree's pass and Inductor's graph
+    partition, where "flat" keeps vLLM's own compile (--flat-compile vllm): side by side they tell the
+    compile's share of budget "auto"'s chain step from the rest of its engine (CHANGELOG 2026-12-06)."""
+    import types
+
+    args = types.SimpleNamespace(modes=["flat", "flatalike", "autochain"], budgets=[32], loop="v2async")
+    assert bench.speculative_modes(args) == [("flat", None), ("flatalike", None), ("autochain", "auto")]
+    engine = importlib.import_module("_e2e_engine")
+    kw_args = types.SimpleNamespace(target="tiny", tiny_kind="qwen3", prompt_len=8, max_tokens=8, budgets=[8],
+                                    flat_len=4, auto_budget=[8], device="cuda", flat_compile="vllm",
+                                    cudagraph_mode="FULL_AND_PIECEWISE", gpu_memory_utilization=0.5)
+    spec = {"method": "dflash", "model": "/d", "num_speculative_tokens": 4}
+    flat = engine.engine_kwargs("/t", kw_args, 2, spec, {}, "v2async")
+    alike = engine.engine_kwargs("/t", kw_args, 2, spec, {}, "v2async", alike=True)
+    assert flat["speculative_config"] == alike["speculative_config"] == spec
+    assert "additional_config" not in flat and "additional_config" not in alike
+    assert "inductor_passes" not in flat["compilation_config"], flat["compilation_config"]
+    cc = alike["compilation_config"]
+    assert cc["use_inductor_graph_partition"] is True and "ddtree::qwen_gdn_attention_core" in cc["splitting_ops"]
+    assert cc["inductor_passes"]["post_grad_custom_post_pass"] == "ddtree_compile.tree_verify_pass"
+
+
 def test_modes_take_a_loop_and_the_summary_compares_with_the_old_baseline(bench, capsys):
     """--modes NAME@LOOP: each mode's engine in its loop (v2async: vLLM's default, async scheduling left
     to vLLM; v2sync / v1sync: async off), mixed loops only side by side (one runner per process), an
