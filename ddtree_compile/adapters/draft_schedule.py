@@ -88,16 +88,14 @@ def install() -> None:
 def hold_seeded(scheduler) -> None:
     """Before `scheduler` schedules a step: where one of its requests brought its own seed, every bucket of
     its lookup gets the count of the kind seeded steps take there (module docstring)."""
-    if not any(getattr(r.sampling_params, "seed", None) is not None for r in scheduler.requests.values()):
-        return
     lookup = scheduler.dynamic_sd_lookup
-    for ref in _SCHEDULES:
-        mine = ref()
-        if mine is not None and mine.seeded_counts is not None and mine.lookup() is lookup:
-            buckets = [1 << i for i in range(len(lookup).bit_length()) if 1 << i < len(lookup)]
-            for b, count in mine.seeded_counts(buckets).items():
-                _write(lookup, b, count)
-            return
+    mine = next((s for s in (ref() for ref in _SCHEDULES) if s is not None and s.lookup() is lookup), None)
+    if mine is None or not any(getattr(r.sampling_params, "seed", None) is not None
+                               for r in scheduler.requests.values()):
+        return  # (a schedule that is not the round's, e.g. a user's own with flat DFlash: no per-request scan)
+    buckets = [1 << i for i in range(len(lookup).bit_length()) if 1 << i < len(lookup)]
+    for b, count in mine.seeded_counts(buckets).items():
+        _write(lookup, b, count)
 
 
 class DraftSchedule:
