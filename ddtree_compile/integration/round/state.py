@@ -37,7 +37,6 @@ from .. import config as config_mod
 from ..engines import set_state, state_of
 from ..metrics import PROCESS_STARTUP_FALLBACKS, DDTreeMetrics, logger
 from ..tree_ops import kv_layout, redirect_ops_for_eager, release_eager_redirects
-from .auto_budget import CHAIN
 from .auto_setup import from_config as auto_policy
 from .auto_setup import serveable_menu
 from .build_stage import BuildStage
@@ -98,8 +97,7 @@ class DDTreeRound:
                                reason, "/".join(map(str, ctx.menu)))
             ctx.auto = auto = self.metrics.auto = auto_policy(cfg, self.metrics, view.settings, spec.budget,
                                                               draft_len, ctx.menu, adapters.current().tp_agree())
-            view.hold_seeded_with(lambda buckets: {b: draft_len if k == CHAIN else auto.budget_of(k)
-                                                   for b, k in auto.hold_seeded(buckets).items()})
+            view.hold_seeded_with(lambda buckets: {b: auto.drafts[k] for b, k in auto.hold_seeded(buckets).items()})
         ctx.chain_steps = ctx.auto is not None or view.schedules_draft_counts()
         self.max_tokens = self._gdn_state_slots(view, cfg, draft_len) if ctx.hybrid else None
         self.build_stage = BuildStage(ctx)
