@@ -153,7 +153,34 @@ def gpu_profile(llm, prompts, max_tokens, budget, top=60) -> dict:
             "kernels": [{"name": k[:120], "ms_per_round": t / 1e3 / rounds, "per_round": c / rounds}
                         for t, c, k in us[:top]],
             "host_ops": [{"name": k, "per_round": c / rounds, "self_cpu_ms_per_round": t / 1e3 / rounds}
-                         for c, t, k in host[:top]]}
+                         for c, t, k in host[:top]],
+            "triton_specializations": triton_specializations()}
+
+
+# vLLM's GatedDeltaNet kernels of a chain verify: what each engine compiled them for (argument
+# alignment, constexprs) tells two engines' launches apart where their kernel times differ
+GDN_KERNELS = ("vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating:"
+               "fused_sigmoid_gating_delta_rule_update_kernel",
+               "vllm.model_executor.layers.mamba.ops.causal_conv1d:_causal_conv1d_update_kernel")
+
+
+def triton_specializations(kernels=GDN_KERNELS) -> dict:
+    """{kernel: [the keys of its compiled variants]}: Triton compiles one variant per specialization
+    (pointer alignment, integer divisibility, constexpr values), and the key spells it out."""
+    import importlib
+
+    out = {}
+    for ref in kernels:
+        module, name = ref.split(":")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        while not hasattr(fn, "device_caches") and hasattr(fn, "fn"):  # autotuners, heuristics
+            fn = fn.fn
+        caches = getattr(fn, "device_caches", {})  # device -> (kernel cache, ...) in Triton 3.x
+        out[name] = sorted(str(k) for c in caches.values() for k in (c[0] if isinstance(c, tuple) else c))
+    return out
 
 
 def add_row(result, args, mode, budget, prof, c, r, ref, rounds) -> None:
