@@ -27,6 +27,9 @@
   mode's ratio to that.
 - The plot (matplotlib: `pip install -e .[bench]`): tok/s over flat DFlash per mode, one panel per
   profile, x = concurrency.
+- `--kernels` (runs with --gpu-profile): per profiled cell, the GPU's busy ms per round of every mode and
+  its kernels side by side, each over the first mode's, and the Triton variants of vLLM's GDN kernels
+  that one mode compiled and another did not.
 """
 
 from __future__ import annotations
@@ -276,15 +279,47 @@ def plot(result: dict, png: pathlib.Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+def kernel_table(result: dict, top: int = 12) -> str:
+    """--kernels (module docstring): one block per profiled (profile, concurrency)."""
+    cells: dict = {}
+    for p in result.get("gpu_profiles", []):
+        cells.setdefault((p["profile"], p["concurrency"]), []).append(p)
+    out = []
+    for (prof, c), ps in cells.items():
+        modes = [p["mode"] for p in ps]
+        out += [f"{prof} c = {c}: ms per round (x the first mode's)", "| kernel | " + " | ".join(modes) + " |",
+                "| --- |" + " --- |" * len(ps)]
+        rows = [("GPU busy", [p["gpu_busy_ms_per_round"] for p in ps])]
+        by_name = [{k["name"]: k["ms_per_round"] for k in p["kernels"]} for p in ps]
+        names = sorted({n for b in by_name for n in b}, key=lambda n: -max(b.get(n, 0.0) for b in by_name))
+        rows += [(n[:60], [b.get(n) for b in by_name]) for n in names[:top]]
+        for name, ms in rows:
+            base = ms[0]
+            out.append(f"| {name} | " + " | ".join(
+                "-" if m is None else f"{m:.4f}" + ("" if i == 0 or not base else f" ({m / base:.3f}x)")
+                for i, m in enumerate(ms)) + " |")
+        specs = [p.get("triton_specializations") or {} for p in ps]
+        for kernel in sorted({k for s in specs for k in s}):
+            keys = [set(s.get(kernel, ())) for s in specs]
+            for mode, mine in zip(modes, keys):
+                for key in sorted(mine - set.intersection(*keys)):
+                    out.append(f"  {kernel} variant only in {mode}: {key}")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("result")
     ap.add_argument("--png", default=None)
+    ap.add_argument("--kernels", action="store_true", help="the --gpu-profile kernels of each mode side by side")
     args = ap.parse_args(argv)
     path = pathlib.Path(args.result)
     result = summarize(json.loads(path.read_text()))
     path.write_text(json.dumps(result, indent=1, default=str))
     print(table(result))
+    if args.kernels:
+        print(kernel_table(result))
     if args.png:
         plot(result, pathlib.Path(args.png))
     return 0

@@ -44,3 +44,24 @@ def test_steady_steps_over_flats_at_the_cells_bucket(bench):
     del runs[2]["step_clock"]["flat@16"]  # flat timed no steady step at that bucket
     summ.summarize(res)
     assert "| auto | chain 1.10x, tree:32 1.50x | - |" in summ.table(res)
+
+
+def test_kernel_table_sets_each_modes_kernels_beside_the_first_modes(bench):
+    """summarize_e2e --kernels: per profiled cell, busy time and kernels over the first mode's, and a
+    Triton variant of vLLM's GDN kernels that only one mode compiled (gpu_profile's triton_specializations)."""
+    summ = importlib.import_module("summarize_e2e")
+
+    def prof(mode, gdn_ms, keys):
+        return dict(mode=mode, profile="p", concurrency=16, gpu_busy_ms_per_round=0.5 + gdn_ms,
+                    kernels=[dict(name="fused_sigmoid_gating_delta_rule_update_kernel", ms_per_round=gdn_ms),
+                             dict(name="gemm", ms_per_round=0.5)],
+                    triton_specializations={"fused_sigmoid_gating_delta_rule_update_kernel": keys})
+
+    text = summ.kernel_table({"gpu_profiles": [prof("flat", 0.2, ["k16"]), prof("flatalike", 0.218, ["k16", "k35"])]})
+    lines = text.splitlines()
+    assert lines[0] == "p c = 16: ms per round (x the first mode's)" and lines[1] == "| kernel | flat | flatalike |"
+    assert "| GPU busy | 0.7000 | 0.7180 (1.026x) |" in lines
+    assert "| fused_sigmoid_gating_delta_rule_update_kernel | 0.2000 | 0.2180 (1.090x) |" in lines
+    assert "| gemm | 0.5000 | 0.5000 (1.000x) |" in lines
+    assert [x.strip() for x in lines if "variant only" in x] == [
+        "fused_sigmoid_gating_delta_rule_update_kernel variant only in flatalike: k35"]
