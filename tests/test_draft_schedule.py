@@ -17,31 +17,48 @@ def test_budget_auto_gets_vllms_draft_schedule_where_v2_runs_it_in_the_async_loo
 
     from ddtree_compile.adapters import engine_args as switch
 
-    def vc(auto=True, v2=True, async_=True, dp=1, world=1, schedule=None, menu=32):
+    def vc(auto=True, v2=True, async_=True, dp=1, world=1, schedule=None, menu=32, scheduler_cls=None):
         ddtree = {"budget": "auto", "auto_budget": menu, "draft_len": 15} if auto else {"budget": 32, "draft_len": 15}
         return NS(additional_config={"ddtree": ddtree}, use_v2_model_runner=v2,
                   speculative_config=NS(num_speculative_tokens=32, num_speculative_tokens_per_batch_size=schedule),
-                  scheduler_config=NS(async_scheduling=async_, max_num_seqs=16),
+                  scheduler_config=NS(async_scheduling=async_, max_num_seqs=16, scheduler_cls=scheduler_cls),
                   parallel_config=NS(data_parallel_size=dp, world_size=world))
 
     c = vc()
     notes = switch.adjust_vllm_config(c, None)
     assert c.speculative_config.num_speculative_tokens_per_batch_size == [(1, 16, 32), (17, 17, 15)], notes
-    assert len(notes) == 1 and "budget \"auto\"" in notes[0], notes
+    assert c.scheduler_config.scheduler_cls == draft_schedule.SCHEDULER_CLS  # vLLM's extension point
+    assert len(notes) == 2 and "scheduler_cls" in notes[0] and "budget \"auto\"" in notes[1], notes
     c = vc(menu=[8, 15, 16, 32])
     switch.adjust_vllm_config(c, None)
     assert c.speculative_config.num_speculative_tokens_per_batch_size == [(1, 16, 32), (17, 17, 15), (18, 18, 8),
                                                                           (19, 19, 16)]
-    for other in (vc(auto=False), vc(async_=False), vc(dp=2), vc(world=2)):
+    theirs = vc(scheduler_cls="my.Scheduler")  # a user's own scheduler class: kept, no schedule (refused at attach)
+    for other in (vc(auto=False), vc(async_=False), vc(dp=2), vc(world=2), theirs):
         switch.adjust_vllm_config(other, True)
         assert other.speculative_config.num_speculative_tokens_per_batch_size is None
+        assert other.scheduler_config.scheduler_cls in (None, "my.Scheduler")
+    assert theirs.scheduler_config.scheduler_cls == "my.Scheduler"
     v1 = vc(v2=False)
     switch.adjust_vllm_config(v1, None)  # the V1 runner: async off, no schedule
     assert v1.scheduler_config.async_scheduling is False
     assert v1.speculative_config.num_speculative_tokens_per_batch_size is None
-    mine = vc(schedule=[(1, 16, 4)])
-    assert switch.adjust_vllm_config(mine, None) == []
+    mine = vc(schedule=[(1, 16, 4)])  # a user's own schedule is kept; the scheduler that lets auto write it is set
+    assert len(switch.adjust_vllm_config(mine, None)) == 1
     assert mine.speculative_config.num_speculative_tokens_per_batch_size == [(1, 16, 4)]
+    assert mine.scheduler_config.scheduler_cls == draft_schedule.SCHEDULER_CLS
+
+
+def test_vllm_resolves_the_scheduler_class_to_its_async_scheduler_that_records_its_lookup():
+    """What vLLM's engine core builds from `scheduler_cls` (SchedulerConfig.get_scheduler_cls resolves the
+    name): vLLM's AsyncScheduler, which holds seeded requests' kinds before every schedule."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    cls = resolve_obj_by_qualname(draft_schedule.SCHEDULER_CLS)
+    assert cls is draft_schedule.DraftScheduleScheduler and issubclass(cls, AsyncScheduler)
+    assert cls.__qualname__ == "DraftScheduleScheduler" and cls.__module__ == draft_schedule.__name__
+    assert {"__init__", "schedule"} <= set(vars(cls))
 
 
 def test_the_round_follows_a_schedule_whose_counts_it_serves():
@@ -95,3 +112,20 @@ def test_a_seeded_request_holds_every_bucket_at_the_seeded_kinds_before_a_schedu
     other = NS(dynamic_sd_lookup=[0] + [15] * 6, requests=sched.requests)  # another engine's scheduler
     draft_schedule.hold_seeded(other)
     assert other.dynamic_sd_lookup[1:] == [15] * 6 and len(asked) == 1
+
+
+def test_a_users_own_scheduler_class_refuses_budget_auto_naming_it():
+    """Budget "auto" writes its draft counts through its scheduler class; where the user named another, the
+    refusal at attach (round/state.py: logged once, counted, the largest tree every step) names both."""
+    from types import SimpleNamespace as NS
+
+    from ddtree_compile.adapters.runner_v2 import V2RunnerView
+
+    def view(scheduler_cls):
+        return NS(runner=NS(vllm_config=NS(scheduler_config=NS(scheduler_cls=scheduler_cls))),
+                  schedules_draft_counts=lambda: True)
+
+    reason = V2RunnerView.budget_auto_unsupported(view("my.Scheduler"))
+    assert "scheduler_cls=my.Scheduler" in reason and draft_schedule.SCHEDULER_CLS in reason
+    assert V2RunnerView.budget_auto_unsupported(view(draft_schedule.SCHEDULER_CLS)) is None
+    assert V2RunnerView.budget_auto_unsupported(view(None)) is None

@@ -26,11 +26,19 @@ every count of the schedule (0.26 `cudagraph_utils.py:196-218`). So:
 
 The lookup is reachable where the scheduler and the worker share a process (the engine core with
 one GPU worker); elsewhere (workers of their own: tensor parallel) auto is refused there, logged.
+
+The scheduler is vLLM's own extension point: the auto engine's `scheduler_config.scheduler_cls` names
+`DraftScheduleScheduler` (set with the schedule, engine_args.adjust_vllm_config), vLLM's AsyncScheduler
+that makes its lookup known to this process's DraftSchedule and holds seeded requests' kinds before each
+schedule. vLLM logs once that a custom scheduler's interface is not public (0.26 and 0.32
+`SchedulerConfig.get_scheduler_cls`). Where the user named a scheduler class of their own it is kept and
+budget "auto" is refused at attach (runner_v2.budget_auto_unsupported): the largest tree every step.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import weakref
 
 _SCHEDULERS: list = []  # weak references to this process's schedulers with a dynamic draft schedule
@@ -60,29 +68,38 @@ def runs_draft_schedule(vllm_config, settings) -> bool:
     return menu[-1] == spec.num_speculative_tokens and {int(e[2]) for e in got} <= {L, *menu}
 
 
-def install() -> None:
-    """Record every scheduler built with a dynamic draft schedule (once per process, 0.26 and 0.32)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
+SCHEDULER_CLS = f"{__name__}.DraftScheduleScheduler"  # what vLLM resolves (`resolve_obj_by_qualname`)
 
-    original = Scheduler.__init__
-    if getattr(original, "_ddtree_schedule", False):
-        return
 
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if getattr(self, "dynamic_sd_lookup", None) is not None:
-            _SCHEDULERS.append(weakref.ref(self))
+def __getattr__(name: str):
+    """`DraftScheduleScheduler`, built at first use: importing this module (the plugin does, in every
+    vLLM process) does not import vLLM's scheduler."""
+    if name == "DraftScheduleScheduler":
+        return _scheduler_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    __init__._ddtree_schedule = True
-    Scheduler.__init__ = __init__
-    schedule = Scheduler.schedule  # (0.26 and 0.32: AsyncScheduler inherits it)
 
-    def scheduled(self, *args, **kwargs):
-        if getattr(self, "dynamic_sd_lookup", None) is not None:
-            hold_seeded(self)
-        return schedule(self, *args, **kwargs)
+@functools.cache
+def _scheduler_class():
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    Scheduler.schedule = scheduled
+    class DraftScheduleScheduler(AsyncScheduler):
+        """vLLM's async scheduler (0.26 and 0.32), its lookup known to the round's DraftSchedule; before
+        each schedule, the kinds of seeded requests held (`hold_seeded`)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if getattr(self, "dynamic_sd_lookup", None) is not None:
+                _SCHEDULERS.append(weakref.ref(self))
+
+        def schedule(self, *args, **kwargs):
+            if getattr(self, "dynamic_sd_lookup", None) is not None:
+                hold_seeded(self)
+            return super().schedule(*args, **kwargs)
+
+    # named as this module's attribute (what vLLM's logs and pickle see)
+    DraftScheduleScheduler.__module__, DraftScheduleScheduler.__qualname__ = __name__, "DraftScheduleScheduler"
+    return DraftScheduleScheduler
 
 
 def hold_seeded(scheduler) -> None:

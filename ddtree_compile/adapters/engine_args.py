@@ -16,7 +16,8 @@ adjusts what the round needs (`install`), logging each change once:
   refused at attach and counted).
 - budget "auto" on Model Runner V2 with async scheduling: vLLM's per-batch-size draft counts
   (`num_speculative_tokens_per_batch_size`, the schedule of draft_schedule.py), which the round
-  then rewrites per batch bucket, in the scheduler's process: one worker, no data parallelism.
+  then rewrites per batch bucket, in the scheduler's process: one worker, no data parallelism; the
+  scheduler that lets it is vLLM's AsyncScheduler named in `scheduler_cls` (draft_schedule.py).
 
 What `config.vllm_kwargs` produces already has these values: adjusting it again changes nothing.
 """
@@ -93,16 +94,22 @@ def adjust_vllm_config(vllm_config, user_async) -> list[str]:
                 "loop (Model Runner V2 serves it with async scheduling: VLLM_USE_V2_MODEL_RUNNER=1)"]
     K, L = spec.num_speculative_tokens, cfg.draft_len
     menu = cfg.budget_menu(L) if cfg.auto and L else ()
-    if (menu and vllm_config.use_v2_model_runner and sc.async_scheduling and K > L and menu[-1] == K
+    if not (menu and vllm_config.use_v2_model_runner and sc.async_scheduling and K > L and menu[-1] == K
             and vllm_config.parallel_config.data_parallel_size == 1 and vllm_config.parallel_config.world_size == 1
-            and getattr(spec, "num_speculative_tokens_per_batch_size", False) is None):
-        from .draft_schedule import auto_schedule
+            and sc.scheduler_cls is None):  # (a user's own scheduler class: auto is refused at attach)
+        return []
+    from .draft_schedule import SCHEDULER_CLS, auto_schedule
 
+    sc.scheduler_cls = SCHEDULER_CLS
+    notes = [f"scheduler_config.scheduler_cls = {SCHEDULER_CLS} (vLLM's async scheduler; budget \"auto\" writes "
+             f"its per-batch-size draft counts)"]
+    if getattr(spec, "num_speculative_tokens_per_batch_size", False) is None:  # (a user's own is kept)
         spec.num_speculative_tokens_per_batch_size = schedule = auto_schedule(menu, L, sc.max_num_seqs)
         trees = "/".join(str(b) for b in menu if b != L)
-        return [f"speculative_config.num_speculative_tokens_per_batch_size = {schedule} (budget \"auto\" on Model "
-                f"Runner V2: a tree of {trees} drafts or the chain's {L} per batch size, chosen as the engine runs)"]
-    return []
+        notes.append(f"speculative_config.num_speculative_tokens_per_batch_size = {schedule} (budget \"auto\" on "
+                     f"Model Runner V2: a tree of {trees} drafts or the chain's {L} per batch size, chosen as the "
+                     f"engine runs)")
+    return notes
 
 
 def install() -> None:

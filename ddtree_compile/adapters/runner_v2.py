@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .draft_schedule import DraftSchedule, runs_draft_schedule
+from .draft_schedule import SCHEDULER_CLS, DraftSchedule, runs_draft_schedule
 from .v1_runner import V1RunnerView, model_features_unsupported, patch_after, patch_before
 
 _SHARED = "_ddtree_v2"  # on the runner instance: what every view of that runner reads (_Shared)
@@ -130,6 +130,10 @@ class V2RunnerView(V1RunnerView):
         return model_features_unsupported(mc, cc)
 
     def budget_auto_unsupported(self) -> str | None:
+        own = self.runner.vllm_config.scheduler_config.scheduler_cls
+        if own is not None and own != SCHEDULER_CLS:
+            return (f"budget 'auto' with a scheduler class of the user's (scheduler_cls={own}): the round writes "
+                    f"its per-batch-size draft counts through its own ({SCHEDULER_CLS})")
         if self.schedules_draft_counts():
             return None
         return ("budget 'auto' on Model Runner V2 without async scheduling, with data parallelism or with workers "

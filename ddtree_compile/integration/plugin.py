@@ -32,10 +32,9 @@ def register() -> None:
     except adapters.UnsupportedVLLM as e:
         refuse_once(str(e), "engines with DDTree switched on (additional_config['ddtree']) run as flat DFlash")
         return
-    from ddtree_compile.adapters import draft_schedule, engine_args
+    from ddtree_compile.adapters import engine_args
 
     engine_args.install()  # the ddtree block added to a flat DFlash configuration is the switch
-    draft_schedule.install()  # budget "auto" on Model Runner V2 writes the scheduler's draft counts
     adapter.install_model_load_hook(_on_model_load)
     adapter.install_memory_profile_hook(_on_memory_profile)
     adapter.install_kv_cache_spec_hook(_gdn_spec_blocks)
