@@ -101,8 +101,8 @@ def adjust_vllm_config(vllm_config, user_async) -> list[str]:
     from .draft_schedule import SCHEDULER_CLS, auto_schedule
 
     sc.scheduler_cls = SCHEDULER_CLS
-    notes = [f"scheduler_config.scheduler_cls = {SCHEDULER_CLS} (vLLM's async scheduler; budget \"auto\" writes "
-             f"its per-batch-size draft counts)"]
+    notes = [(f"scheduler_config.scheduler_cls = {SCHEDULER_CLS} (vLLM's async scheduler; budget \"auto\" writes "
+              f"its per-batch-size draft counts)")]
     if getattr(spec, "num_speculative_tokens_per_batch_size", False) is None:  # (a user's own is kept)
         spec.num_speculative_tokens_per_batch_size = schedule = auto_schedule(menu, L, sc.max_num_seqs)
         trees = "/".join(str(b) for b in menu if b != L)
