@@ -49,9 +49,11 @@ def test_budget_auto_gets_vllms_draft_schedule_where_v2_runs_it_in_the_async_loo
     assert mine.scheduler_config.scheduler_cls == draft_schedule.SCHEDULER_CLS
 
 
-def test_vllm_resolves_the_scheduler_class_to_its_async_scheduler_that_records_its_lookup():
+def test_vllm_resolves_the_scheduler_class_to_a_subclass_of_its_async_scheduler():
     """What vLLM's engine core builds from `scheduler_cls` (SchedulerConfig.get_scheduler_cls resolves the
-    name): vLLM's AsyncScheduler, which holds seeded requests' kinds before every schedule."""
+    name): a subclass of vLLM's AsyncScheduler with its own __init__ and schedule. What they do (the lookup
+    found by the round, seeded kinds held before a schedule) runs in the V2 engines of
+    test_runner_v2_cpu.py and test_auto_seeded_v2_cpu.py, which fail without them."""
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
