@@ -12,9 +12,9 @@ in a process of its own). "flat" is the user's flat DFlash command as vLLM runs 
 compilation config of ours, async scheduling as vLLM resolves it; a DDTree mode ("auto", "ddtree<B>") is
 exactly that command plus `--additional-config '{"ddtree": {...}}'`, nothing else. The servers come up
 together and stay up; per repeat and concurrency c each is driven in turn, the order rotating, by vLLM's
-own client (_bench_client.py): random prompts of --input-len tokens, the same prompts for every mode,
---output-len tokens each (--ignore-eos), temperature 0, --max-concurrency c, c x --prompts-per-concurrency
-requests.
+own client (_bench_client.py, one process for all runs): random prompts of --input-len tokens, the same
+prompts for every mode, --output-len tokens each (--ignore-eos), temperature 0, --max-concurrency c,
+c x --prompts-per-concurrency requests.
 
 Acceptance comes from the oracle drafter, installed in each engine process by a benchmark-only hook
 (serve_hooks/sitecustomize.py; the product never imports it): the target's dummy weights are sharpened so
@@ -39,7 +39,6 @@ import json
 import os
 import pathlib
 import shlex
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,6 +47,8 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+
+from _bench_client import Client
 
 EXPORT_S = 0.25  # DDTree's worker exports its counters to /metrics this often (integration/prometheus.py)
 SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
@@ -137,23 +138,21 @@ def expected_tokens_per_round(args, profile, mode: str) -> tuple[float, float]:
     return (0.9 * chain if budget == "auto" else 0.9 * tree), 1.1 * tree
 
 
-def client(args, srv, c: int, seed: int, out: pathlib.Path) -> dict:
-    """One `vllm bench serve` run against `srv` (its result dict)."""
+def client(args, bench_client, srv, c: int, seed: int, out: pathlib.Path) -> dict:
+    """One `vllm bench serve` run against `srv` (its result dict), by the benchmark's client process."""
     n = max(1, c * args.prompts_per_concurrency)
-    cmd = [sys.executable, str(HERE / "_bench_client.py"), str(out),
-           "--backend", "vllm", "--base-url", srv.url, "--endpoint", "/v1/completions",
+    cmd = ["--backend", "vllm", "--base-url", srv.url, "--endpoint", "/v1/completions",
            "--model", srv.model, "--tokenizer", srv.model, "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
            "--random-range-ratio", "0", "--num-prompts", str(n), "--max-concurrency", str(c),
            "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(seed),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90",
            "--save-detailed", "--disable-tqdm"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                          timeout=args.client_timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"vllm bench serve against {srv.name} (c={c}) failed ({done.returncode}):\n"
-                           f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}\nserver log tail:\n{srv.log_tail()}")
-    return json.loads(out.read_text())
+    try:
+        return bench_client.run(out, cmd, args.client_timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"vllm bench serve against {srv.name} (c={c}) failed: {e}\n"
+                           f"server log tail:\n{srv.log_tail()}") from None
 
 
 def counters(srv) -> dict:
@@ -170,9 +169,9 @@ def counters(srv) -> dict:
     return out
 
 
-def run_row(args, mode: str, srv, c: int, seed: int, tmp: pathlib.Path) -> dict:
+def run_row(args, bench_client, mode: str, srv, c: int, seed: int, tmp: pathlib.Path) -> dict:
     before = counters(srv)
-    r = client(args, srv, c, seed, tmp / f"{mode}_c{c}_s{seed}.json")
+    r = client(args, bench_client, srv, c, seed, tmp / f"{mode}_c{c}_s{seed}.json")
     after = counters(srv)
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     drafts, accepted = d[SPEC[0]], d[SPEC[1]]
@@ -307,21 +306,27 @@ def run(args) -> dict:
         out.write_text(json.dumps(result, indent=1, default=str))
 
     t0 = time.perf_counter()
-    servers = start_servers(args, target, drafter, cuda, log_dir, work, profiles[args.profile])
+    bench_client = Client(log_dir / "client.log")  # (it imports vLLM while the servers start)
+    try:
+        servers = start_servers(args, target, drafter, cuda, log_dir, work, profiles[args.profile])
+    except BaseException:
+        bench_client.close(kill=True)
+        raise
     try:
         result["starts_s"] = time.perf_counter() - t0
         result["engines"] = {m: engine_reports(work, m) for m in modes}
         for c in args.conc if args.warmup else ():  # first-call compiles and captures, outside the timings
             for m in modes:
-                client(args, servers[m], c, 10_000 + c, work / f"warm_{m}_{c}.json")
+                client(args, bench_client, servers[m], c, 10_000 + c, work / f"warm_{m}_{c}.json")
         for rep in range(args.repeats):
             for c in args.conc:
                 k = rep % len(modes)
                 for m in modes[k:] + modes[:k]:  # the order rotates between repeats
-                    result["runs"].append(run_row(args, m, servers[m], c, rep, work))
+                    result["runs"].append(run_row(args, bench_client, m, servers[m], c, rep, work))
                     save()
         result["totals"] = {m: counters(servers[m]) for m in modes}  # each server's counters, warm-up included
     finally:
+        bench_client.close()
         for s in servers.values():
             s.stop()
     save()
