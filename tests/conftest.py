@@ -21,25 +21,27 @@ import pytest  # noqa: E402
 # `make test` runs the suite on two pytest-xdist workers, a whole module at a time (--dist loadfile,
 # module-scoped engines stay shared) in collection order (--no-loadscope-reorder). The modules that
 # take longest come first, so the two workers end together instead of one starting a long module last;
-# the rest keep their order. The order is the one-process run's longest modules; the seconds are each
-# module's tests in the two-worker run on 2 cores (27:23 in all; the multi-process modules there share
-# the cores with the other worker). One process: the order as written.
+# the rest keep their order. The seconds are each module's tests in the two-worker run on 2 cores (the
+# multi-process modules there share the cores with the other worker). One process: the order as written.
 LONGEST_FIRST = (
-    "test_runner_v2_cpu.py",  # 393
-    "test_serve_hybrid.py",  # 304
-    "test_passes_vllm.py",  # 376
-    "test_e2e_hybrid.py",  # 239
-    "test_e2e_tp.py",  # 313
-    "test_e2e_attention.py",  # 388
-    "test_bench_serve.py",  # 105 (alone)
-    "test_e2e_compiled.py",  # 99
-    "test_dump.py",  # 86
-    "test_tree_attention.py",  # 55
-    "test_e2e_mrope.py",  # 64
-    "test_e2e_graph_buckets.py",  # 70
-    "test_e2e_sampling.py",  # 77
-    "test_e2e_demo.py",  # 53
-    "test_gdn_slots.py",  # 47
+    "test_serve_hybrid.py",  # 374
+    "test_runner_v2_cpu.py",  # 368
+    "test_runner_v2_compiled_cpu.py",  # 289
+    "test_passes_vllm.py",  # 271
+    "test_e2e_attention.py",  # 241
+    "test_e2e_tp.py",  # 226
+    "test_e2e_hybrid.py",  # 199
+    "test_bench_serve.py",  # 142
+    "test_tree_gdn.py",  # 113
+    "test_partial_drafts.py",  # 80
+    "test_oracle.py",  # 73
+    "test_e2e_compiled.py",  # 61
+    "test_chain_step_ops.py",  # 57
+    "test_e2e_config.py",  # 57
+    "test_e2e_mrope.py",  # 54
+    "test_v2_cpu_kernels.py",  # 53
+    "test_dump.py",  # 49
+    "test_hook_after_graph.py",  # 48
 )
 
 
