@@ -21,6 +21,10 @@
   end < 1), above it (lower end > 1), or neither at this many repeats. Rough at 5 repeats (a bootstrap
   of few samples runs narrow), but it tells a 0.91x that every repeat agrees on from one that a single
   slow run made.
+- `step_vs_alike`: in a side-by-side part with the mode "flatalike" (flat DFlash compiled as DDTree's
+  engines are: Inductor graph partition at DDTree's ops), each other mode's steady steps over its, what
+  DDTree's own round adds to a step with the compile config held equal (a diagnostic; "flat" stays the
+  reference of every other number).
 - The reference is the mode "flat", in the loop the benchmark gives it (by default vLLM's own: Model
   Runner V2 with async scheduling, rows record `runner` and `async_scheduling`); where the run has
   "flat@v1sync" too (the V1 synchronous flat DFlash of earlier tables), a second table gives every
@@ -42,6 +46,7 @@ import statistics
 
 VALID = 0.95
 OLD_BASELINE = "flat@v1sync"  # bench_e2e_gpu mode: flat DFlash on the V1 runner, async scheduling off
+ALIKE = "flatalike"  # bench_e2e_gpu mode: flat DFlash compiled as DDTree's engines are (a diagnostic, not the reference)
 
 
 def rounds_per_s(r: dict) -> float:
@@ -60,7 +65,7 @@ def tok_s_agg(r: dict) -> float | None:
 def summarize(result: dict) -> dict:
     runs = result["runs"]
     for r in runs:
-        for k in ("vs_flat", "vs_flat_agg", "gain", "break_even", "vs_flat_ci90", "step_vs_flat"):
+        for k in ("vs_flat", "vs_flat_agg", "gain", "break_even", "vs_flat_ci90", "step_vs_flat", "step_vs_alike"):
             # derived here, never kept from a saved file
             r.pop(k, None)
         if "error" not in r and (agg := tok_s_agg(r)) is not None:
@@ -102,6 +107,12 @@ def summarize(result: dict) -> dict:
                 f_row = next(x for x in runs if x.get("mode") == "flat" and "error" not in x and key(x) == key(r))
                 interval(r, f_row)
                 step_ratios(r, f_row)
+    if paired:  # a side-by-side part with ALIKE: the other modes' steady steps over its (the compile config aside)
+        for r in runs:
+            alike = next((x for x in runs if x.get("mode") == ALIKE and "error" not in x and key(x) == key(r)), None)
+            if alike is not None and r.get("mode") not in (ALIKE, "flat", None) and "error" not in r \
+                    and "invalid" not in r:
+                step_ratios(r, alike, out="step_vs_alike")
     result["flat_baseline"] = {(_flat_key(*k) if paired else _unpaired_key(*k)): v for k, v in flat.items()}
     return result
 
@@ -115,14 +126,14 @@ def chain_labels(result: dict) -> dict[str, str]:
     return label if len(set(label.values())) > 1 else {}
 
 
-def step_ratios(r: dict, flat: dict) -> None:
+def step_ratios(r: dict, flat: dict, out: str = "step_vs_flat") -> None:
     """Each steady step kind of r over flat's step of the same cell and batch bucket, on one clock
-    (--phase-timers on Model Runner V2: step_clock, _step_clock.py): r["step_vs_flat"]["chain@4"]."""
+    (--phase-timers on Model Runner V2: step_clock, _step_clock.py): r[out]["chain@4"]."""
     mine, base = r.get("step_clock") or {}, flat.get("step_clock") or {}
     ratios = {k: v["ms"] / base[f"flat@{k.rsplit('@', 1)[1]}"]["ms"] for k, v in mine.items()
               if f"flat@{k.rsplit('@', 1)[1]}" in base}
     if ratios:
-        r["step_vs_flat"] = ratios
+        r[out] = ratios
 
 
 def interval(r: dict, flat: dict, n: int = 2000, seed: int = 0) -> None:
@@ -158,7 +169,11 @@ def table(result: dict) -> str:
     profiles = list(dict.fromkeys(r["profile"] for r in runs))
     conc = sorted({r["concurrency"] for r in runs})
     modes = list(dict.fromkeys(r["mode"] for r in runs))
-    cell = {(r["mode"], r["profile"], r["concurrency"]): r for r in runs}
+    cell = {}
+    for r in runs:  # a mode in several merged side-by-side parts: its row with a ratio to flat shows
+        k = (r["mode"], r["profile"], r["concurrency"])
+        if k not in cell or ("vs_flat" in r and "vs_flat" not in cell[k]):
+            cell[k] = r
     head = "| mode | " + " | ".join(f"{p} c={c}" for p in profiles for c in conc) + " |"
     lines = [head, "|" + " --- |" * (1 + len(profiles) * len(conc))]
     for m in modes:
@@ -213,6 +228,15 @@ def table(result: dict) -> str:
             lines.append(f"| {m} | " + " | ".join(
                 _steps_cell(r["step_vs_flat"], c) if (r := cell.get((m, p, c))) is not None
                 and "step_vs_flat" in r else "-" for p in profiles for c in conc) + " |")
+    alike = [m for m in modes if any("step_vs_alike" in r for r in runs if r["mode"] == m)]
+    if alike:  # what DDTree's own round adds to a step, vLLM's compile config aside
+        lines.append(f"\nSteady steps over {ALIKE}'s (flat DFlash compiled as DDTree's engines are) of the same "
+                     "side-by-side part and cell, on one clock, at the cell's batch bucket:\n")
+        lines += [head, lines[1]]
+        for m in alike:
+            lines.append(f"| {m} | " + " | ".join(
+                _steps_cell(r["step_vs_alike"], c) if (r := cell.get((m, p, c))) is not None
+                and "step_vs_alike" in r else "-" for p in profiles for c in conc) + " |")
     nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
     if nospec:
         lines.append("| no speculation tok/s | " + " | ".join(

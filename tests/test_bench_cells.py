@@ -46,6 +46,29 @@ def test_steady_steps_over_flats_at_the_cells_bucket(bench):
     assert "| auto | chain 1.10x, tree:32 1.50x | - |" in summ.table(res)
 
 
+def test_steady_steps_over_flatalike_in_merged_parts(bench):
+    """Merged side-by-side parts "flat+flatalike" and "flatalike+autochain": autochain's steps over its own
+    part's flatalike (step_vs_alike; no tok/s ratio: its part has no flat), flatalike's ratios against
+    its part's flat, and the tables show the flatalike row that has them."""
+    summ = importlib.import_module("summarize_e2e")
+    cell = {"profile": "p", "concurrency": 16, "reference_match": 1.0, "tokens_per_round": 5.0, "rounds": 10,
+            "wall_s": 1.0, "wall_s_total": 4.0, "output_tokens": 100, "tpot_p50_ms": 1.0}
+
+    def run(mode, pair, tok_s, kind, ms):
+        return {**cell, "mode": mode, "pair": pair, "tok_s": tok_s, "step_clock": {f"{kind}@16": {"n": 9, "ms": ms}}}
+
+    runs = [run("flat", "flat+flatalike", 100.0, "flat", 10.0), run("flatalike", "flat+flatalike", 103.0, "flat", 10.3),
+            run("flatalike", "flatalike+autochain", 104.0, "flat", 10.4),
+            run("autochain", "flatalike+autochain", 104.0, "chain", 10.504)]
+    res = summ.summarize({"args": {"side_by_side": True}, "runs": runs})
+    assert runs[1]["step_vs_flat"] == pytest.approx({"flat@16": 1.03}) and runs[1]["vs_flat"] == pytest.approx(1.03)
+    assert "vs_flat" not in runs[3] and runs[3]["step_vs_alike"] == pytest.approx({"chain@16": 1.01})
+    assert "step_vs_alike" not in runs[1] and "step_vs_alike" not in runs[2]
+    text = summ.table(res)
+    assert "| flatalike | 1.03x (1.00) |" in text and "| flatalike | flat 1.03x |" in text, text
+    assert "| autochain | chain 1.01x |" in text, text
+
+
 def test_kernel_table_sets_each_modes_kernels_beside_the_first_modes(bench):
     """summarize_e2e --kernels: per profiled cell, busy time and kernels over the first mode's, and a
     Triton variant of vLLM's GDN kernels that only one mode compiled (gpu_profile's triton_specializations)."""
