@@ -33,14 +33,18 @@ def make_gdn_meta(parents: torch.Tensor, width: int, max_depth: int | None = Non
 
 def tree_gdn_verify(mixed_qkv, b, a, core_attn_out, conv_state, ssm_state, conv_weight, conv_bias, A_log, dt_bias,
                     state_indices, num_accepted, meta: GdnTreeMeta, stack, num_k_heads, head_k_dim,
-                    activation="silu", conv_out=None, rec_kv=None, rec_gb=None, write_snapshots=False, scale=None):
+                    activation="silu", conv_out=None, rec_kv=None, rec_gb=None, write_snapshots=False, scale=None,
+                    levels=None):
     """One GDN layer's tree verify: tree conv, then the tree recurrence into `core_attn_out`.
 
     `mixed_qkv` [R*N, 2*H*K + HV*V], b/a [R*N, HV], core_attn_out [R*N, HV, V]; conv_weight [dim, W]
     (vLLM's conv1d.weight viewed 2-D). Pass `conv_out` (like mixed_qkv) to avoid an allocation.
+    `levels`: the stack levels the walk may save to (tree_context.GdnVerify.levels; None: max_depth).
     """
-    if stack.dim() != 5 or stack.shape[1] < meta.max_depth:
-        raise ValueError(f"stack must have >= max_depth = {meta.max_depth} levels, got shape {tuple(stack.shape)}")
+    need = meta.max_depth if levels is None else min(meta.max_depth, levels)
+    if stack.dim() != 5 or stack.shape[1] < need:
+        raise ValueError(f"stack must have >= {need} levels (max_depth {meta.max_depth}, levels {levels}), "
+                         f"got shape {tuple(stack.shape)}")
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     if conv_out is None:

@@ -30,10 +30,12 @@ def test_effective_budget_is_the_tree_capacity_capped_by_the_budget(k, L):
 
 
 def test_gdn_workspace_shapes():
-    shapes = buckets.gdn_workspace(layers=3, requests=4, budget=16, key_heads=2, key_dim=8, value_heads=4,
-                                   value_dim=16)
-    assert shapes == {"rec_kv": (3, 4, 17, 2 * 8 + 4 * 16), "rec_gb": (3, 4, 17, 2, 4), "stack": (4, 16, 4, 16, 8)}
-    assert math.prod(shapes["stack"]) == 4 * 16 * 4 * 16 * 8
+    shapes = buckets.gdn_workspace(layers=3, requests=4, budget=16, draft_len=7, key_heads=2, key_dim=8,
+                                   value_heads=4, value_dim=16)
+    # the stack's levels: min(b, L) (a drafter's tree is at most L deep: its branch points lie above L)
+    assert shapes == {"rec_kv": (3, 4, 17, 2 * 8 + 4 * 16), "rec_gb": (3, 4, 17, 2, 4), "stack": (4, 7, 4, 16, 8)}
+    assert math.prod(shapes["stack"]) == 4 * 7 * 4 * 16 * 8
+    assert buckets.gdn_workspace(3, 4, 5, 7, 2, 8, 4, 16)["stack"] == (4, 5, 4, 16, 8)  # (b < L: b levels)
 
 
 @pytest.mark.parametrize("call,field", [(lambda: buckets.verify_tokens(0), "b"),

@@ -287,6 +287,51 @@ def test_split_walk_is_the_whole_walk_bit_for_bit(splits):
     torch.testing.assert_close(parts[0], ref[0], rtol=1e-5, atol=1e-5)
 
 
+def _at_most_deep(n: int, depth: int, gen) -> list[int]:
+    """Parents of a tree of n slots at most `depth` deep, every node's parent drawn among the shallower
+    ones, with two children at depth `depth` under one node (a branch point at depth - 1, the deepest)."""
+    p, d = [-1] + [0] * (n - 1), [0] * n
+    for i in range(1, n):
+        if i <= depth:  # the spine first: slot i at depth i
+            p[i] = i - 1
+        elif i == depth + 1:  # a sibling of the deepest spine node
+            p[i] = depth - 1
+        else:
+            shallower = [j for j in range(i) if d[j] < depth]
+            p[i] = shallower[int(torch.randint(0, len(shallower), (1,), generator=gen))]
+        d[i] = d[p[i]] + 1
+    return p
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_depth_stack_of_L_levels_serves_trees_at_most_L_deep(splits):
+    """The round's workspace gives the walk min(B, L) stack levels (round/workspace.py, GdnVerify.levels):
+    the kernel saves a state only at a node of two or more live children, so trees at most L deep save
+    above level L, and a chain (a chain row, the padded rows' contents: B deep) saves nothing. Each row's
+    stack is L levels wide inside a poisoned buffer one level wider: outputs, states and records match the
+    reference, and no program wrote that extra level."""
+    H, HV, K, V, N, L = 2, 4, 16, 16, 13, 4
+    gen = torch.Generator().manual_seed(5)
+    case = list(make_case(N, H, HV, K, V, ("random",) * 4, seed=12))
+    case[0] = torch.tensor([_at_most_deep(N, L, gen), _at_most_deep(N, L, gen), _at_most_deep(N, L, gen),
+                            list(range(-1, N - 1))])  # (the last: a chain of N - 1 > L)
+    meta = build_gdn_meta(case[0], 4)
+    walk_depth, flags = meta.walk[..., 2], meta.walk[..., 3]
+    assert meta.max_depth == N - 1 and walk_depth.max() == N - 1
+    assert walk_depth[(flags & F_SAVE) != 0].max() == L - 1  # the deepest branch point
+    R = case[0].shape[0]
+    wide = poison(torch.empty(R * splits, L + 1, HV, V, K))
+    kernel = lambda *a: tree_gdn_triton(*a[:9], wide[:, :L], *a[10:], block_v=8, splits=splits)
+    got = run(kernel, tuple(case), meta, H, K, False, True)
+    want = run(tree_gdn_ref, tuple(case), meta, H, K, False, True)
+    assert wide[:, L].isnan().all()  # the level past L: never written
+    assert not wide[:, :L].isnan().all()  # saves went to the L levels
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0, equal_nan=True)
+    check_oracle(tuple(case), got[0], H, K, 1e-4)
+
+
 def test_norm_prepass_matches_its_reference():
     """The q / k norm pre-pass (tree_gdn.qk_norms_triton, vLLM's expression on vLLM's 4 warps) against its
     torch reference, bf16 rows of two key heads of K = 24 (a masked tail past 24 of the 32-lane block)."""

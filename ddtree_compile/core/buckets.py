@@ -37,9 +37,11 @@ TREE_CAPACITY = sp.Sum(k**d, (d, 1, L))  # nodes a top-k x L tree can hold (k pe
 EFFECTIVE_BUDGET = sp.Min(b, TREE_CAPACITY)  # the budget a tree can fill: a tree never has padding slots
 # the round's GDN workspace (round/workspace.py), shapes for R requests and b-node trees: per KV cache
 # group the per-node k and v of every GDN layer (model dtype) and g and beta (float32); the tree GDN
-# kernel's state at each depth (float32), shared by every layer
+# kernel's state at each depth where its walk branches (float32), shared by every layer: a drafter's tree
+# is at most L deep, so its branch points lie above depth L (chain rows, the padded rows' contents too,
+# have none), and min(b, L) levels hold every save (tree_context.GdnVerify.levels)
 GDN_SHAPES = {"rec_kv": (n, R, VERIFY_TOKENS, H * K + HV * V), "rec_gb": (n, R, VERIFY_TOKENS, 2, HV),
-              "stack": (R, b, HV, V, K)}
+              "stack": (R, sp.Min(b, L), HV, V, K)}
 # vLLM's num_speculative_tokens as the switch sets it for an effective budget b: its draft slots hold
 # the tree and the drafter's block
 DRAFT_SLOTS = sp.Max(b, L)
@@ -121,10 +123,11 @@ def effective_budget(budget: int, top_k: int, draft_len: int) -> int:
     return _eval("effective_budget", _ints(b=budget, k=min(top_k, budget), L=draft_len))
 
 
-def gdn_workspace(layers: int, requests: int, budget: int, key_heads: int, key_dim: int, value_heads: int,
-                  value_dim: int) -> dict:
+def gdn_workspace(layers: int, requests: int, budget: int, draft_len: int, key_heads: int, key_dim: int,
+                  value_heads: int, value_dim: int) -> dict:
     """name -> shape of the GDN workspace: rec_kv and rec_gb of `layers` GDN layers, the shared stack."""
-    v = _symbols(_ints(n=layers, R=requests, b=budget, H=key_heads, K=key_dim, HV=value_heads, V=value_dim))
+    v = _symbols(_ints(n=layers, R=requests, b=budget, L=draft_len, H=key_heads, K=key_dim, HV=value_heads,
+                       V=value_dim))
     return {name: tuple(int(sp.sympify(x).subs(v)) for x in shape) for name, shape in GDN_SHAPES.items()}
 
 

@@ -35,8 +35,12 @@ class GdnVerify:
     write_snapshots every node's state written to state_indices[r, slot]
     records         {layer prefix: (rec_kv, rec_gb)}: per-node k/v and g/beta for the replay commit
     tree_meta       the per-step GdnTreeMeta the op builds from `parents` on first use
-    stack           fp32 depth stack [R, >= max depth, HV, V, K]: the round passes its engine's
+    stack           fp32 depth stack [R, >= levels, HV, V, K]: the round passes its engine's
                     (round/workspace.py); built on first use otherwise
+    levels          the most stack levels the walk saves to: the kernel saves a node's state at its
+                    depth only where the node has two or more live children, so trees at most L deep
+                    (a drafter's L positions) need min(max depth, L); chain rows need none. None: the
+                    tree's static max depth (trees of any depth)
     """
 
     state_indices: torch.Tensor | dict | None = None
@@ -45,6 +49,7 @@ class GdnVerify:
     records: dict = field(default_factory=dict)
     tree_meta: object | None = None
     stack: torch.Tensor | None = None
+    levels: int | None = None
 
     def for_layer(self, value, layer: str):
         return value.get(layer) if isinstance(value, dict) else value

@@ -94,18 +94,19 @@ def _gdn_tree(meta, original, mixed_qkv, b, a, core_attn_out, layer_name, *rest)
         g.tree_meta = gdn_step.make_gdn_meta(meta.parents, width)
     tm = g.tree_meta
     hv, v, k = ssm.shape[1:]
+    levels = tm.max_depth if g.levels is None else min(tm.max_depth, g.levels)
     if g.stack is None:  # a caller outside the round (the round passes its workspace's, round/workspace.py)
-        g.stack = torch.empty(R, max(tm.max_depth, 1), hv, v, k, dtype=torch.float32, device=mixed_qkv.device)
-    elif g.stack.shape[0] < R or g.stack.shape[1] < tm.max_depth or g.stack.shape[2:] != (hv, v, k):
+        g.stack = torch.empty(R, max(levels, 1), hv, v, k, dtype=torch.float32, device=mixed_qkv.device)
+    elif g.stack.shape[0] < R or g.stack.shape[1] < levels or g.stack.shape[2:] != (hv, v, k):
         raise ValueError(f"tree GDN: GdnVerify.stack {tuple(g.stack.shape)} does not hold {R} requests x "
-                         f"{tm.max_depth} depths x state {(hv, v, k)} of layer {name}")
+                         f"{levels} depths x state {(hv, v, k)} of layer {name}")
     rec_kv, rec_gb = g.records.get(p.prefix, (None, None))
     T = R * N
     gdn_step.tree_gdn_verify(
         mixed_qkv[:T].contiguous(), b[:T].contiguous(), a[:T].contiguous(), core_attn_out[:T], conv, ssm,
         weight, p.conv_bias, p.A_log, p.dt_bias, state_indices.to(torch.int32), num_accepted.to(torch.int32),
         tm, g.stack, p.num_k_heads, p.head_k_dim, activation=p.activation, rec_kv=rec_kv, rec_gb=rec_gb,
-        write_snapshots=g.write_snapshots)
+        write_snapshots=g.write_snapshots, levels=levels)
     if meta.gdn is None:
         meta.gdn = g
 

@@ -288,4 +288,5 @@ class VerifyStage:
         its rows (a split walk gives each part of a request's walk its own, templates/tree_gdn.py), and
         its records when the commit replays, or a graph or a test reads them."""
         return GdnVerify(write_snapshots=self.ctx.cfg.gdn_state == "snapshots", stack=self.workspace.stack,
+                         levels=self.ctx.L,  # (the round's trees are at most L deep: workspace.py)
                          records=self.records(rows, N)[0] if records else {})

@@ -6,8 +6,9 @@ itself. The buffers:
 
     rec_kv [layers, R, N, H*K + HV*V]  model dtype  per-node k/v of every GDN layer (replay commit)
     rec_gb [layers, R, N, 2, HV]       fp32         per-node g/beta
-    stack  [R, B, HV, V, K]            fp32         the tree GDN kernel's depth stack: the state at
-                                                    each depth of its walk, shared by every layer
+    stack  [R, min(B, L), HV, V, K]    fp32         the tree GDN kernel's depth stack: the state at
+                                                    each depth where its walk branches (above L),
+                                                    shared by every layer
     attn_scratch [elems]               fp32         tree attention's split-KV partials (CUDA only):
                                                     the most any batch of 1..R trees needs
                                                     (templates/tree_attention.py), shared by every
@@ -40,11 +41,11 @@ from ...templates import tree_attention
 _RESERVE = "_ddtree_reserve"  # on the runner instance: the bytes held from profiling to attach
 
 
-def gdn_shapes(p, n_layers: int, R: int, N: int, dtype) -> dict:
+def gdn_shapes(p, n_layers: int, R: int, N: int, L: int, dtype) -> dict:
     """name -> (shape, dtype) of the GDN buffers for `n_layers` GDN layers of parameters `p`
-    (adapters' GdnParams), R requests and trees of N slots. rec_kv / rec_gb are per KV cache
-    group in Workspace; their byte total depends only on the layer count."""
-    shape = buckets.gdn_workspace(n_layers, R, max(N - 1, 1), p.num_k_heads, p.head_k_dim, p.num_v_heads,
+    (adapters' GdnParams), R requests, trees of N slots and a drafter of L positions. rec_kv / rec_gb
+    are per KV cache group in Workspace; their byte total depends only on the layer count."""
+    shape = buckets.gdn_workspace(n_layers, R, max(N - 1, 1), L, p.num_k_heads, p.head_k_dim, p.num_v_heads,
                                   p.head_v_dim)
     return {"rec_kv": (shape["rec_kv"], dtype), "rec_gb": (shape["rec_gb"], torch.float32),
             "stack": (shape["stack"], torch.float32)}
@@ -60,13 +61,13 @@ def attention_scratch_elems(view, attn_layers, R: int, N: int) -> int:
     return max(tree_attention.bucket_scratch_elems(view.device, r, N, *h) for r in range(1, R + 1) for h in heads)
 
 
-def shapes(view, layers: dict, N: int) -> dict:
-    """name -> (shape, dtype) of the round's buffers on this engine (module docstring); `layers` as
-    checks.classify_layers returns them."""
+def shapes(view, layers: dict, N: int, L: int) -> dict:
+    """name -> (shape, dtype) of the round's buffers on this engine (module docstring) for trees of N
+    slots and a drafter of L positions; `layers` as checks.classify_layers returns them."""
     R, out = view.max_num_reqs, {}
     if layers["gdn"]:
         p = adapters.current().gdn_params(view.layer(layers["gdn"][0]))
-        out.update(gdn_shapes(p, len(layers["gdn"]), R, N, view.dtype))
+        out.update(gdn_shapes(p, len(layers["gdn"]), R, N, L, view.dtype))
     elems = attention_scratch_elems(view, layers["attention"], R, N)
     if elems:
         out["attn_scratch"] = ((elems,), torch.float32)
@@ -96,7 +97,7 @@ def plan(runner, cfg) -> int:
         layers = classify_layers(view)
     except UnsupportedEngine:
         return 0
-    return nbytes(shapes(view, layers, max_slots(cfg, draft_len)))
+    return nbytes(shapes(view, layers, max_slots(cfg, draft_len), draft_len))
 
 
 def reserve(runner, cfg) -> int:
@@ -126,7 +127,7 @@ class Workspace:
     def __init__(self, ctx):
         A = adapters.current()
         self.reserved = release(ctx.view.runner)
-        planned = shapes(ctx.view, {"attention": ctx.attn_layers, "gdn": ctx.gdn_layers}, ctx.max_slots)
+        planned = shapes(ctx.view, {"attention": ctx.attn_layers, "gdn": ctx.gdn_layers}, ctx.max_slots, ctx.L)
         self.per_layer, self.per_group, self.all_layers, self.stack = {}, {}, None, None
         if ctx.hybrid:
             # one buffer for every GDN layer, in KV cache group order: a group's layers are a slice of
