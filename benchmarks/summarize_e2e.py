@@ -46,7 +46,7 @@ import statistics
 
 VALID = 0.95
 OLD_BASELINE = "flat@v1sync"  # bench_e2e_gpu mode: flat DFlash on the V1 runner, async scheduling off
-ALIKE = "flatalike"  # bench_e2e_gpu mode: flat DFlash compiled as DDTree's engines are (a diagnostic, not the reference)
+ALIKE = "flatalike"  # bench_e2e_gpu mode: flat DFlash compiled as DDTree's engines are (a diagnostic)
 
 
 def rounds_per_s(r: dict) -> float:
@@ -219,24 +219,21 @@ def table(result: dict) -> str:
                 f"{r['own_host_ms_per_step']:.2f} ms ({100 * r['own_host_share']:.0f}%)"
                 if (r := cell.get((m, p, c))) is not None and "own_host_share" in r else "-"
                 for p in profiles for c in conc) + " |")
-    clocked = [m for m in modes if any("step_vs_flat" in r for r in runs if r["mode"] == m)]
-    if clocked:  # the goal lines: auto's chain step within 2% of flat's; a tree step at c = 1 <= 1.10x flat's
-        lines.append("\nSteady steps over flat DFlash's of the same cell, on one clock (_step_clock.py: medians, "
-                     "the device's timeline on CUDA), at the cell's batch bucket (c rounded down to a power of 2):\n")
-        lines += [head, lines[1]]
-        for m in clocked:
-            lines.append(f"| {m} | " + " | ".join(
-                _steps_cell(r["step_vs_flat"], c) if (r := cell.get((m, p, c))) is not None
-                and "step_vs_flat" in r else "-" for p in profiles for c in conc) + " |")
-    alike = [m for m in modes if any("step_vs_alike" in r for r in runs if r["mode"] == m)]
-    if alike:  # what DDTree's own round adds to a step, vLLM's compile config aside
-        lines.append(f"\nSteady steps over {ALIKE}'s (flat DFlash compiled as DDTree's engines are) of the same "
-                     "side-by-side part and cell, on one clock, at the cell's batch bucket:\n")
-        lines += [head, lines[1]]
-        for m in alike:
-            lines.append(f"| {m} | " + " | ".join(
-                _steps_cell(r["step_vs_alike"], c) if (r := cell.get((m, p, c))) is not None
-                and "step_vs_alike" in r else "-" for p in profiles for c in conc) + " |")
+    steps = (  # the goal lines: auto's chain step within 2% of flat's; a tree step at c = 1 <= 1.10x flat's
+        ("step_vs_flat", ("Steady steps over flat DFlash's of the same cell, on one clock (_step_clock.py: "
+                          "medians, the device's timeline on CUDA), at the cell's batch bucket (c rounded down to "
+                          "a power of 2)")),
+        # what DDTree's own round adds to a step, vLLM's compile config aside
+        ("step_vs_alike", (f"Steady steps over {ALIKE}'s (flat DFlash compiled as DDTree's engines are) of the same "
+                           "side-by-side part and cell, on one clock, at the cell's batch bucket")))
+    for field, title in steps:
+        clocked = [m for m in modes if any(field in r for r in runs if r["mode"] == m)]
+        if clocked:
+            lines += [f"\n{title}:\n", head, lines[1]]
+            for m in clocked:
+                lines.append(f"| {m} | " + " | ".join(
+                    _steps_cell(r[field], c) if (r := cell.get((m, p, c))) is not None and field in r else "-"
+                    for p in profiles for c in conc) + " |")
     nospec = {r["concurrency"]: r["tok_s"] for r in result["runs"] if r.get("mode") == "nospec" and "tok_s" in r}
     if nospec:
         lines.append("| no speculation tok/s | " + " | ".join(
