@@ -117,8 +117,9 @@ class DDTreeRound:
                         "those steps run PIECEWISE", sorted(wanted - full), sorted(full))
         ws = self.verify_stage.workspace
         if ws.nbytes:
-            logger.info("DDTree: workspace %.2f GiB (GDN records and depth stack, tree-attention scratch; %s during "
-                        "vLLM's memory profile)", ws.nbytes / 2**30,
+            # sized for max_num_seqs requests (round/workspace.py): a server's default of 1024 costs KV cache
+            logger.info("DDTree: workspace %.2f GiB for max_num_seqs %d (GDN records and depth stack, tree-attention "
+                        "scratch; %s during vLLM's memory profile)", ws.nbytes / 2**30, view.max_num_reqs,
                         "reserved" if ws.reserved == ws.nbytes else f"{ws.reserved / 2**30:.2f} GiB reserved")
         self._redirected = view.eager
         if self._redirected:
