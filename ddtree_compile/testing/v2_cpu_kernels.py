@@ -207,13 +207,13 @@ def install() -> None:
         prepare_dflash_inputs(input_buffers, *args, **kwargs)
         vllm_prepare(theirs_buffers, *theirs, *args[8:], **kwargs)
         batch, num_sampled, num_rejected = args[8], args[9], args[10]
-        n = batch.num_reqs  # (which paths the compared calls took)
-        CHECKED["prepare_dflash_inputs with rejected drafts"] += bool((num_rejected[:n] > 0).any())
-        CHECKED["prepare_dflash_inputs with a prefill chunk"] += bool((num_sampled[:n] == 0).any())
-        CHECKED["prepare_dflash_inputs with several requests"] += n > 1
-        ours = {**{n: getattr(input_buffers, n) for n in bufs}, **{f"out{i}": t for i, t in enumerate(outs)}}
+        num_reqs = batch.num_reqs  # (which paths the compared calls took)
+        CHECKED["prepare_dflash_inputs with rejected drafts"] += bool((num_rejected[:num_reqs] > 0).any())
+        CHECKED["prepare_dflash_inputs with a prefill chunk"] += bool((num_sampled[:num_reqs] == 0).any())
+        CHECKED["prepare_dflash_inputs with several requests"] += num_reqs > 1
+        ours = {**{k: getattr(input_buffers, k) for k in bufs}, **{f"out{i}": t for i, t in enumerate(outs)}}
         _equal("prepare_dflash_inputs", ours,
-               {**{n: getattr(theirs_buffers, n) for n in bufs}, **{f"out{i}": t for i, t in enumerate(theirs)}})
+               {**{k: getattr(theirs_buffers, k) for k in bufs}, **{f"out{i}": t for i, t in enumerate(theirs)}})
 
     BlockTables.gather_block_tables = checked_gather
     BlockTables.compute_slot_mappings = checked_slots
