@@ -83,7 +83,7 @@ def use_loop(loop: str) -> None:
 
 
 def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, loop: str = "v1sync",
-                  alike: bool = False) -> dict:
+                  alike: bool = False, partition: bool = False) -> dict:
     from ddtree_compile.testing import models
 
     hybrid = args.target != "tiny" or args.tiny_kind != "qwen3"
@@ -94,10 +94,15 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, l
     if args.device == "cuda":
         from ddtree_compile.passes.entry import compilation_config
 
-        # (alike: mode "flatalike", flat DFlash compiled as DDTree's engines are, whatever --flat-compile)
+        # (alike: mode "flatalike", flat DFlash compiled as DDTree's engines are, whatever --flat-compile;
+        # partition: mode "flatpart", vLLM's own config with Inductor's graph partition instead of its FX
+        # split at its own splitting ops, without DDTree's pass and ops: which of the two a flatalike step's
+        # excess comes from)
         plain = (spec is not None and "ddtree" not in extra and getattr(args, "flat_compile", "alike") == "vllm"
                  and not alike)
         cc = {} if plain else compilation_config("cuda")  # (plain: vLLM's own split, no DDTree pass)
+        if partition:
+            cc = {"use_inductor_graph_partition": True}
         cc["cudagraph_mode"] = args.cudagraph_mode
         if spec is not None:  # every concurrency's verify batch in a graph (vLLM's default stops at 512 tokens)
             cc["max_cudagraph_capture_size"] = max(512, max_seqs * (spec["num_speculative_tokens"] + 1))
@@ -190,8 +195,9 @@ def start_engine(args, target, conc, prompts, spec=None, extra=None, share=1, mo
     from vllm import LLM
 
     t = time.perf_counter()
+    base = (mode or "").partition("@")[0]
     kw = engine_kwargs(target, args, max(conc), spec, extra or {}, loop_of(mode or "", args),
-                       alike=(mode or "").partition("@")[0] == "flatalike")
+                       alike=base == "flatalike", partition=base == "flatpart")
     if share > 1 and "gpu_memory_utilization" in kw:
         # the engines start together (side_by_side): a KV cache sized from a memory profile would count
         # what the other engines allocate meanwhile as this one's, so each gets a fixed cache instead
