@@ -83,7 +83,7 @@ def use_loop(loop: str) -> None:
 
 
 def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, loop: str = "v1sync",
-                  alike: bool = False, partition: bool = False) -> dict:
+                  alike: bool = False, partition: bool = False, nosplit: bool = False) -> dict:
     from ddtree_compile.testing import models
 
     hybrid = args.target != "tiny" or args.tiny_kind != "qwen3"
@@ -97,13 +97,16 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, l
         # (alike: mode "flatalike", flat DFlash compiled as DDTree's engines are, whatever --flat-compile;
         # partition: mode "flatpart", vLLM's own config with Inductor's graph partition instead of its FX
         # split at its own splitting ops, without DDTree's pass and ops: which of the two a flatalike step's
-        # excess comes from)
+        # excess comes from; nosplit: mode "flatnosplit", vLLM's config with no split at all, one Inductor
+        # graph and FULL CUDA graphs for every batch: the whole-graph compile without the partition's codegen)
         plain = (spec is not None and "ddtree" not in extra and getattr(args, "flat_compile", "alike") == "vllm"
                  and not alike)
         cc = {} if plain else compilation_config("cuda")  # (plain: vLLM's own split, no DDTree pass)
         if partition:
             cc = {"use_inductor_graph_partition": True}
         cc["cudagraph_mode"] = args.cudagraph_mode
+        if nosplit:
+            cc = {"splitting_ops": [], "cudagraph_mode": "FULL"}  # (vLLM: piecewise graphs need a split)
         if spec is not None:  # every concurrency's verify batch in a graph (vLLM's default stops at 512 tokens)
             cc["max_cudagraph_capture_size"] = max(512, max_seqs * (spec["num_speculative_tokens"] + 1))
         kw.update(compilation_config=cc, gpu_memory_utilization=args.gpu_memory_utilization)
@@ -197,7 +200,7 @@ def start_engine(args, target, conc, prompts, spec=None, extra=None, share=1, mo
     t = time.perf_counter()
     base = (mode or "").partition("@")[0]
     kw = engine_kwargs(target, args, max(conc), spec, extra or {}, loop_of(mode or "", args),
-                       alike=base == "flatalike", partition=base == "flatpart")
+                       alike=base == "flatalike", partition=base == "flatpart", nosplit=base == "flatnosplit")
     if share > 1 and "gpu_memory_utilization" in kw:
         # the engines start together (side_by_side): a KV cache sized from a memory profile would count
         # what the other engines allocate meanwhile as this one's, so each gets a fixed cache instead

@@ -165,9 +165,10 @@ def run(args) -> dict:
 
 def speculative_modes(args) -> list[tuple[str, object]]:
     """(mode, budget) of each speculative mode in --modes, in the order listed: "flat", "ddtree<B>"
-    ("ddtree": every --budgets), "auto", "autochain", "flatalike", "flatpart", each optionally "@<loop>"
-    (_e2e_engine.LOOPS)."""
-    known = {"flat": None, "flatalike": None, "flatpart": None, "auto": "auto", "autochain": "auto",
+    ("ddtree": every --budgets), "auto", "autochain", "flatalike", "flatpart", "flatnosplit", each optionally
+    "@<loop>" (_e2e_engine.LOOPS)."""
+    known = {"flat": None, "flatalike": None, "flatpart": None, "flatnosplit": None, "auto": "auto",
+             "autochain": "auto",
              **{f"ddtree{b}": b for b in args.budgets}}
     out = []
     for m in args.modes:
@@ -236,7 +237,8 @@ def main(argv=None) -> int:
                     "budget), ddtree<B>, auto, autochain (budget \"auto\" held to the chain every step: what its chain "
                     "step costs against flat DFlash's), flatalike (flat DFlash compiled as DDTree's engines are, "
                     "--flat-compile alike, next to flat's own), flatpart (flat DFlash with vLLM's own compile config but "
-                    "Inductor's graph partition, without DDTree's pass: flatalike's compile less DDTree's part), each with an optional @loop (see --loop; e.g. "
+                    "Inductor's graph partition, without DDTree's pass: flatalike's compile less DDTree's part), flatnosplit "
+                    "(flat DFlash compiled as one graph, no split, FULL CUDA graphs), each with an optional @loop (see --loop; e.g. "
                     "flat@v1sync: the V1 synchronous flat DFlash); split a long run over several commands")
     ap.add_argument("--reference", default=None, help="JSON file of the reference outputs: read if it exists, "
                     "else written (so later commands skip computing them)")

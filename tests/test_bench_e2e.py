@@ -344,9 +344,9 @@ def test_flatalike_is_flat_dflash_compiled_as_ddtree_engines_are(bench):
     of that compile from DDTree's pass and ops."""
     import types
 
-    args = types.SimpleNamespace(modes=["flat", "flatalike", "flatpart", "autochain"], budgets=[32], loop="v2async")
+    args = types.SimpleNamespace(modes=["flat", "flatalike", "flatpart", "flatnosplit", "autochain"], budgets=[32], loop="v2async")
     assert bench.speculative_modes(args) == [("flat", None), ("flatalike", None), ("flatpart", None),
-                                             ("autochain", "auto")]
+                                             ("flatnosplit", None), ("autochain", "auto")]
     engine = importlib.import_module("_e2e_engine")
     kw_args = types.SimpleNamespace(target="tiny", tiny_kind="qwen3", prompt_len=8, max_tokens=8, budgets=[8],
                                     flat_len=4, auto_budget=[8], device="cuda", flat_compile="vllm",
@@ -365,6 +365,10 @@ def test_flatalike_is_flat_dflash_compiled_as_ddtree_engines_are(bench):
     assert part["speculative_config"] == spec and "additional_config" not in part
     assert {k: v for k, v in part["compilation_config"].items() if k not in flat["compilation_config"]} == {
         "use_inductor_graph_partition": True}, part["compilation_config"]
+    # "flatnosplit": one Inductor graph, no split, FULL CUDA graphs (vLLM's piecewise graphs need a split)
+    whole = engine.engine_kwargs("/t", kw_args, 2, spec, {}, "v2async", nosplit=True)
+    assert whole["compilation_config"] == {**flat["compilation_config"], "splitting_ops": [],
+                                           "cudagraph_mode": "FULL"}, whole["compilation_config"]
 
 
 def test_modes_take_a_loop_and_the_summary_compares_with_the_old_baseline(bench, capsys):
