@@ -107,6 +107,10 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, l
         cc["cudagraph_mode"] = args.cudagraph_mode
         if nosplit:
             cc = {"splitting_ops": [], "cudagraph_mode": "FULL"}  # (vLLM: piecewise graphs need a split)
+        if extra.get("ddtree", {}).get("op_swap") == "trace":  # (--op-swap trace: vLLM's split, the mirrors in it)
+            from ddtree_compile.passes.entry import traced_compilation_config
+
+            cc = {**traced_compilation_config("cuda"), "cudagraph_mode": args.cudagraph_mode}
         if spec is not None:  # every concurrency's verify batch in a graph (vLLM's default stops at 512 tokens)
             cc["max_cudagraph_capture_size"] = max(512, max_seqs * (spec["num_speculative_tokens"] + 1))
         kw.update(compilation_config=cc, gpu_memory_utilization=args.gpu_memory_utilization)
@@ -281,7 +285,8 @@ def spec_of(budget, args, drafter) -> tuple[dict, dict]:
     if budget is None:
         return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.flat_len}, {}
     auto = {"auto_budget": args.auto_budget} if budget == "auto" else {}
-    kw = config.vllm_kwargs(drafter, budget=budget, top_k=args.top_k, num_speculative_tokens=args.flat_len, **auto)
+    kw = config.vllm_kwargs(drafter, budget=budget, top_k=args.top_k, num_speculative_tokens=args.flat_len,
+                            op_swap=getattr(args, "op_swap", "pass"), **auto)
     return kw["speculative_config"], kw["additional_config"]
 
 

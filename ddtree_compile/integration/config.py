@@ -27,12 +27,13 @@ from dataclasses import asdict, dataclass
 
 from ddtree_compile.core import buckets
 from ddtree_compile.core.spec import MAX_BUDGET, TreeSpec
-from ddtree_compile.passes.entry import compilation_config
+from ddtree_compile.passes.entry import compilation_config, traced_compilation_config
 
 KEY = "ddtree"
 GDN_STATES = ("snapshots", "replay")
+OP_SWAPS = ("pass", "trace")
 _FIELDS = ("budget", "top_k", "temperature", "chain_seed", "draft_len", "gdn_state", "log_interval", "auto_budget",
-           "probe_interval", "cost_table", "round_graphs")
+           "probe_interval", "cost_table", "round_graphs", "op_swap")
 AUTO = "auto"
 _AUTO_FIELDS = ("auto_budget", "probe_interval", "cost_table")
 
@@ -72,6 +73,11 @@ class DDTreeConfig:
                   beside vLLM's compile cache for this target/drafter (no table: costs measured online)
     round_graphs  CUDA: the commit's device work replayed as one CUDA graph per batch shape
                   (round/stage_graphs.py) instead of ~40 ops and launches per step; false: eager
+    op_swap       how vLLM's attention / GDN ops become their `ddtree::` mirrors in a compiled engine:
+                  "pass" (the tree-verify pass rewrites Inductor's graph; on GPUs with Inductor's graph
+                  partition, passes/entry.compilation_config) or "trace" (the ops are pointed at the
+                  mirrors before vLLM traces the model, which then keeps vLLM's own compile split:
+                  passes/entry.traced_compilation_config, integration/plugin.py)
     """
 
     budget: int | str
@@ -85,6 +91,7 @@ class DDTreeConfig:
     probe_interval: int | None = None
     cost_table: str | None = None
     round_graphs: bool = True
+    op_swap: str = "pass"
 
     def __post_init__(self) -> None:
         if self.budget == AUTO:
@@ -113,6 +120,8 @@ class DDTreeConfig:
         _int("log_interval", self.log_interval, 0)
         if not isinstance(self.round_graphs, bool):
             _fail("round_graphs", f"must be true or false, got {self.round_graphs!r}")
+        if self.op_swap not in OP_SWAPS:
+            _fail("op_swap", f"must be one of {', '.join(OP_SWAPS)}, got {self.op_swap!r}")
 
     @property
     def auto(self) -> bool:
@@ -195,9 +204,15 @@ def vllm_kwargs(draft_model, budget: int | str, top_k: int = 8, temperature: flo
                                "num_speculative_tokens": draft_slots(cfg, cfg.draft_len)},
         "additional_config": {KEY: cfg.to_dict()},
     }
-    # vLLM resolves the pass as `__import__("ddtree_compile").__dict__["tree_verify_pass"]`.
-    kwargs["compilation_config"] = compilation_config(platform or _platform(), PASS_NAME)
+    kwargs["compilation_config"] = switch_compilation_config(cfg, platform or _platform())
     return kwargs
+
+
+def switch_compilation_config(cfg: DDTreeConfig, platform: str) -> dict:
+    """The `compilation_config` entries the switch needs on `platform`: with op_swap "pass" the tree-verify
+    pass (vLLM resolves it as `__import__("ddtree_compile").__dict__["tree_verify_pass"]`) and on GPUs
+    the graph partition it needs; with "trace" vLLM's own compile with the mirrors among its split points."""
+    return compilation_config(platform, PASS_NAME) if cfg.op_swap == "pass" else traced_compilation_config(platform)
 
 
 def draft_slots(cfg: DDTreeConfig, draft_len: int) -> int:
@@ -224,20 +239,23 @@ def merge_llm_kwargs(user: dict, switch: dict) -> dict:
 
 
 def tree_pass_entries(get, wanted: dict) -> dict:
-    """The compilation_config entries that keep the tree-verify pass installed over a user's config
-    (`get(key)` reads theirs; `wanted`: `compilation_config(platform)`): their other inductor passes
-    kept, their post-grad pass ours or none (another one is an error), on GPUs their splitting ops kept
-    and ours added, with the graph partition on. Used by `merge_llm_kwargs` and by the plugin's switch
-    (adapters/engine_args.py)."""
-    theirs = dict(get("inductor_passes") or {})
-    if theirs.get("post_grad_custom_post_pass") not in (None, PASS_NAME):
-        raise ValueError(f"compilation_config.inductor_passes['post_grad_custom_post_pass'] is "
-                         f"{theirs['post_grad_custom_post_pass']!r}; DDTree needs {PASS_NAME!r} there")
-    out = {"inductor_passes": {**theirs, **wanted["inductor_passes"]}}
+    """The compilation_config entries that keep the switch's over a user's config (`get(key)` reads
+    theirs; `wanted`: `switch_compilation_config`): with the tree-verify pass, their other inductor
+    passes kept and their post-grad pass ours or none (another one is an error); on GPUs their
+    splitting ops kept and ours added, with the graph partition on where the pass needs it. Used by
+    `merge_llm_kwargs` and by the plugin's switch (adapters/engine_args.py)."""
+    out = {}
+    if "inductor_passes" in wanted:
+        theirs = dict(get("inductor_passes") or {})
+        if theirs.get("post_grad_custom_post_pass") not in (None, PASS_NAME):
+            raise ValueError(f"compilation_config.inductor_passes['post_grad_custom_post_pass'] is "
+                             f"{theirs['post_grad_custom_post_pass']!r}; DDTree needs {PASS_NAME!r} there")
+        out["inductor_passes"] = {**theirs, **wanted["inductor_passes"]}
     if "splitting_ops" in wanted:
         ops = list(get("splitting_ops") or [])
         out["splitting_ops"] = ops + [op for op in wanted["splitting_ops"] if op not in ops]
-        out["use_inductor_graph_partition"] = True
+        if wanted.get("use_inductor_graph_partition"):
+            out["use_inductor_graph_partition"] = True
     return out
 
 

@@ -47,13 +47,19 @@ def _on_model_load(runner) -> None:
     rewritten graph from vLLM's compile cache without running the pass, and that graph calls them
     (without them it fails with "'ddtree' object has no attribute ..."). That is a DDTree engine,
     and also an engine without DDTree whose compilation_config installs the pass (e.g. a flat
-    DFlash engine compiled alike: the mirror ops run vLLM's op when no tree is being verified)."""
-    from ddtree_compile.integration import config
+    DFlash engine compiled alike: the mirror ops run vLLM's op when no tree is being verified). An
+    engine with op_swap "trace" points vLLM's ops at them now, before its model is traced, so its
+    graphs call them from the start (tree_ops.redirect_before_trace)."""
+    from ddtree_compile.integration import config, tree_ops
     from ddtree_compile.passes.entry import tree_verify_pass
+    from ddtree_compile.passes.rules import load_rules
 
     extra, post_grad_pass = adapters.current().engine_switches(runner)
-    if post_grad_pass is tree_verify_pass or config.parse(extra) is not None:
+    cfg = config.parse(extra)
+    if post_grad_pass is tree_verify_pass or cfg is not None:
         tree_verify_pass.engine()  # resolves the rule table, registering every active rule's mirror op
+    if cfg is not None and cfg.op_swap == "trace":
+        tree_ops.redirect_before_trace(runner, load_rules())
 
 
 def _on_memory_profile(runner) -> None:

@@ -13,8 +13,10 @@ At run time a mirror op
 - runs its tree implementation while a tree verify is active (integration/tree_context.py).
 
 Eager engines (enforce_eager) have no compiled graph to rewrite: there `torch.ops.vllm.X` is
-pointed at the same mirror ops (`redirect_ops_for_eager`), counted per engine, and the last eager
-DDTree engine's shutdown restores vLLM's ops.
+pointed at the same mirror ops (`redirect_ops`), counted per engine, and the last such DDTree
+engine's shutdown restores vLLM's ops. An engine with op_swap "trace" is pointed there before its
+model is traced (integration/plugin.py), so vLLM's compiled graphs call the mirrors from the start
+and no pass rewrites them.
 """
 
 from __future__ import annotations
@@ -195,14 +197,14 @@ def _schema_signature(original) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Eager engines: torch.ops.vllm.X -> ddtree::X
+# Eager engines and op_swap "trace": torch.ops.vllm.X -> ddtree::X
 # ---------------------------------------------------------------------------------------------
 
 _REDIRECTED: dict[str, tuple] = {}
-_USERS = 0  # live eager DDTree engines of this process that need the redirect
+_USERS = 0  # live DDTree engines of this process that need the redirect (eager, or op_swap "trace")
 
 
-def redirect_ops_for_eager(active_rules) -> dict[str, object]:
+def redirect_ops(active_rules) -> dict[str, object]:
     """Point `torch.ops.<ns>.<op>` at its `ddtree::` mirror for every active rule ([(Rule, source op)]
     from passes.rules.load_rules: the pass's table, so eager and compiled engines reach the same ops).
     Counted per engine; returns {op name: original packet}."""
@@ -219,15 +221,30 @@ def redirect_ops_for_eager(active_rules) -> dict[str, object]:
     return {k: packet for k, (_, packet) in _REDIRECTED.items()}
 
 
-def release_eager_redirects() -> None:
-    """One eager DDTree engine is gone; the last one restores vLLM's ops."""
+_TRACED = "_ddtree_traced"  # on the runner of an op_swap "trace" engine: redirected before its model's trace
+
+
+def redirect_before_trace(runner, active_rules) -> None:
+    """Op_swap "trace": point vLLM's ops at the mirrors before `runner`'s model is traced (once per runner;
+    released by its engine's shutdown, round/state.py)."""
+    if not traced(runner):
+        redirect_ops(active_rules)
+        setattr(runner, _TRACED, True)
+
+
+def traced(runner) -> bool:
+    return getattr(runner, _TRACED, False)
+
+
+def release_redirects() -> None:
+    """One DDTree engine that needed the redirect is gone; the last one restores vLLM's ops."""
     global _USERS
     _USERS = max(_USERS - 1, 0)
     if _USERS == 0:
-        undo_eager_redirects()
+        undo_redirects()
 
 
-def undo_eager_redirects() -> None:
+def undo_redirects() -> None:
     global _USERS
     for name, (ns, packet) in _REDIRECTED.items():
         setattr(ns, name, packet)

@@ -11,7 +11,7 @@ import torch
 
 from ... import adapters
 from .. import config as config_mod
-from ..tree_ops import ATTENTION, GDN, kv_layout
+from ..tree_ops import ATTENTION, GDN, kv_layout, traced
 
 
 class UnsupportedEngine(RuntimeError):
@@ -72,10 +72,10 @@ def classify_layers(view) -> dict:
 
 def check_engine(view, attn_layers) -> None:
     s = view.settings
-    if s.compiled and "tree_verify_pass" not in str(s.post_grad_pass or ""):
+    if s.compiled and "tree_verify_pass" not in str(s.post_grad_pass or "") and not traced(view.runner):
         raise UnsupportedEngine("a compiled engine without the tree-verify pass (compilation_config.inductor_passes"
                                 "['post_grad_custom_post_pass'] = 'ddtree_compile.tree_verify_pass'; "
-                                "ddtree_compile.vllm_kwargs sets it)")
+                                "ddtree_compile.vllm_kwargs sets it) nor additional_config ddtree op_swap 'trace'")
     reason = view.unsupported_features()
     if reason is not None:
         raise UnsupportedEngine(reason)

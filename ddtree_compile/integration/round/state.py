@@ -36,7 +36,7 @@ from ...core.walk import drafter_order
 from .. import config as config_mod
 from ..engines import set_state, state_of
 from ..metrics import PROCESS_STARTUP_FALLBACKS, DDTreeMetrics, logger
-from ..tree_ops import kv_layout, redirect_ops_for_eager, release_eager_redirects
+from ..tree_ops import kv_layout, redirect_ops, release_redirects, traced
 from .auto_setup import from_config as auto_policy
 from .auto_setup import serveable_menu
 from .build_stage import BuildStage
@@ -121,11 +121,14 @@ class DDTreeRound:
             logger.info("DDTree: workspace %.2f GiB for max_num_seqs %d (GDN records and depth stack, tree-attention "
                         "scratch; %s during vLLM's memory profile)", ws.nbytes / 2**30, view.max_num_reqs,
                         "reserved" if ws.reserved == ws.nbytes else f"{ws.reserved / 2**30:.2f} GiB reserved")
-        self._redirected = view.eager
-        if self._redirected:
+        # vLLM's ops point at the mirrors: an eager engine's from here, a traced one's since its model
+        # loaded (integration/plugin.py); either way this engine's shutdown releases them
+        was_traced = traced(runner)
+        self._redirected = view.eager or was_traced
+        if view.eager and not was_traced:
             from ...passes.rules import load_rules
 
-            redirect_ops_for_eager(load_rules())
+            redirect_ops(load_rules())
         loop = "Model Runner V2" if adapters.current().is_runner_v2(runner) else "the V1 runner"
         loop += ", async scheduling" if view.settings.async_scheduling else ", synchronous"
         logger.info("DDTree on: budget %d (requested %s), top_k %d, draft length %d, %s target, KV layout %s%s; %s",
@@ -179,7 +182,7 @@ class DDTreeRound:
         self.pending = self.step = self.armed = None
         if self._redirected:
             self._redirected = False
-            release_eager_redirects()
+            release_redirects()
 
     # -- the round's phases, called by each runner's driver in that runner's order ------------------
     # (V1: adapters/v1_driver.py, from V1's members; Model Runner V2: adapters/v2_driver.py, from
