@@ -57,10 +57,16 @@ def memory_args() -> list[str]:
 def engine_kwargs(target, drafter=None, *, flat=False, hybrid=True, graphs=True, budget=BUDGET, top_k=TOP_K,
                   auto_menu=None, async_scheduling=False, **kw) -> dict:
     """`vllm.LLM`'s kwargs for one engine: no speculation (drafter None), vLLM's flat DFlash (flat) or
-    DDTree; async_scheduling None: as vLLM resolves it (on for DFlash: the default loop)."""
+    DDTree; async_scheduling None: as vLLM resolves it (on for DFlash: the default loop). With
+    $DDTREE_GPU_OP_SWAP=trace DDTree engines take op_swap "trace" and every engine vLLM's own split with
+    the mirrors in it (passes/entry.traced_compilation_config); by default the tree-verify pass's config."""
+    import os
+
     from ddtree_compile.integration import config
-    from ddtree_compile.passes.entry import compilation_config
+    from ddtree_compile.passes.entry import compilation_config, traced_compilation_config
     from ddtree_compile.testing import models
+
+    op_swap = os.environ.get("DDTREE_GPU_OP_SWAP", "pass")
 
     args = models.tiny_llm_kwargs(target, dtype="bfloat16", **kw)
     if async_scheduling is not None:
@@ -69,7 +75,8 @@ def engine_kwargs(target, drafter=None, *, flat=False, hybrid=True, graphs=True,
         args.setdefault("mamba_ssm_cache_dtype", "float32")
     extra = {"gdn_prefill_backend": "triton"} if hybrid else {}  # the GPU bundle has no FlashInfer
     if graphs:
-        args["compilation_config"] = {**compilation_config("cuda"), "cudagraph_mode": "FULL_AND_PIECEWISE"}
+        cc = compilation_config("cuda") if op_swap == "pass" else traced_compilation_config("cuda")
+        args["compilation_config"] = {**cc, "cudagraph_mode": "FULL_AND_PIECEWISE"}
     else:
         args["enforce_eager"] = True
     if flat:  # vLLM's own flat DFlash: the control for what speculation alone changes
@@ -77,7 +84,7 @@ def engine_kwargs(target, drafter=None, *, flat=False, hybrid=True, graphs=True,
     elif drafter is not None:
         auto = {"auto_budget": auto_menu, "probe_interval": 4} if auto_menu else {}
         switch = config.vllm_kwargs(drafter, budget="auto" if auto_menu else budget, top_k=top_k,
-                                    num_speculative_tokens=DRAFT_LEN, **auto)
+                                    num_speculative_tokens=DRAFT_LEN, op_swap=op_swap, **auto)
         args["speculative_config"] = switch["speculative_config"]
         extra.update(switch["additional_config"])
     if extra:

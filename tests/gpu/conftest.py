@@ -129,7 +129,8 @@ def commit() -> str:
     return "unknown"
 
 
-TUNING_ENV = ("DDTREE_GDN_TILES",)  # switches that change the kernels' launch plans (templates/tuning.py)
+# switches the tests ran under: the kernels' launch plans (templates/tuning.py), DDTree engines' op swap (_engines.py)
+TUNING_ENV = ("DDTREE_GDN_TILES", "DDTREE_GPU_OP_SWAP")
 
 
 def _machine() -> dict:
