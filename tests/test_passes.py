@@ -276,3 +276,31 @@ def test_gpu_compilation_config_sees_and_splits_at_the_replacements():
     assert "ddtree::qwen_gdn_attention_core_fused_norm_packed" not in cfg["splitting_ops"]  # no implementation
     cc = CompilationConfig(**cfg)  # vLLM accepts it
     assert cc.inductor_compile_config["post_grad_custom_post_pass"] is tree_verify_pass
+
+
+def test_a_trace_claim_redirects_vllms_ops_until_its_engine_goes():
+    """op_swap "trace": the claim taken before a runner's model is traced points torch.ops.vllm.X at its
+    mirror once per runner, and a refused engine (round/state.attach) gives it back: vLLM's ops again for
+    the engines that come next (an eager engine's claim, counted with it, keeps them redirected)."""
+    import types
+
+    from ddtree_compile.integration import tree_ops
+
+    rules = rules_mod.load_rules()  # (imports the modules that register vLLM's ops)
+    vllm_attn = torch.ops.vllm.unified_attention_with_output
+    runner = types.SimpleNamespace()
+    try:
+        tree_ops.redirect_before_trace(runner, rules)
+        tree_ops.redirect_before_trace(runner, rules)  # (once per runner)
+        assert tree_ops.traced(runner)
+        assert torch.ops.vllm.unified_attention_with_output is torch.ops.ddtree.unified_attention_with_output
+        tree_ops.redirect_ops(rules)  # an eager engine's claim
+        tree_ops.release_trace(runner)
+        assert not tree_ops.traced(runner)
+        assert torch.ops.vllm.unified_attention_with_output is torch.ops.ddtree.unified_attention_with_output
+        tree_ops.release_redirects()  # the eager engine's shutdown
+        assert torch.ops.vllm.unified_attention_with_output is vllm_attn
+        tree_ops.release_trace(runner)  # (nothing left to give back)
+        assert torch.ops.vllm.unified_attention_with_output is vllm_attn
+    finally:
+        tree_ops.undo_redirects()

@@ -236,6 +236,13 @@ def traced(runner) -> bool:
     return getattr(runner, _TRACED, False)
 
 
+def release_trace(runner) -> None:
+    """`runner`'s engine will not run the round (refused at attach): its claim on the redirect goes."""
+    if traced(runner):
+        setattr(runner, _TRACED, False)
+        release_redirects()
+
+
 def release_redirects() -> None:
     """One DDTree engine that needed the redirect is gone; the last one restores vLLM's ops."""
     global _USERS

@@ -36,7 +36,7 @@ from ...core.walk import drafter_order
 from .. import config as config_mod
 from ..engines import set_state, state_of
 from ..metrics import PROCESS_STARTUP_FALLBACKS, DDTreeMetrics, logger
-from ..tree_ops import kv_layout, redirect_ops, release_redirects, traced
+from ..tree_ops import kv_layout, redirect_ops, release_redirects, release_trace, traced
 from .auto_setup import from_config as auto_policy
 from .auto_setup import serveable_menu
 from .build_stage import BuildStage
@@ -64,6 +64,9 @@ def attach(runner, cfg: config_mod.DDTreeConfig) -> "DDTreeRound | None":
         check_engine(view, layers["attention"])
     except UnsupportedEngine as e:
         release_workspace(runner)  # what vLLM's memory profile reserved for the round goes back
+        # (op_swap "trace": this engine's graphs keep the mirrors, which run vLLM's ops outside a tree
+        # verify; the process's torch.ops.vllm is vLLM's again for the engines that come next)
+        release_trace(runner)
         PROCESS_STARTUP_FALLBACKS[str(e)] += 1
         limited = ""
         if 0 < slots < 1 + num_spec:  # the GDN state slots were sized for the round's chain (gdn_slots.py)
