@@ -134,6 +134,8 @@ class DDTreeRound:
             redirect_ops(load_rules())
         loop = "Model Runner V2" if adapters.current().is_runner_v2(runner) else "the V1 runner"
         loop += ", async scheduling" if view.settings.async_scheduling else ", synchronous"
+        if view.settings.compiled:
+            loop += "; ops swapped " + ("before the trace (op_swap trace)" if was_traced else "by the tree-verify pass")
         logger.info("DDTree on: budget %d (requested %s), top_k %d, draft length %d, %s target, KV layout %s%s; %s",
                     ctx.B, f"auto: {'/'.join(map(str, ctx.menu))} or the chain" if cfg.auto else cfg.budget,
                     cfg.top_k, ctx.L, "hybrid" if ctx.hybrid else "attention-only",
