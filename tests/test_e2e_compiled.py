@@ -13,6 +13,7 @@ from ddtree_compile.testing import e2e, harness, models
 
 PROMPTS = models.token_prompts(4, 16, models.VOCAB, seed=4)
 MAX_TOKENS = 96
+_OUTPUTS: dict = {}  # kind -> the first test's outputs (seeded models): the op_swap test's references
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,6 +48,7 @@ def test_compiled_ddtree_matches_compiled_reference(tmp_path, kind, dtype):
                 c = metrics.collect(llm)[0]
                 assert c["tree_steps"] > 0 and c["sibling_rounds"] > 0 and c["max_accept_depth"] == draft_len
                 assert tree_verify_pass.reports and any(r.changed for r in tree_verify_pass.reports)
+    _OUTPUTS[kind] = outs
     e2e.assert_same(outs["ddtree"], outs["reference"], f"compiled {kind}: DDTree (random drafter)")
     e2e.assert_same(outs["harness"], outs["reference"], f"compiled {kind}: DDTree (harness drafter)")
 
@@ -67,11 +69,14 @@ def test_op_swap_trace_compiles_the_mirrors_without_the_pass(tmp_path, kind, dty
     assert "inductor_passes" not in kw["compilation_config"], kw["compilation_config"]
     # hybrid (bf16): the same trees through the tree-verify pass. (Against the chain, as the test above, a
     # top_k 4 tree and the chain can round a near-tie apart in bf16: on the plain CPU kind both swaps read
-    # prompt 2's token 51 as 420 where the chain reads 326.)
-    ref_kw = {} if kind == "qwen3" else config.vllm_kwargs(drafter, budget=12, top_k=4, num_speculative_tokens=6)
+    # prompt 2's token 51 as 420 where the chain reads 326.) The test above's outputs where it ran first.
+    name = "reference" if kind == "qwen3" else "ddtree"
+    reference = _OUTPUTS.get(kind, {}).get(name)
+    if reference is None:
+        ref_kw = {} if kind == "qwen3" else config.vllm_kwargs(drafter, budget=12, top_k=4, num_speculative_tokens=6)
+        with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **ref_kw)) as llm:
+            reference = e2e.generate(llm, PROMPTS, MAX_TOKENS)
     vllm_op = torch.ops.vllm.unified_attention_with_output
-    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **ref_kw)) as llm:
-        reference = e2e.generate(llm, PROMPTS, MAX_TOKENS)
     reports = len(tree_verify_pass.reports)
     with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **kw)) as llm:
         assert torch.ops.vllm.unified_attention_with_output is torch.ops.ddtree.unified_attention_with_output
