@@ -83,7 +83,7 @@ def use_loop(loop: str) -> None:
 
 
 def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, loop: str = "v1sync",
-                  alike: bool = False, partition: bool = False, nosplit: bool = False) -> dict:
+                  compile_as: str = "") -> dict:
     from ddtree_compile.testing import models
 
     hybrid = args.target != "tiny" or args.tiny_kind != "qwen3"
@@ -92,25 +92,7 @@ def engine_kwargs(target, args, max_seqs: int, spec: dict | None, extra: dict, l
     kw = models.tiny_llm_kwargs(target, max_num_seqs=max_seqs, seed=0, disable_log_stats=False, max_model_len=max_len,
                                 max_num_batched_tokens=max(2048, max_seqs * 80))
     if args.device == "cuda":
-        from ddtree_compile.passes.entry import compilation_config
-
-        # (alike: mode "flatalike", flat DFlash compiled as DDTree's engines are, whatever --flat-compile;
-        # partition: mode "flatpart", vLLM's own config with Inductor's graph partition instead of its FX
-        # split at its own splitting ops, without DDTree's pass and ops: which of the two a flatalike step's
-        # excess comes from; nosplit: mode "flatnosplit", vLLM's config with no split at all, one Inductor
-        # graph and FULL CUDA graphs for every batch: the whole-graph compile without the partition's codegen)
-        plain = (spec is not None and "ddtree" not in extra and getattr(args, "flat_compile", "alike") == "vllm"
-                 and not alike)
-        cc = {} if plain else compilation_config("cuda")  # (plain: vLLM's own split, no DDTree pass)
-        if partition:
-            cc = {"use_inductor_graph_partition": True}
-        cc["cudagraph_mode"] = args.cudagraph_mode
-        if nosplit:
-            cc = {"splitting_ops": [], "cudagraph_mode": "FULL"}  # (vLLM: piecewise graphs need a split)
-        if extra.get("ddtree", {}).get("op_swap") == "trace":  # (--op-swap trace: vLLM's split, the mirrors in it)
-            from ddtree_compile.passes.entry import traced_compilation_config
-
-            cc = {**traced_compilation_config("cuda"), "cudagraph_mode": args.cudagraph_mode}
+        cc = _compilation_config(args, spec, extra, compile_as)
         if spec is not None:  # every concurrency's verify batch in a graph (vLLM's default stops at 512 tokens)
             cc["max_cudagraph_capture_size"] = max(512, max_seqs * (spec["num_speculative_tokens"] + 1))
         kw.update(compilation_config=cc, gpu_memory_utilization=args.gpu_memory_utilization)
@@ -196,15 +178,41 @@ def kv_cache_gib(spec: str, mode: str) -> float:
     return table.get(mode, table.get("*"))
 
 
+# Flat DFlash compiled otherwise than vLLM's default, by mode (diagnostics of the compile's share of a step):
+# "flatalike" as DDTree's engines are (Inductor's graph partition at DDTree's ops, its pass) whatever
+# --flat-compile; "flatpart" vLLM's own config with the graph partition alone (no DDTree pass or ops);
+# "flatnosplit" no split at all: one Inductor graph, FULL CUDA graphs for every batch.
+_FLAT_COMPILES = {"flatpart": {"use_inductor_graph_partition": True},
+                  "flatnosplit": {"splitting_ops": [], "cudagraph_mode": "FULL"}}  # (piecewise graphs need a split)
+
+
+def _compilation_config(args, spec, extra: dict, compile_as: str) -> dict:
+    """A CUDA engine's compilation_config: a DDTree engine's is the switch's (its op_swap's); flat
+    DFlash's vLLM's own (--flat-compile vllm) or DDTree's (alike); a mode of _FLAT_COMPILES its own;
+    the reference (no speculation) DDTree's."""
+    from ddtree_compile.integration import config
+    from ddtree_compile.passes.entry import compilation_config
+
+    cfg = config.parse(extra)
+    if cfg is not None:
+        cc = config.switch_compilation_config(cfg, "cuda")
+    elif compile_as in _FLAT_COMPILES:
+        cc = dict(_FLAT_COMPILES[compile_as])
+    elif spec is not None and compile_as != "flatalike" and getattr(args, "flat_compile", "alike") == "vllm":
+        cc = {}
+    else:
+        cc = compilation_config("cuda")
+    return {"cudagraph_mode": args.cudagraph_mode, **cc}
+
+
 def start_engine(args, target, conc, prompts, spec=None, extra=None, share=1, mode=None):
     """(engine of one mode, warmed up; seconds it took to start). share > 1 (--side-by-side): the
     engines up at once split the GPU memory evenly."""
     from vllm import LLM
 
     t = time.perf_counter()
-    base = (mode or "").partition("@")[0]
     kw = engine_kwargs(target, args, max(conc), spec, extra or {}, loop_of(mode or "", args),
-                       alike=base == "flatalike", partition=base == "flatpart", nosplit=base == "flatnosplit")
+                       compile_as=(mode or "").partition("@")[0])
     if share > 1 and "gpu_memory_utilization" in kw:
         # the engines start together (side_by_side): a KV cache sized from a memory profile would count
         # what the other engines allocate meanwhile as this one's, so each gets a fixed cache instead

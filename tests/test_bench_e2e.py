@@ -352,7 +352,7 @@ def test_flatalike_is_flat_dflash_compiled_as_ddtree_engines_are(bench):
                                     cudagraph_mode="FULL_AND_PIECEWISE", gpu_memory_utilization=0.5)
     spec = {"method": "dflash", "model": "/d", "num_speculative_tokens": 4}
     flat = engine.engine_kwargs("/t", kw_args, 2, spec, {}, "v2async")
-    alike = engine.engine_kwargs("/t", kw_args, 2, spec, {}, "v2async", alike=True)
+    alike = engine.engine_kwargs("/t", kw_args, 2, spec, {}, "v2async", compile_as="flatalike")
     assert flat["speculative_config"] == alike["speculative_config"] == spec
     assert "additional_config" not in flat and "additional_config" not in alike
     assert "inductor_passes" not in flat["compilation_config"], flat["compilation_config"]
@@ -360,11 +360,11 @@ def test_flatalike_is_flat_dflash_compiled_as_ddtree_engines_are(bench):
     assert cc["use_inductor_graph_partition"] is True and "ddtree::qwen_gdn_attention_core" in cc["splitting_ops"]
     assert cc["inductor_passes"]["post_grad_custom_post_pass"] == "ddtree_compile.tree_verify_pass"
     # "flatpart": vLLM's own config (its splitting ops, no pass) with Inductor's graph partition only
-    part = engine.engine_kwargs("/t", kw_args, 2, spec, {}, "v2async", partition=True)
+    part = engine.engine_kwargs("/t", kw_args, 2, spec, {}, "v2async", compile_as="flatpart")
     assert part["speculative_config"] == spec and "additional_config" not in part
     assert part["compilation_config"] == {**flat["compilation_config"], "use_inductor_graph_partition": True}
     # "flatnosplit": one Inductor graph, no split, FULL CUDA graphs (vLLM's piecewise graphs need a split)
-    whole = engine.engine_kwargs("/t", kw_args, 2, spec, {}, "v2async", nosplit=True)
+    whole = engine.engine_kwargs("/t", kw_args, 2, spec, {}, "v2async", compile_as="flatnosplit")
     assert whole["compilation_config"] == {**flat["compilation_config"], "splitting_ops": [],
                                            "cudagraph_mode": "FULL"}, whole["compilation_config"]
 
