@@ -2,6 +2,7 @@
 the menu 4 / 8 (its buckets and the chain), batches 1 and 2, the last engine started twice (eager: the
 compile-cache part is vLLM's own and is measured on the GPU, cold vs warm)."""
 
+import hashlib
 import json
 
 import pytest
@@ -60,6 +61,22 @@ def test_the_timing_drafters_top_k_lists_are_its_logits_top_k(dtype):
     assert (ids[..., 0] <= 2).any()  # (candidates among the lowest ids: the skip is exercised)
 
 
+def test_the_cost_table_path_is_keyed_by_the_op_swap(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    args = (tmp_path / "m", tmp_path / "d", 8, 15, 16)
+    default = auto_setup.cost_table_path(*args)
+    key = json.dumps([str((tmp_path / "m").resolve()), str((tmp_path / "d").resolve()), 8, 15, 16])
+    # tables precompiled before the op swap was part of the key keep their path (op_swap "pass")
+    assert default == tmp_path / "ddtree" / f"cost_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    trace = auto_setup.cost_table_path(*args, "trace")
+    assert auto_setup.cost_table_path(*args, "pass") == default != trace == precompile.default_path(*args, "trace")
+    with pytest.raises(SystemExit):
+        cli.main(["precompile", "--model", "m", "--draft", "d", "--budgets", "8", "--max-batch", "2",
+                  "--op-swap", "graph"])
+    err = capsys.readouterr().err
+    assert "--op-swap" in err and "'pass'" in err and "'trace'" in err, err
+
+
 def test_precompile_writes_the_cost_table(tmp_path, monkeypatch):
     plugin.register()
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
@@ -74,6 +91,7 @@ def test_precompile_writes_the_cost_table(tmp_path, monkeypatch):
     path = precompile.default_path(target, drafter, 4, 7, 2)
     assert path.parent == tmp_path / "cache" / "ddtree"
     table = json.loads(path.read_text())
+    assert table["op_swap"] == "pass"
     t4 = ab.tree_kind(4, 8)
     assert [(b["budget"], b.get("kind"), b["batch"]) for b in table["buckets"]] == [
         (4, None, 1), (4, None, 2),  # the fixed budget's engine

@@ -13,6 +13,7 @@ requests with a drafter that is never right (`NeverRightDrafter`: every round ve
 or chain and commits one token), so a round's time is draft + build + verify + walk + commit of that
 bucket. The table goes to a JSON file (default: beside vLLM's compile cache,
 `$VLLM_CACHE_ROOT/ddtree/cost_<key>.json`, where budget "auto" looks for it: `table_priors`).
+`--op-swap trace` times engines with that op swap (the served engine's; its table has a path of its own).
 `starts` holds each engine's start in this run (cold unless the cache was warm already);
 `--warm-start` starts the last engine once more and records both (`warm_start`).
 """
@@ -27,6 +28,7 @@ import time
 import torch
 
 from ddtree_compile.core import buckets as buckets_mod
+from ddtree_compile.integration.config import OP_SWAPS
 from ddtree_compile.integration.drafter_logits import DrafterLogitsHook
 
 _CAND, _LOW = math.log(1e-9), -30.0  # the one candidate's logit; every other token's
@@ -76,17 +78,18 @@ def batch_buckets(max_batch: int) -> list[int]:
     return buckets_mod.batch_buckets(max_batch)
 
 
-def default_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
+def default_path(model, draft, top_k: int, draft_len: int, max_batch: int, op_swap: str = "pass") -> pathlib.Path:
     """Where budget "auto" looks for the table of this target, drafter and settings."""
     from ddtree_compile.integration.round.auto_setup import cost_table_path
 
-    return cost_table_path(model, draft, top_k, draft_len, max_batch)
+    return cost_table_path(model, draft, top_k, draft_len, max_batch, op_swap)
 
 
 def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_len: int = 15,
         max_tokens: int = 32, out=None, llm_kwargs: dict | None = None, log=print, menu: list[int] | None = None,
-        warm_start: bool = False) -> dict:
-    """Start one engine per budget (and one for the menu), time every bucket, write and return the table."""
+        warm_start: bool = False, op_swap: str = "pass") -> dict:
+    """Start one engine per budget (and one for the menu), time every bucket, write and return the table
+    (op_swap: the switch's, as the served engine's: config.DDTreeConfig)."""
     import os
 
     # the timing drives the engine's runner in this process (drafter hook, counters): without this a
@@ -100,14 +103,15 @@ def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_
     ids = torch.randint(0, _vocab(model) - 1, (max_batch, 16), generator=torch.Generator().manual_seed(0))
     prompts = [{"prompt_token_ids": row.tolist()} for row in ids]  # random tokens; vocab - 1 is DFlash's mask id
     table = {"model": str(model), "draft": str(draft), "top_k": top_k, "draft_len": draft_len,
-             "max_batch": max_batch, "max_tokens": max_tokens, "buckets": [], "starts": {}}
+             "max_batch": max_batch, "max_tokens": max_tokens, "op_swap": op_swap, "buckets": [], "starts": {}}
     engines_kw = [(str(b), {"budget": b}) for b in budgets]
     if menu:
         engines_kw.append(("auto:" + "/".join(map(str, menu)), {"budget": "auto", "auto_budget": list(menu)}))
     progress = _Progress(log)
     kw = None
     for key, switch_kw in engines_kw:
-        switch = config.vllm_kwargs(draft, top_k=top_k, num_speculative_tokens=draft_len, **switch_kw)
+        switch = config.vllm_kwargs(draft, top_k=top_k, num_speculative_tokens=draft_len, op_swap=op_swap,
+                                    **switch_kw)
         kw = config.merge_llm_kwargs(dict(llm_kwargs or {}), switch)
         kw.update(model=str(model), max_num_seqs=max_batch, disable_log_stats=False)
         llm, table["starts"][key] = _start(kw)
@@ -121,7 +125,7 @@ def run(model, draft, budgets: list[int], max_batch: int, top_k: int = 8, draft_
         key = engines_kw[-1][0]
         table["warm_start"] = {"engine": key, "cold_s": table["starts"][key], "warm_s": warm}
         log(f"engine {key}: started in {table['starts'][key]:.1f} s, again in {warm:.1f} s")
-    path = pathlib.Path(out) if out else default_path(model, draft, top_k, draft_len, max_batch)
+    path = pathlib.Path(out) if out else default_path(model, draft, top_k, draft_len, max_batch, op_swap)
     path.parent.mkdir(parents=True, exist_ok=True)
     table["path"] = str(path)
     path.write_text(json.dumps(table, indent=1))
@@ -216,6 +220,8 @@ def add_arguments(p) -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--draft-len", type=int, default=15)
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per timed request")
+    p.add_argument("--op-swap", default="pass", choices=OP_SWAPS,
+                   help="additional_config ddtree op_swap of the engines to time (the served engine's)")
     p.add_argument("--warm-start", action="store_true", help="start the last engine again and record its warm start")
     p.add_argument("--out", default=None, help="cost table path (default: beside vLLM's compile cache)")
     p.add_argument("--llm-kwargs", default="{}", help="JSON of further vllm.LLM arguments (dtype, "
@@ -240,5 +246,5 @@ def main(args) -> int:
     if not isinstance(extra, dict):
         raise SystemExit(f"--llm-kwargs must be a JSON object, got {type(extra).__name__}")
     run(args.model, args.draft, budgets, args.max_batch, args.top_k, args.draft_len, args.max_tokens, args.out,
-        extra, menu=menu or None, warm_start=args.warm_start)
+        extra, menu=menu or None, warm_start=args.warm_start, op_swap=args.op_swap)
     return 0

@@ -15,10 +15,12 @@ from ..metrics import logger
 from .auto_budget import CHAIN, AutoBudget, bucket, tree_kind
 
 
-def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int) -> pathlib.Path:
-    """Where `ddtree-compile precompile` writes (and budget "auto" looks for) the cost table."""
-    key = json.dumps([str(pathlib.Path(model).resolve()), str(pathlib.Path(draft).resolve()), top_k, draft_len,
-                      max_batch])
+def cost_table_path(model, draft, top_k: int, draft_len: int, max_batch: int, op_swap: str = "pass") -> pathlib.Path:
+    """Where `ddtree-compile precompile` writes (and budget "auto" looks for) the cost table. The op swap is
+    part of the key (the default's key is the one before it was): the swaps compile the target differently
+    and their chain steps differ (op_swap "pass" compiles vLLM's GDN op inside one Inductor graph)."""
+    parts = [str(pathlib.Path(model).resolve()), str(pathlib.Path(draft).resolve()), top_k, draft_len, max_batch]
+    key = json.dumps(parts if op_swap == "pass" else [*parts, op_swap])
     root = pathlib.Path(os.environ.get("VLLM_CACHE_ROOT", pathlib.Path.home() / ".cache" / "vllm"))
     return root / "ddtree" / f"cost_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
@@ -57,7 +59,7 @@ def from_config(cfg, metrics, settings, tree_budget: int, draft_len: int, menu: 
     the configured one), with the cost table's priors when one is found; agree: AutoBudget's."""
     menu = menu or cfg.budget_menu(draft_len)
     path = cfg.cost_table or cost_table_path(settings.model, settings.draft_model, cfg.top_k, draft_len,
-                                             settings.max_num_seqs)
+                                             settings.max_num_seqs, cfg.op_swap)
     path = pathlib.Path(path)
     priors, found = {}, None
     if path.is_file():
