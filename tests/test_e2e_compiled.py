@@ -40,7 +40,7 @@ def _env(compile_caches_off):
 def test_compiled_ddtree_matches_compiled_reference(tmp_path, kind, dtype):
     target = models.write_tiny_model(kind, tmp_path / kind)
     drafter = models.write_tiny_dflash_drafter(target, tmp_path / "dflash")
-    budget, draft_len = (12, 6) if kind == "qwen3" else (12, 6)
+    budget, draft_len = 12, 6
     # Reference: attention-only -> no speculation; hybrid -> DDTree's own chain (same templates, bf16).
     ref_kw = {} if kind == "qwen3" else config.vllm_kwargs(drafter, budget=budget, top_k=1,
                                                            num_speculative_tokens=draft_len)
