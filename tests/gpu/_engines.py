@@ -128,9 +128,10 @@ def gates(ref: list[dict], got: list[dict]) -> list[dict]:
     return e2e.gates(ref, got, TOL)
 
 
-def reference(target, prompts: dict, **kw) -> tuple[dict, dict]:
-    """(engine info, {prompt kind: greedy outputs with log-probs}) of an eager no-speculation engine."""
-    with running(target, graphs=False, **kw) as (llm, info):
+def reference(target, prompts: dict, graphs: bool = False, **kw) -> tuple[dict, dict]:
+    """(engine info, {prompt kind: greedy outputs with log-probs}) of a no-speculation engine: eager, or
+    with graphs compiled as the suite's engines are (engine_kwargs)."""
+    with running(target, graphs=graphs, **kw) as (llm, info):
         return info, {k: generate(llm, p, logprobs=5) for k, p in prompts.items()}
 
 
@@ -183,11 +184,12 @@ def drafting_from(llm, continuation: dict, check=None):
             state.debug_gdn_records = False
 
 
-def ddtree_runs(llm, ref: dict, prompts: dict, state_check: bool) -> dict:
+def ddtree_runs(llm, ref: dict, prompts: dict, state_check: bool, control: dict | None = None) -> dict:
     """DDTree's checks on one engine, per prompt kind: its own random drafter, then the drafter harness
     (drafts from the reference's continuation: deep accepts and sibling branches) with, on hybrids,
     every committed GDN state and conv window checked against a float32 replay of the path; then
-    seeded sampling. Counters per phase (tree_steps, graph_steps = verifies that replayed a FULL graph)."""
+    seeded sampling. Counters per phase (tree_steps, graph_steps = verifies that replayed a FULL graph).
+    control: a second reference (as `ref`); each output's gates against it too, as numbers to record."""
     from ddtree_compile.integration import engines, metrics
     from ddtree_compile.testing import harness
 
@@ -207,6 +209,8 @@ def ddtree_runs(llm, ref: dict, prompts: dict, state_check: bool) -> dict:
         out[kind] = {"gates_random": gates(ref[kind], got), "gates_harness": gates(ref[kind], guided),
                      "counters_random": metrics.counters_delta(c1, c0),
                      "counters_harness": metrics.counters_delta(c2, c1)}
+        if control is not None:
+            out[kind].update(control_random=gates(control[kind], got), control_harness=gates(control[kind], guided))
     if state_check:
         out["state_check"] = {"paths": check.paths, "sibling_paths": check.sibling_paths,
                               "boundaries": check.boundaries, "max_rel_err": check.max_err}

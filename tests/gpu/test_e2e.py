@@ -55,15 +55,26 @@ def hybrid(gpu_env, tmp_path_factory):
     drafter = models.write_tiny_dflash_drafter(target, root / "dflash")
     prompts = {"text": models.token_prompts(4, 16, models.VOCAB, seed=0)}
     ref_info, ref = E.reference(target, prompts)
+    # vLLM's compiled no-speculation engine (compiled as the DDTree engine is, FULL graphs): where DDTree
+    # leaves the eager reference, whether the compiled target's numerics left it there too (recorded)
+    _, compiled = E.reference(target, prompts, graphs=True)
     with E.running(target, drafter) as (llm, info):
-        out = E.ddtree_runs(llm, ref, prompts, state_check=True)
+        out = E.ddtree_runs(llm, ref, prompts, state_check=True, control=compiled)
         out["jit"] = _jit_batches(llm, models.token_prompts(max(JIT_BATCHES), 16, models.VOCAB, seed=9))
-    return {"reference_engine": ref_info, "engine": info, **out}
+    return {"reference_engine": ref_info, "engine": info, "compiled_vs_eager": E.gates(ref["text"], compiled["text"]),
+            **out}
 
 
 def test_hybrid_lossless_with_full_graphs(hybrid, record):
+    def first(report):  # (first divergence, regret there) per prompt
+        return [(g["divergence"], round(g["regret"], 3)) for g in report]
+
+    text = hybrid.get("text", {})
     record(start_s=hybrid["engine"]["start_s"], runner=hybrid["engine"].get("runner"),
-           cudagraph_mode=hybrid["engine"].get("cudagraph_mode"))
+           cudagraph_mode=hybrid["engine"].get("cudagraph_mode"),
+           compiled_no_spec={"vs_eager": first(hybrid["compiled_vs_eager"]),
+                             **{f"ddtree_{d}_vs_it": first(text[f"control_{d}"]) for d in ("random", "harness")
+                                if f"control_{d}" in text}})
     assert ".gpu_model_runner." in hybrid["engine"].get("runner", ""), hybrid["engine"]  # V1 (V2: gpu.model_runner)
     assert "FULL" in hybrid["engine"]["cudagraph_mode"], hybrid["engine"]
     E.check_lossless(hybrid, ["text"], record=record)
