@@ -22,21 +22,28 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   chain from `--auto-budget`'s engine; or of fixed budgets, the chain's at budget L), then, from
   _MIN_SAMPLES steps on, the mean of the faster half of the last _WINDOW steps this engine measured:
   a step's whole cycle on the host, from the proposal that chose its kind to the next proposal (its
-  drafting, vLLM's output processing and scheduling, its verify). Not a window around the verify: the
-  tree's round is free of host syncs, so the host waits for it wherever vLLM next syncs, outside such a
-  window, while vLLM's chain verify syncs inside it. The faster half because interference (a compile,
-  a stall, an idle engine) only ever adds time; its mean, not one order statistic (steadier over few
-  steps); both kinds carry the same downward bias, which the comparison cancels. A cycle also holds
-  what the step before left it, so it is timed only after `depth` clean steps of its own kind and
-  bucket, and a probe is depth + 1 steps: depth 1, or 2 under async scheduling (Model Runner V2),
-  where the host runs a step ahead of the device (CHANGELOG).
+  drafting, vLLM's output processing and scheduling, its verify). Not a window inside it: the tree's
+  round is free of host syncs, so the host waits for the tree's verify wherever vLLM next syncs,
+  outside any window around the verify, while vLLM's chain verify syncs inside it: a window around
+  the verify would undercount the tree's step and not the chain's. The faster half because
+  interference (a first-call compile, a stall, an idle engine between requests) only ever adds time;
+  its mean, not one order statistic (a lower quartile of few steps strayed by -22% to +11% on an
+  H100), and both kinds' costs carry the same downward bias, which the comparison cancels. A cycle
+  also holds what the step before left it (the host's wait for that step's verify, the drafter's
+  run over its verified tokens), so it is timed only after `depth` clean steps of its own kind and
+  batch bucket, and a probe is depth + 1 steps: depth 1, or 2 under async scheduling (Model Runner
+  V2), where the host runs a step ahead of the device (single probes misread both kinds on an H100
+  and an H200: CHANGELOG).
 - On CUDA the cycle is read on the device's own timeline instead (auto_setup.DeviceClock): an event at
   each proposal's start, on the stream the step runs on, where the step before has all of its work
   enqueued and the proposal's drafter none; from one event to the next is one step on the device
   (its drafter, verify, walk and commit, and any time the device waited for the host), however far
-  ahead the host runs (on an H100 the host's cycles read below the device's steps, as a lead of more
-  than `depth` steps makes them: CHANGELOG; tests/test_auto_budget_costs.py plays a lead of three).
-  Depth 1 there, read once both events completed (`query`: no sync).
+  ahead the host runs. On an H100 (4B shape, c = 16) the host's own costs of every kind at bucket
+  16 (10.7-13.6 ms; the 33-slot tree's 1.15x the chain's) sat below the engine's mean step there
+  (up to 15.6 ms) and a budget-32 engine's (19.6-21.8 ms), as a host lead over the device of more
+  than the two steps `depth` covers would make them (tests/test_auto_budget_costs.py plays a lead
+  of three). Depth 1 there (the drafter of a step reads what the step before verified), read once
+  both events completed (`query`: no sync).
 - Which kind is faster is read from neighbouring steps. A losing kind is timed only at its probes,
   the winner at every step, and between the two the host's speed changes (on two H200s the same flat
   DFlash step took 10.9 ms in one cell and 15.3 ms in the next) and so does the batch inside its
@@ -46,22 +53,24 @@ B-node tree: one build, core.tree.TreeBatch.prefix), CHAIN the chain.
   the costs in the choice (and in the probe gaps) are one consistent set: the log-costs that best fit,
   by least squares, every such pair's median log-ratio (weight 1) and the kinds' own costs (weight
   _OWN_WEIGHT: they set the level, and the cost of a kind no ratio reaches). With three kinds or
-  more the medians need not agree around a cycle; costs read against the last winner made the
-  decisions rotate on an H200 (CHANGELOG). One fit serves every comparison.
-- Where a kind has no cost at this bucket yet (no prior, fewer than _MIN_SAMPLES measured steps), the
-  choice reads the nearest bucket where every kind has one, and probes measure this bucket's own: a
-  batch draining from c = 16 passes buckets 8..1 a few steps each, where trying every kind of a menu
-  took trees at 1.1-2.2x flat's step (H100). Where no bucket has every kind's cost, each is tried.
+  more the medians need not agree around a cycle, and costs read against the last winner (before)
+  made each winner's view prefer the next: on an H200 (4B shape, menu 8/16/32, c = 16) the decisions
+  rotated tree:16, chain, tree:8 step after step, where no step could be timed to end it. One fit
+  serves every comparison: the choice does not depend on which kind won last.
+- A kind without a cost at this bucket (no prior, fewer than _MIN_SAMPLES measured steps) is tried.
   While one kind wins at a bucket, every other kind is probed there now and then (each bucket keeps
   its own probe clocks, as its own costs): the largest tree so that every kind's acceptance keeps
   being measured (a drafter can get better, a workload can change), the others so that a cost whose
   samples were stalls is measured again. How often: as often as the probes of the m losing kinds cost
-  at most _PROBE_SHARE of the rate together (3 losers each probed at that share took a quarter of the
-  steps). A step of kind k instead of the winner w takes cost_k for E_k tokens, which w
+  at most _PROBE_SHARE of the rate together (on an H100 at c = 1, 3 losers probed at that share each took
+  a quarter of the steps). A step of kind k instead of the winner w takes cost_k for E_k tokens, which w
   commits in cost_w * E_k / E_w, so a probe of n steps loses n * cost_w * (cost_k / cost_w - E_k / E_w):
       gap_k = n * (cost_k / cost_w - E_k / E_w) * m / _PROBE_SHARE
   steps, within probe_interval .. probe_interval * _PROBE_MAX (every probe_interval while fewer than
-  _SETTLED of k's steps there were timed: a prior, or warm-up stalls); the closer the race, the more often.
+  _SETTLED of k's steps at that bucket were timed: a table's prior or warm-up stalls). The closer
+  the race, the more often the loser is re-measured (a fixed back-off to 256 steps kept auto on the
+  chain for most of a cell after the acceptance rose: CHANGELOG).
+
 - A step with a request that brought its own seed takes one kind per batch bucket for the engine's life
   (`repeatable`: the same seed and requests give the same tokens again); others keep choosing (where the
   scheduler decides draft counts: not while a seeded request is the scheduler's, hold_seeded).
@@ -90,9 +99,10 @@ _SETTLED = 4  # measured steps before a losing kind's probes are priced (until t
 _PROBE_SHARE = 0.01  # of the rate that the probes of every losing kind together may cost
 _PROBE_MAX = 16  # a losing kind is probed at least every probe_interval * this steps
 _MIN_PAIRS = 3  # such comparisons of a pair of kinds before their median ratio enters the costs' fit
-# A neighbour ratio past this factor is a stall (a graph captured or a kernel compiled at a kind's first steps
-# of a shape), not a cost, and is not kept: steps of two kinds at one bucket differ by less (H100, 4B shape,
-# c = 16: the chain's step 0.48x the 33-slot tree's); an H100's engine read tree:16 at 0.05x tree:8 (bucket 1)
+# A neighbour ratio past this factor is a stall (a graph captured or a kernel compiled at a kind's first
+# steps of a shape: the device idles through it), not a cost, and is not kept: steps of two kinds at one
+# bucket differ by less (an H100, 4B shape, c = 16: the chain's step 0.48x the 33-slot tree's), but
+# pairs are few where kinds meet only at probes, and an H100's engine read tree:16 at 0.05x tree:8 (bucket 1)
 _STALL_RATIO = 4.0
 _OWN_WEIGHT = 1e-3  # the kinds' own log-costs in that fit, against 1 for each pair's median log-ratio
 _TRACE = 48  # the last steps kept for the snapshot: each decision's kind, each timed step's kind, bucket and ms
@@ -138,7 +148,6 @@ class AutoBudget:
         self.probes = 0  # largest-tree steps taken while another kind won
         self.chain_probes = 0  # chain steps taken while another kind won
         self.budget_probes = 0  # smaller-bucket steps taken while another kind won
-        self.borrowed: collections.Counter = collections.Counter()  # bucket -> decisions on another bucket's costs
         # (kind, bucket) -> decisions at that bucket since the kind was last taken there: costs are per
         # bucket, so are probes (a chain taken at c=1 says nothing of its stale cost at c=16)
         self._since: collections.Counter = collections.Counter()
@@ -202,15 +211,12 @@ class AutoBudget:
         return self._budgets[kind]
 
     def _decide(self, b: int) -> str:
-        if self.tokens[TREE] is None:
-            return TREE  # every kind's acceptance is measured through the largest tree's steps first
-        unmeasured = [k for k in (TREE, CHAIN, *self.kinds[1:-1]) if self.costs.get((k, b)) is None]
-        near = self._nearest_measured(b) if unmeasured else b
-        if near is None:
-            return unmeasured[0]  # no bucket has every kind's cost: the largest tree's, then the others', tried
-        if near != b:
-            self.borrowed[b] += 1
-        costs = self._fitted_costs(near)
+        if self.costs.get((TREE, b)) is None or self.tokens[TREE] is None:
+            return TREE  # the largest tree's cost and every kind's acceptance are measured first
+        for k in (CHAIN, *self.kinds[1:-1]):  # then every other kind's cost
+            if self.costs.get((k, b)) is None:
+                return k
+        costs = self._fitted_costs(b)
         best = self._best(b, costs)
         for k in self.kinds:  # the largest tree first: its probes also measure every kind's acceptance
             if k == best:
@@ -227,11 +233,6 @@ class AutoBudget:
                     self.budget_probes += 1
                 return self._probe(k)
         return best
-
-    def _nearest_measured(self, b: int) -> int | None:
-        """The bucket nearest b (in powers of two; a tie: the larger) where every kind has a cost, or None."""
-        measured = {n for (_, n) in self.costs if all(self.costs.get((k, n)) is not None for k in self.kinds)}
-        return min(measured, key=lambda n: (abs(math.log2(n / b)), -n), default=None)
 
     def _settled(self, b: int) -> str:
         """The kind seeded steps take at bucket b: the best by what is measured when the first comes,
@@ -387,8 +388,7 @@ class AutoBudget:
                 "decisions_at": {f"{k}@{b}": n for (k, b), n in sorted(self.decisions_at.items())},
                 "probes": self.probes, "probe_gap": dict(self.probe_gap), "chain_probes": self.chain_probes,
                 "stalled_pairs": self.stalled_pairs,
-                "budget_probes": self.budget_probes, "borrowed": dict(self.borrowed),
-                "repeatable": dict(self.repeatable),
+                "budget_probes": self.budget_probes, "repeatable": dict(self.repeatable),
                 "tokens_per_round": dict(self.tokens), "table": self.table_path,
                 "draft_ms": None if self.draft_s is None else 1e3 * self.draft_s,
                 "step_ms": {f"{k}@{b}": 1e3 * c for (k, b), c in sorted(self.costs.items())},
