@@ -11,7 +11,7 @@ from _auto_budget_common import rates as _rates
 
 from ddtree_compile.integration import config, metrics
 from ddtree_compile.integration.round import auto_budget as ab
-from ddtree_compile.integration.round import auto_setup
+from ddtree_compile.integration.round import auto_setup, workspace
 
 
 # -- settings ------------------------------------------------------------------------------------
@@ -37,6 +37,9 @@ def test_a_budget_menu_names_the_field_and_sizes_vllms_slots_by_its_largest():
     cfg = config.parse({"ddtree": {"budget": "auto", "auto_budget": [16, 4, 8], "top_k": 4}})
     assert cfg.auto_budget == (4, 8, 16) and cfg.tree_budget == 16
     assert cfg.budget_menu(L) == (4, 8, 16)
+    # the verifies the round's buffers serve: every bucket's b + 1 and the chain's L + 1 (workspace.py)
+    assert workspace.verify_slots(cfg, 15) == (5, 9, 16, 17) and workspace.max_slots(cfg, 15) == 17
+    assert workspace.verify_slots(config.parse({"ddtree": {"budget": 8}}), 15) == (9,)
     assert config.parse({"ddtree": json.loads(json.dumps(cfg.to_dict()))}) == cfg  # JSON round trip
     assert config.parse({"ddtree": {"budget": "auto", "auto_budget": [12]}}).auto_budget == 12
     # effective budgets: a top_k 2, L 2 tree holds 6 nodes, so 8 and 16 are one bucket of 6

@@ -88,9 +88,12 @@ def _check_workspace(llm, state, scratch_seen):
     assert metas and all(m.attn_scratch is ws.attn_scratch for m in metas.values())
     assert scratch_seen and all(s is ws.attn_scratch for s in scratch_seen)
     p = adapters.current().attention_params(ctx.layer(ctx.attn_layers[0]))
-    need = [tree_attention.bucket_scratch_elems("cpu", r, ctx.N, p.num_heads, p.num_kv_heads, p.head_size)
-            for r in range(1, ctx.view.max_num_reqs + 1)]
-    assert ws.attn_scratch.numel() == max(need) > 0
+    slots = workspace.verify_slots(ctx.cfg, ctx.L)
+    need = {(n, r): tree_attention.bucket_scratch_elems("cpu", r, n, p.num_heads, p.num_kv_heads, p.head_size)
+            for n in slots for r in range(1, ctx.view.max_num_reqs + 1)}
+    assert ws.attn_scratch.numel() == max(need.values()) > 0
+    # every bucket that ran, a smaller one included (it may split its keys more than the largest)
+    assert all(need[key] <= ws.attn_scratch.numel() for key in metas)
     stack = 0 if ws.stack is None else ws.stack.numel() * 4
     if ctx.hybrid:
         assert stack and all(m.gdn.stack is ws.stack and ws.stack.shape[0] >= rows for (_, rows), m in metas.items())

@@ -88,6 +88,19 @@ def test_bucket_scratch_covers_the_plan_of_its_bucket():
             assert ta._partial_sizes(s, R * N, Hq, D)[1] <= elems
 
 
+def test_a_smaller_bucket_can_need_more_scratch(monkeypatch):
+    """Why an engine's scratch is planned for every slot count it verifies (round/workspace.py
+    `verify_slots`), not only the largest bucket's: fewer query rows split the keys more. On an H100
+    (132 SMs) at the 4B shape, 4 trees of 17 slots need more partials than 4 trees of 33; sized for 33
+    alone, budget "auto" 8/16/32 at max_num_seqs 4 failed check_scratch at its FULL-graph capture."""
+    from ddtree_compile.templates import tree_attention as ta
+    from ddtree_compile.templates import tuning
+
+    monkeypatch.setattr(tuning, "arch_of", lambda device: ("sm_90", 132))
+    elems = {n: ta.bucket_scratch_elems("cuda", 4, n, 16, 4, 256) for n in (9, 16, 17, 33)}
+    assert elems[17] > elems[33] > 0 and elems[33] == 2171136 and elems[17] == 2236928
+
+
 def test_plan_other_arches_use_their_table():
     from ddtree_compile.templates import tuning
 

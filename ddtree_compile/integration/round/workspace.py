@@ -14,7 +14,8 @@ itself. The buffers:
                                                     (templates/tree_attention.py), shared by every
                                                     attention layer and every batch size
 
-(R = max_num_seqs, N = B + 1, or with budget "auto" 1 + max(B, L): `max_slots`; the GDN buffers on
+(R = max_num_seqs, N = B + 1, or with budget "auto" 1 + max(B, L): `max_slots`; the scratch is
+planned for every slot count of `verify_slots`; the GDN buffers on
 hybrid targets only.) One set per engine, sized for the largest batch and bucket: a batch of R'
 requests of N' slots uses the first R' x N' slots of each layer's GDN records (`records`) and the
 first R' rows of the stack, the partials of its own bucket at fixed offsets of the scratch, so every
@@ -35,7 +36,7 @@ import torch
 
 from ... import adapters
 from ...core import buckets
-from ...core.buckets import verify_tokens
+from ...core.buckets import chain_tokens, verify_tokens
 from ...templates import tree_attention
 
 _RESERVE = "_ddtree_reserve"  # on the runner instance: the bytes held from profiling to attach
@@ -51,35 +52,44 @@ def gdn_shapes(p, n_layers: int, R: int, N: int, L: int, dtype) -> dict:
             "stack": (shape["stack"], torch.float32)}
 
 
-def attention_scratch_elems(view, attn_layers, R: int, N: int) -> int:
-    """fp32 elements of the tree-attention scratch that serves every batch of 1..R trees of N slots
-    on these layers (0: no layer runs the CUDA kernel, or no bucket splits its keys)."""
+def attention_scratch_elems(view, attn_layers, R: int, slots) -> int:
+    """fp32 elements of the tree-attention scratch that serves every batch of 1..R trees of any of
+    `slots` slot counts on these layers (0: no layer runs the CUDA kernel, or no bucket splits its
+    keys). Every count is planned: a smaller bucket splits its keys more (fewer query rows to fill the
+    GPU), so its partials can outgrow the largest bucket's at the same batch."""
     if not attn_layers or not tree_attention.uses_scratch(view.device):
         return 0
     A = adapters.current()
     heads = {(p.num_heads, p.num_kv_heads, p.head_size) for p in map(A.attention_params, map(view.layer, attn_layers))}
-    return max(tree_attention.bucket_scratch_elems(view.device, r, N, *h) for r in range(1, R + 1) for h in heads)
+    return max(tree_attention.bucket_scratch_elems(view.device, r, n, *h)
+               for r in range(1, R + 1) for n in slots for h in heads)
 
 
-def shapes(view, layers: dict, N: int, L: int) -> dict:
-    """name -> (shape, dtype) of the round's buffers on this engine (module docstring) for trees of N
-    slots and a drafter of L positions; `layers` as checks.classify_layers returns them."""
-    R, out = view.max_num_reqs, {}
+def shapes(view, layers: dict, slots, L: int) -> dict:
+    """name -> (shape, dtype) of the round's buffers on this engine (module docstring) for trees of
+    `slots` slot counts (`verify_slots`) and a drafter of L positions; `layers` as
+    checks.classify_layers returns them."""
+    R, N, out = view.max_num_reqs, max(slots), {}
     if layers["gdn"]:
         p = adapters.current().gdn_params(view.layer(layers["gdn"][0]))
         out.update(gdn_shapes(p, len(layers["gdn"]), R, N, L, view.dtype))
-    elems = attention_scratch_elems(view, layers["attention"], R, N)
+    elems = attention_scratch_elems(view, layers["attention"], R, slots)
     if elems:
         out["attn_scratch"] = ((elems,), torch.float32)
     return out
 
 
+def verify_slots(cfg, draft_len: int) -> tuple[int, ...]:
+    """The slot counts of the verifies that may go through the templates, ascending: every tree bucket's
+    b + 1, and with budget "auto" the chain's L + 1 (a chain verified as a chain-shaped tree where
+    vLLM's GDN verify cannot take it: verify_stage)."""
+    chain = {chain_tokens(draft_len)} if cfg.auto else set()
+    return tuple(sorted({verify_tokens(b) for b in cfg.budget_menu(draft_len)} | chain))
+
+
 def max_slots(cfg, draft_len: int) -> int:
-    """The most tokens per request a verify through the templates has: the largest tree's B + 1, or
-    with budget "auto" also the chain's L + 1 (a chain verified as a chain-shaped tree where vLLM's
-    GDN verify cannot take it: verify_stage)."""
-    budget = cfg.tree_spec(draft_len).budget
-    return verify_tokens(max(budget, draft_len) if cfg.auto else budget)
+    """The most tokens per request a verify through the templates has (sizes the GDN buffers)."""
+    return max(verify_slots(cfg, draft_len))
 
 
 def nbytes(shapes: dict) -> int:
@@ -97,7 +107,7 @@ def plan(runner, cfg) -> int:
         layers = classify_layers(view)
     except UnsupportedEngine:
         return 0
-    return nbytes(shapes(view, layers, max_slots(cfg, draft_len), draft_len))
+    return nbytes(shapes(view, layers, verify_slots(cfg, draft_len), draft_len))
 
 
 def reserve(runner, cfg) -> int:
@@ -127,7 +137,8 @@ class Workspace:
     def __init__(self, ctx):
         A = adapters.current()
         self.reserved = release(ctx.view.runner)
-        planned = shapes(ctx.view, {"attention": ctx.attn_layers, "gdn": ctx.gdn_layers}, ctx.max_slots, ctx.L)
+        planned = shapes(ctx.view, {"attention": ctx.attn_layers, "gdn": ctx.gdn_layers},
+                         verify_slots(ctx.cfg, ctx.L), ctx.L)
         self.per_layer, self.per_group, self.all_layers, self.stack = {}, {}, None, None
         if ctx.hybrid:
             # one buffer for every GDN layer, in KV cache group order: a group's layers are a slice of
