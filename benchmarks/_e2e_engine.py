@@ -293,9 +293,29 @@ def spec_of(budget, args, drafter) -> tuple[dict, dict]:
     if budget is None:
         return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.flat_len}, {}
     auto = {"auto_budget": args.auto_budget} if budget == "auto" else {}
+    if budget == "auto" and getattr(args, "cost_table", None):
+        auto["cost_table"] = str(pathlib.Path(args.cost_table).resolve())
     kw = config.vllm_kwargs(drafter, budget=budget, top_k=args.top_k, num_speculative_tokens=args.flat_len,
                             op_swap=getattr(args, "op_swap", "pass"), **auto)
     return kw["speculative_config"], kw["additional_config"]
+
+
+def precompile_command(args, target, drafter, max_batch: int, out) -> list[str]:
+    """`ddtree-compile precompile` of budget "auto"'s menu on the auto mode's own engine settings (its
+    compile, loop, dummy weights), the batch buckets up to `max_batch`: the cost table --cost-table
+    precompile gives the auto engines. A child process: it starts one compiled engine of its own."""
+    import json
+    import sys
+
+    spec, extra = spec_of("auto", args, drafter)
+    kw = engine_kwargs(target, args, max_batch, spec, extra, loop_of("auto", args), compile_as="auto")
+    for k in ("model", "max_num_seqs", "speculative_config"):  # precompile sets these (its switch, --max-batch)
+        kw.pop(k, None)
+    kw["additional_config"] = {k: v for k, v in kw.get("additional_config", {}).items() if k != "ddtree"}
+    return [sys.executable, "-m", "ddtree_compile.cli", "precompile", "--model", str(target), "--draft", str(drafter),
+            "--auto-budget", ",".join(map(str, args.auto_budget)), "--max-batch", str(max_batch),
+            "--top-k", str(args.top_k), "--draft-len", str(args.flat_len), "--op-swap", getattr(args, "op_swap", "pass"),
+            "--out", str(out), "--llm-kwargs", json.dumps(kw)]
 
 
 def force_chain(llm, mode) -> None:

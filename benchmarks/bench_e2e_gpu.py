@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import tempfile
 
@@ -48,7 +49,7 @@ import _e2e_cells as cells  # noqa: E402  (beside this file)
 import _phase_timers  # noqa: E402
 import _step_clock  # noqa: E402
 from _e2e_engine import (LOOPS, SHAPES, VOCAB, attached, force_chain, install_oracle, loop_info,  # noqa: E402
-                         loop_of, spec_of, start_engine, use_loop, write_shaped)
+                         loop_of, precompile_command, spec_of, start_engine, use_loop, write_shaped)
 from _e2e_side_by_side import side_by_side  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: counters, oracle
@@ -80,7 +81,13 @@ def run(args) -> dict:
         target, drafter = write_shaped(args.target, tmp, experts=args.tensor_parallel_size)
         vocab = VOCAB
     prompts = models.token_prompts(max(conc), args.prompt_len, vocab, seed=0)
-    result = {"args": vars(args), "profiles": prof_json, "runs": [], "starts": {}}
+    result = {"args": dict(vars(args)), "profiles": prof_json, "runs": [], "starts": {}}
+    if args.cost_table == "precompile" and "auto" in dict(speculative_modes(args)).values():
+        args.cost_table = str(pathlib.Path(args.out).with_suffix(".cost_table.json"))
+        subprocess.run(precompile_command(args, target, drafter, max(conc), args.cost_table), check=True)
+    if args.cost_table:  # the table's rows beside the runs (its path and the models' are this machine's)
+        table = json.loads(pathlib.Path(args.cost_table).read_text())
+        result["cost_table"] = {k: table.get(k) for k in ("op_swap", "max_batch", "max_tokens", "buckets", "starts")}
 
     def save():  # after every run: a command cut off by its time limit keeps what it measured
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +287,11 @@ def main(argv=None) -> int:
     ap.add_argument("--op-swap", default="pass", choices=["pass", "trace"], help="DDTree modes' additional_config "
                     "ddtree op_swap: 'pass' (the tree-verify pass, Inductor's graph partition on GPUs) or 'trace' "
                     "(vLLM's ops pointed at the mirrors before the trace, vLLM's own compile split)")
+    ap.add_argument("--cost-table", default=None, help='budget "auto" engines\' precompile cost table (the '
+                    'prior of every kind\'s cost per batch bucket): a JSON path, or "precompile": time one first with '
+                    '`ddtree-compile precompile` (a child process: the auto mode\'s engine settings, --auto-budget, '
+                    'batches up to the largest --concurrency), written beside --out; its rows go to the result '
+                    '(default: none, costs measured online)')
     ap.add_argument("--flat-compile", default="vllm", choices=["alike", "vllm"], help="flat DFlash's compile: "
                     "'vllm' (vLLM's own compilation config: what users run) or 'alike' (DDTree's pass and graph "
                     "partition, whose mirror ops run vLLM's ops outside a tree verify: DDTree's Inductor graphs)")
