@@ -100,6 +100,8 @@ def test_precompile_writes_the_cost_table(tmp_path, monkeypatch):
         chain = b.get("kind") == ab.CHAIN
         # every step of a row took the kind it times: trees of that bucket, or the chain
         took_its_kind = b["chain_steps"] > 0 and b["tree_steps"] == 0 if chain else b["tree_steps"] > 0
+        if "kind" in b:  # a menu's row: its tree steps all verified its own bucket
+            assert b["budget_steps"] == ({} if chain else {str(b["budget"]): b["tree_steps"]}), b
         assert b["round_ms"] > 0 and took_its_kind and b["peak_batch"] == b["batch"], b
         assert set(b["phase_ms"]) >= ({"build"} if chain else {"build", "verify", "walk", "commit"}), b
     assert set(table["starts"]) == {"4", "auto:4/8"} and all(s > 0 for s in table["starts"].values())

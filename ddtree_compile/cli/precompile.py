@@ -195,8 +195,9 @@ def _time_engine(llm, key: str, buckets: list[int], prompts, max_tokens: int, ro
                        "tree_steps": d["tree_steps"], "steps": r["steps"],
                        "phase_ms": {k: 1e3 * (v - before["seconds"].get(k, 0.0)) / steps
                                     for k, v in after["seconds"].items()}}
-                if kind is not None:
-                    row.update(kind=kind, chain_steps=d.get("auto_chain_steps", 0))
+                if kind is not None:  # which kind the steps took: a tree bucket's steps, or the chain's
+                    row.update(kind=kind, chain_steps=d.get("auto_chain_steps", 0),
+                               budget_steps={b: n for b, n in d.get("budget_steps", {}).items() if n})
                 rows.append(row)
                 progress(total, f"{key} {kind or 'tree'} ({budget}) batch {R}: {row['round_ms']:.2f} ms per round")
     finally:
