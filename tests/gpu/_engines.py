@@ -128,11 +128,46 @@ def gates(ref: list[dict], got: list[dict]) -> list[dict]:
     return e2e.gates(ref, got, TOL)
 
 
-def reference(target, prompts: dict, graphs: bool = False, **kw) -> tuple[dict, dict]:
+def reference(target, prompts: dict, graphs: bool = False, score: bool | dict = False, **kw) -> tuple[dict, dict]:
     """(engine info, {prompt kind: greedy outputs with log-probs}) of a no-speculation engine: eager, or
-    with graphs compiled as the suite's engines are (engine_kwargs)."""
+    with graphs compiled as the suite's engines are (engine_kwargs). score (token prompts only): True, or
+    outputs of the same prompt kinds, whose every position this engine also scores teacher-forced
+    (`forced_top`; True: its own outputs) into info["forced"]."""
     with running(target, graphs=graphs, **kw) as (llm, info):
-        return info, {k: generate(llm, p, logprobs=5) for k, p in prompts.items()}
+        outs = {k: generate(llm, p, logprobs=5) for k, p in prompts.items()}
+        if score:
+            info["forced"] = {k: forced_top(llm, (outs if score is True else score)[k]) for k in prompts}
+        return info, outs
+
+
+def at_divergences(report: list[dict], eager: dict, compiled: dict) -> list[dict | None]:
+    """Per prompt where an output left the reference (e2e.gates' report): both no-speculation engines' top
+    2 at that position given the reference's prefix (`reference`'s info["forced"]: the eager engine's and
+    the compiled one's, teacher-forced), to tell a verify's error from the compiled target's numerics."""
+    def top(row):
+        return [[t, round(lp, 4)] for t, lp in row.items()]
+
+    return [None if g["divergence"] is None else
+            {"at": g["divergence"], "got": g.get("got"), "want": g.get("want"),
+             "eager_forced": top(eager[i][g["divergence"]]), "compiled_forced": top(compiled[i][g["divergence"]])}
+            for i, g in enumerate(report)]
+
+
+def forced_top(llm, outputs: list[dict], top: int = 2) -> list[list[dict]]:
+    """Per output (prompt, tokens), per generated position i: the engine's top `top` {token: logprob} at i
+    given the prompt and tokens[:i] (vLLM's prompt_logprobs of prompt + tokens: one forward over the whole
+    sequence, as a verify is, teacher-forced)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top)
+    outs = llm.generate([{"prompt_token_ids": r["prompt"] + r["tokens"]} for r in outputs], params, use_tqdm=False)
+    got = []
+    for r, o in zip(outputs, outs):
+        n = len(r["prompt"])
+        rows = o.prompt_logprobs[n:]
+        got.append([dict(sorted(((t, lp.logprob) for t, lp in pos.items()), key=lambda x: -x[1])[:top])
+                    for pos in rows])
+    return got
 
 
 def text_and_image_prompts() -> dict:

@@ -54,15 +54,17 @@ def hybrid(gpu_env, tmp_path_factory):
     target = models.write_tiny_model("qwen3_next_dense", root / "target")
     drafter = models.write_tiny_dflash_drafter(target, root / "dflash")
     prompts = {"text": models.token_prompts(4, 16, models.VOCAB, seed=0)}
-    ref_info, ref = E.reference(target, prompts)
+    ref_info, ref = E.reference(target, prompts, score=True)
     # vLLM's compiled no-speculation engine (compiled as the DDTree engine is, FULL graphs): where DDTree
-    # leaves the eager reference, whether the compiled target's numerics left it there too (recorded)
-    _, compiled = E.reference(target, prompts, graphs=True)
+    # leaves the eager reference, whether the compiled target's numerics left it there too (recorded), and
+    # what it prefers there given the reference's own prefix (teacher-forced, as the eager engine scored it)
+    compiled_info, compiled = E.reference(target, prompts, graphs=True, score=ref)
     with E.running(target, drafter) as (llm, info):
         out = E.ddtree_runs(llm, ref, prompts, state_check=True, control=compiled)
         out["jit"] = _jit_batches(llm, models.token_prompts(max(JIT_BATCHES), 16, models.VOCAB, seed=9))
+    forced = {k: (ref_info["forced"][k], compiled_info["forced"][k]) for k in prompts}
     return {"reference_engine": ref_info, "engine": info, "compiled_vs_eager": E.gates(ref["text"], compiled["text"]),
-            **out}
+            "forced": forced, **out}
 
 
 def test_hybrid_lossless_with_full_graphs(hybrid, record):
@@ -74,7 +76,10 @@ def test_hybrid_lossless_with_full_graphs(hybrid, record):
            cudagraph_mode=hybrid["engine"].get("cudagraph_mode"),
            compiled_no_spec={"vs_eager": first(hybrid["compiled_vs_eager"]),
                              **{f"ddtree_{d}_vs_it": first(text[f"control_{d}"]) for d in ("random", "harness")
-                                if f"control_{d}" in text}})
+                                if f"control_{d}" in text},
+                             # at each DDTree divergence from eager: both engines' top 2 on the eager prefix
+                             **{f"ddtree_{d}_at_divergence": E.at_divergences(text[f"gates_{d}"], *hybrid["forced"]["text"])
+                                for d in ("random", "harness") if f"gates_{d}" in text}})
     assert ".gpu_model_runner." in hybrid["engine"].get("runner", ""), hybrid["engine"]  # V1 (V2: gpu.model_runner)
     assert "FULL" in hybrid["engine"]["cudagraph_mode"], hybrid["engine"]
     E.check_lossless(hybrid, ["text"], record=record)
