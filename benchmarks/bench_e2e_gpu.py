@@ -324,6 +324,8 @@ def main(argv=None) -> int:
     if args.devices and any(len(g.split("+")) != args.tensor_parallel_size for g in args.devices.split(",")):
         ap.error(f"--devices {args.devices!r}: each engine needs --tensor-parallel-size "
                  f"({args.tensor_parallel_size}) GPUs, joined by '+' (e.g. '0+1,2+3' for 2)")
+    if args.cost_table == "precompile" and "auto" not in dict(speculative_modes(args)).values():
+        ap.error("--cost-table precompile: no budget \"auto\" mode in --modes (auto or autochain) to give it to")
     if args.tensor_parallel_size > 1:
         if args.gpu_profile:
             ap.error("--gpu-profile: not with --tensor-parallel-size > 1 (the kernels run in the rank processes, "

@@ -35,6 +35,8 @@ def test_the_cost_table_reaches_auto_engines_only_and_precompile_times_the_auto_
     want = E.engine_kwargs(tmp_path / "m", _args(op_swap="trace"), 4, *E.spec_of("auto", _args(), tmp_path / "d"))
     assert not {"model", "max_num_seqs", "speculative_config"} & set(kw) and "ddtree" not in kw["additional_config"]
     assert kw["max_model_len"] == want["max_model_len"] and kw["enforce_eager"] == want["enforce_eager"]
+    with pytest.raises(SystemExit):  # nothing to give a table to
+        bench.main(["--target", "tiny", "--modes", "flat", "--cost-table", "precompile", "--out", str(tmp_path / "x")])
 
 
 @pytest.mark.slow  # (two vLLM engines on CPU, one in a child process)

@@ -136,7 +136,10 @@ def reference(target, prompts: dict, graphs: bool = False, score: bool | dict = 
     with running(target, graphs=graphs, **kw) as (llm, info):
         outs = {k: generate(llm, p, logprobs=5) for k, p in prompts.items()}
         if score:
-            info["forced"] = {k: forced_top(llm, (outs if score is True else score)[k]) for k in prompts}
+            try:  # a record only: a vLLM that refuses prompt_logprobs here leaves the reference as it was
+                info["forced"] = {k: forced_top(llm, (outs if score is True else score)[k]) for k in prompts}
+            except Exception as e:  # noqa: BLE001
+                info["forced_error"] = repr(e)[:300]
         return info, outs
 
 
@@ -147,6 +150,8 @@ def at_divergences(report: list[dict], eager: dict, compiled: dict) -> list[dict
     def top(row):
         return [[t, round(lp, 4)] for t, lp in row.items()]
 
+    if eager is None or compiled is None:
+        return []
     return [None if g["divergence"] is None else
             {"at": g["divergence"], "got": g.get("got"), "want": g.get("want"),
              "eager_forced": top(eager[i][g["divergence"]]), "compiled_forced": top(compiled[i][g["divergence"]])}

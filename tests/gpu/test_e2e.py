@@ -62,9 +62,9 @@ def hybrid(gpu_env, tmp_path_factory):
     with E.running(target, drafter) as (llm, info):
         out = E.ddtree_runs(llm, ref, prompts, state_check=True, control=compiled)
         out["jit"] = _jit_batches(llm, models.token_prompts(max(JIT_BATCHES), 16, models.VOCAB, seed=9))
-    forced = {k: (ref_info["forced"][k], compiled_info["forced"][k]) for k in prompts}
+    forced = {k: tuple(i.get("forced", {}).get(k) for i in (ref_info, compiled_info)) for k in prompts}
     return {"reference_engine": ref_info, "engine": info, "compiled_vs_eager": E.gates(ref["text"], compiled["text"]),
-            "forced": forced, **out}
+            "forced": forced, "forced_error": ref_info.get("forced_error") or compiled_info.get("forced_error"), **out}
 
 
 def test_hybrid_lossless_with_full_graphs(hybrid, record):
@@ -79,7 +79,8 @@ def test_hybrid_lossless_with_full_graphs(hybrid, record):
                                 if f"control_{d}" in text},
                              # at each DDTree divergence from eager: both engines' top 2 on the eager prefix
                              **{f"ddtree_{d}_at_divergence": E.at_divergences(text[f"gates_{d}"], *hybrid["forced"]["text"])
-                                for d in ("random", "harness") if f"gates_{d}" in text}})
+                                for d in ("random", "harness") if f"gates_{d}" in text},
+                             "forced_error": hybrid["forced_error"]})
     assert ".gpu_model_runner." in hybrid["engine"].get("runner", ""), hybrid["engine"]  # V1 (V2: gpu.model_runner)
     assert "FULL" in hybrid["engine"]["cudagraph_mode"], hybrid["engine"]
     E.check_lossless(hybrid, ["text"], record=record)
