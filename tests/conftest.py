@@ -35,7 +35,6 @@ LONGEST_FIRST = (
     "test_bench_serve.py",  # 118
     "test_tree_gdn.py",  # 103
     "test_partial_drafts.py",  # 77
-    "test_precompile_v2_cpu.py",  # 70 (one process alone)
     "test_auto_budget_engine.py",  # 62
     "test_e2e_compiled.py",  # 61
     "test_e2e_mrope.py",  # 57

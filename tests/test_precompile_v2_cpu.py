@@ -23,7 +23,7 @@ with tempfile.TemporaryDirectory() as tmp:
                                                layer_types=["sliding_attention", "full_attention"])
     kw = models.tiny_llm_kwargs(target, enforce_eager=True, dtype="float32")
     kw.pop("model"), kw.pop("max_num_seqs")
-    table = precompile.run(target, drafter, [], 2, top_k=3, draft_len=4, max_tokens=8, out=root / "t.json",
+    table = precompile.run(target, drafter, [], 2, top_k=3, draft_len=4, max_tokens=4, out=root / "t.json",
                            llm_kwargs=kw, menu=[3, 8])
 print("RESULT " + json.dumps(table))
 """
