@@ -93,12 +93,20 @@ def test_a_smaller_bucket_can_need_more_scratch(monkeypatch):
     `verify_slots`), not only the largest bucket's: fewer query rows split the keys more. On an H100
     (132 SMs) at the 4B shape, 4 trees of 17 slots need more partials than 4 trees of 33; sized for 33
     alone, budget "auto" 8/16/32 at max_num_seqs 4 failed check_scratch at its FULL-graph capture."""
+    from ddtree_compile.integration import config
+    from ddtree_compile.integration.round import workspace
     from ddtree_compile.templates import tree_attention as ta
     from ddtree_compile.templates import tuning
 
     monkeypatch.setattr(tuning, "arch_of", lambda device: ("sm_90", 132))
     elems = {n: ta.bucket_scratch_elems("cuda", 4, n, 16, 4, 256) for n in (9, 16, 17, 33)}
     assert elems[17] > elems[33] > 0 and elems[33] == 2171136 and elems[17] == 2236928
+    # the engine's scratch at max_num_seqs 4 over that menu's verifies (8/16/32 and the chain of 15)
+    slots = workspace.verify_slots(config.parse({"ddtree": {"budget": "auto", "auto_budget": [8, 16, 32]}}), 15)
+    assert slots == (9, 16, 17, 33)
+    every = {(r, n): ta.bucket_scratch_elems("cuda", r, n, 16, 4, 256) for r in range(1, 5) for n in slots}
+    largest_only = max(v for (_, n), v in every.items() if n == 33)  # what it was sized for before
+    assert workspace.scratch_elems("cuda", 4, slots, {(16, 4, 256)}) == max(every.values()) > largest_only
 
 
 def test_plan_other_arches_use_their_table():

@@ -61,7 +61,13 @@ def attention_scratch_elems(view, attn_layers, R: int, slots) -> int:
         return 0
     A = adapters.current()
     heads = {(p.num_heads, p.num_kv_heads, p.head_size) for p in map(A.attention_params, map(view.layer, attn_layers))}
-    return max(tree_attention.bucket_scratch_elems(view.device, r, n, *h)
+    return scratch_elems(view.device, R, slots, heads)
+
+
+def scratch_elems(device, R: int, slots, heads) -> int:
+    """The most any batch of 1..R trees of any of `slots` slot counts needs, over `heads` {(query heads,
+    KV heads, head size)} (templates/tree_attention.py bucket_scratch_elems)."""
+    return max(tree_attention.bucket_scratch_elems(device, r, n, *h)
                for r in range(1, R + 1) for n in slots for h in heads)
 
 
