@@ -129,8 +129,9 @@ def commit() -> str:
     return "unknown"
 
 
-# switches the tests ran under: the kernels' launch plans (templates/tuning.py), DDTree engines' op swap (_engines.py)
-TUNING_ENV = ("DDTREE_GDN_TILES", "DDTREE_GPU_OP_SWAP")
+# switches the tests ran under: the kernels' launch plans (templates/tuning.py), DDTree engines' op swap and
+# the eager bisection switch (_engines.py)
+TUNING_ENV = ("DDTREE_GDN_TILES", "DDTREE_GPU_OP_SWAP", "DDTREE_GPU_DDTREE_EAGER")
 
 
 def _machine() -> dict:
