@@ -122,7 +122,8 @@ def precompile(args, target, drafter, cuda: bool, log: pathlib.Path) -> dict:
     rows (kind, budget, batch, ms per round)."""
     from ddtree_compile.integration.round.auto_setup import cost_table_path
 
-    env = {**os.environ, **engine_env(args, cuda, device_of(args, "auto"))}
+    # (in process: precompile drives the engine's runner itself)
+    env = {**os.environ, **engine_env(args, cuda, device_of(args, "auto")), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     t0 = time.perf_counter()
     with open(log, "w") as f:
         done = subprocess.run(precompile_command(args, target, drafter, cuda), env=env, stdout=f,
