@@ -164,13 +164,13 @@ def _states(ctx) -> list:
 
 def record_states(ctx, kv_cache_config, forward_context, copy_funcs, block_tables) -> None:
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
-    from vllm.v1.worker.mamba_utils import _get_mamba_spec_for_layer
 
     states = []
     for g, gid in enumerate(ctx.mamba_group_ids):
         group = kv_cache_config.kv_cache_groups[gid]
         for name in group.layer_names:
-            funcs = copy_funcs[_get_mamba_spec_for_layer(group, name).mamba_type]
+            spec = group.kv_cache_spec  # (a group of several spec types keeps each layer's: UniformTypeKVCacheSpecs)
+            funcs = copy_funcs[getattr(spec, "kv_cache_specs", {}).get(name, spec).mamba_type]
             for i, f in enumerate(funcs):
                 states.append((forward_context[name].kv_cache[i], f is get_conv_copy_spec, g))
     assert [t.data_ptr() for t, _, _ in states] == [a % (1 << 64) for a in ctx.state_base_addrs.tolist()]
