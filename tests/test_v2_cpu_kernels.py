@@ -44,7 +44,8 @@ with tempfile.TemporaryDirectory() as tmp:
     # tokens, whose last prefill chunk ends on the boundary inside its running block
     cpu_choices.force_kind(os.environ.get(cpu_choices.ENV_KIND) or "avx512_bf16")
     spec = config.vllm_kwargs(drafter, budget=8, top_k=3, num_speculative_tokens=4)
-    pc = dict(kw, mamba_ssm_cache_dtype="auto", enable_prefix_caching=True)
+    # (a 32 MiB cache: the check clones every state tensor, views of the whole cache, around each call)
+    pc = dict(kw, mamba_ssm_cache_dtype="auto", enable_prefix_caching=True, kv_cache_memory_bytes=32 << 20)
     with e2e.engine(**models.tiny_llm_kwargs(target, **pc, **spec)) as llm:
         B = engines.find_runner(llm).vllm_config.cache_config.mamba_block_size
         prompts = [models.token_prompts(1, n, models.VOCAB - 8, seed=9 + n)[0] for n in (B - 6, B)]
