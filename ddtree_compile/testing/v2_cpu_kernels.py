@@ -157,13 +157,9 @@ def prepare_dflash_inputs(input_buffers, query_slot_mapping, context_positions, 
 # The align state copies (vllm/v1/worker/mamba_utils.py, MambaSpecDecodeGPUContext)
 
 
-def _states(ctx) -> list:
-    """ctx's state tensors in its metadata's order, (tensor, is_conv, group), as its _populate_metadata
-    walks them; recorded by the initialize wrapper (install), each checked against the context's address."""
-    return ctx._ddtree_states
-
-
 def record_states(ctx, kv_cache_config, forward_context, copy_funcs, block_tables) -> None:
+    """Keep on ctx its state tensors in its metadata's order, (tensor, is_conv, group), as its
+    _populate_metadata walks them (each checked against the context's address), and its block tables."""
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec
 
     states = []
@@ -185,7 +181,7 @@ def _copy_state_block(ctx, row: int, src_col: int, dst_col: int, bias: int) -> N
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     dim_first = is_conv_state_dim_first()
-    for state, is_conv, g in _states(ctx):
+    for state, is_conv, g in ctx._ddtree_states:
         table = ctx._ddtree_block_tables[g][row]
         dst = int(table[dst_col])
         if is_conv:
@@ -334,7 +330,7 @@ def install() -> None:
         """vLLM's kernel, then ours from the same start: every state tensor (and the counts a launch
         writes, `extra`) must end equal."""
         def both(self, num_reqs, *args):
-            tensors = [t for t, _, _ in _states(self)] + extra(self, args)
+            tensors = [t for t, _, _ in self._ddtree_states] + extra(self, args)
             start = [t.clone() for t in tensors]
             theirs(self, num_reqs, *args)
             theirs_end = [t.clone() for t in tensors]
